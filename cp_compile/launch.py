@@ -1,0 +1,152 @@
+"""A pool of local ranks (one process each, gloo on CPU) that stays alive.
+
+Spawning a process and importing torch costs seconds, so the demo, the
+benchmarks and the test suite start C workers once and send them functions.
+Each call runs ``fn(*args, **kwargs)`` on every rank with the process group
+already initialised and returns the per-rank results in rank order.
+
+A call that does not finish in time (a rank stuck in a collective) tears the
+pool down and raises ``TimeoutError``; the next call starts a fresh pool. An
+exception on any rank is re-raised here with every failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank -> (type name, message, traceback)."""
+
+    def __init__(self, errors: dict[int, tuple[str, str, str]]):
+        self.errors = errors
+        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, (_, _, tb) in sorted(errors.items()))
+        super().__init__(f"ranks {sorted(errors)} raised:\n{details}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    import cp_compile  # noqa: F401  (register the ops once per worker)
+
+    results.put(("ready", rank, True, None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            results.put((task_id, rank, True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001  (reported to the caller)
+            results.put((task_id, rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` local gloo ranks, reusable across calls."""
+
+    def __init__(self, world_size: int, threads_per_rank: int = 1, pg_timeout: float = 60.0,
+                 start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.threads_per_rank = threads_per_rank
+        self.pg_timeout = pg_timeout
+        self.start_timeout = start_timeout
+        self._ids = itertools.count()
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank, self.pg_timeout),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("ready", self.start_timeout)
+
+    def _collect(self, task_id, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        values: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str, str]] = {}
+        while len(values) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            try:
+                tid, rank, ok, value = self._results.get(timeout=max(0.0, min(remaining, 1.0)))
+            except queue.Empty:
+                if dead or remaining <= 0:
+                    self.close(force=True)
+                    why = f"ranks {dead} died" if dead else f"timed out after {timeout:.0f}s"
+                    done = sorted(set(values) | set(errors))
+                    msg = f"{why}; ranks {done} had finished"
+                    if errors:
+                        raise TimeoutError(f"{msg}. Errors so far:\n{RankError(errors)}")
+                    raise TimeoutError(msg)
+                continue
+            if tid != task_id:
+                continue  # a late answer to a call that already failed
+            if ok:
+                values[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise RankError(errors)
+        return [values[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, timeout: float = 180.0, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; results in rank order."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close(force=True)
+            self._start()
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        return self._collect(task_id, timeout)
+
+    def close(self, force: bool = False) -> None:
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._procs = []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

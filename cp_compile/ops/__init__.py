@@ -1,0 +1,12 @@
+"""The ``cp`` torch.library namespace. Importing this package registers every op."""
+
+from . import block, comm, merge, ring  # noqa: F401  (registration)
+from .block import block_attn, block_attn_backward
+from .comm import count_traffic, ring_shift
+from .merge import merge
+from .ring import ring_attention, ring_backward, ring_forward
+
+__all__ = [
+    "block_attn", "block_attn_backward", "count_traffic", "merge", "ring_attention",
+    "ring_backward", "ring_forward", "ring_shift",
+]

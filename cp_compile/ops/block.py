@@ -1,0 +1,301 @@
+"""Block attention: one (query block, key/value block) tile with a mask kind.
+
+``cp::block_attn(q, k, v, mask, scale) -> (out, lse)`` is the unit every CP
+schedule is built from. ``out`` is normalised over this block's keys only and
+``lse`` (fp32, fp64 for fp64 input) is its log-sum-exp, so partial results
+from several blocks merge exactly (see ``merge.py``).
+
+Mask kinds, for a query block of length Lq against a key block of length Lk:
+
+``none``                 every query sees every key
+``causal``               query i sees keys j <= i (top-left aligned)
+``causal_bottom_right``  query i sees keys j <= i + (Lk - Lq): the query block
+                         ends where the key block ends
+``empty``                nothing is visible: out = 0, lse = -inf, zero grads
+
+The backward takes the *final* out and lse of the whole attention, not this
+block's, so each tile's gradients are exactly its share of the true gradient.
+It also takes an optional gradient for lse (used when a caller returns lse).
+
+Tensors are ``[B, H, L, D]``. GQA (fewer key/value heads than query heads,
+``Hq % Hkv == 0``) is passed straight to kernels that accept it, so repeated
+K/V is never materialised on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+MASK_KINDS = ("none", "causal", "causal_bottom_right", "empty")
+
+aten = torch.ops.aten
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of lse and of every accumulator for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_shape(q: Tensor) -> tuple[int, int, int]:
+    return (q.shape[0], q.shape[1], q.shape[2])
+
+
+def _empty_result(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = torch.full(_lse_shape(q), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------
+# Kernels: one dense tile, causal (top-left) or not.
+# ----------------------------------------------------------------------------
+
+
+def _use_math(q: Tensor) -> bool:
+    return q.device.type not in ("cpu", "cuda")
+
+
+def _cuda_use_flash(q: Tensor, k: Tensor) -> bool:
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and q.shape[1] == k.shape[1]
+    )
+
+
+def _repeat_kv(q: Tensor, t: Tensor) -> Tensor:
+    groups = q.shape[1] // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
+    b, hq, length, d = grad.shape
+    if hq == kv_heads:
+        return grad
+    return grad.view(b, kv_heads, hq // kv_heads, length, d).sum(2)
+
+
+def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    """Scores in the accumulator dtype, [B, Hkv, G, Lq, Lk], without repeating K."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    dt = acc_dtype(q.dtype)
+    qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)
+    s = torch.matmul(qg, k.to(dt).unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    b, hq, lq, _ = q.shape
+    s = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p, v.to(s.dtype).unsqueeze(2))
+    return out.reshape(b, hq, lq, v.shape[-1]).to(q.dtype), lse.reshape(b, hq, lq)
+
+
+def _math_probs(q, k, lse, causal, scale):
+    b, hq, lq, _ = q.shape
+    hkv = k.shape[1]
+    s = _math_scores(q, k, causal, scale)
+    return torch.exp(s - lse.to(s.dtype).view(b, hkv, hq // hkv, lq, 1))
+
+
+def _math_bwd(dout, q, k, v, out, lse, causal, scale):
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    dt = acc_dtype(q.dtype)
+    g = hq // hkv
+    p = _math_probs(q, k, lse, causal, scale)
+    do = dout.to(dt).view(b, hkv, g, lq, -1)
+    dp = torch.matmul(do, v.to(dt).unsqueeze(2).transpose(-1, -2))
+    delta = (do * out.to(dt).view(b, hkv, g, lq, -1)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, g, lq, d)).sum(2)
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(acc_dtype(q.dtype))
+    if q.device.type == "cuda":
+        if _cuda_use_flash(q, k):
+            res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return res[0], res[1]
+        kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
+        res = aten._scaled_dot_product_efficient_attention(q, kr, vr, None, True, 0.0, causal, scale=scale)
+        return res[0], res[1][..., : q.shape[2]].to(acc_dtype(q.dtype))
+    return _math_fwd(q, k, v, causal, scale)
+
+
+def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    if q.device.type == "cuda":
+        if _cuda_use_flash(q, k):
+            lq, lk = q.shape[2], k.shape[2]
+            empty = torch.empty(0, dtype=torch.int64, device=q.device)
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            return aten._scaled_dot_product_flash_attention_backward(
+                dout.contiguous(), q, k, v, out, lse.float(), empty, empty, lq, lk, 0.0, causal,
+                seed, seed, scale=scale,
+            )
+        kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout.contiguous(), q, kr, vr, None, out, lse.float().contiguous(), seed, seed, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )
+        return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
+    return _math_bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+def _lse_grad(dlse, q, k, lse, causal, scale):
+    """Gradients of lse alone: d lse_i / d s_ij = p_ij. Dense, so only used when
+    a caller really differentiates lse."""
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    dt = acc_dtype(q.dtype)
+    p = _math_probs(q, k, lse, causal, scale)
+    ds = p * dlse.to(dt).view(b, hkv, hq // hkv, lq, 1) * scale
+    dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, hq // hkv, lq, d)).sum(2)
+    return dq, dk
+
+
+# ----------------------------------------------------------------------------
+# Mask kinds as compositions of dense tiles.
+# ----------------------------------------------------------------------------
+
+
+def _pieces(lq: int, lk: int, mask: str):
+    """Split a block into dense tiles: (q rows, k cols, causal) triples.
+
+    Bottom-right causal is a fully visible key prefix plus a top-left causal
+    square, so the fused kernels (which only know top-left) serve it exactly.
+    """
+    if mask == "empty" or lq == 0 or lk == 0:
+        return []
+    if mask == "none":
+        return [(slice(0, lq), slice(0, lk), False)]
+    if mask == "causal":
+        return [(slice(0, lq), slice(0, lk), True)]
+    # causal_bottom_right
+    if lq <= lk:
+        off = lk - lq
+        tiles = [(slice(0, lq), slice(off, lk), True)]
+        if off:
+            tiles.insert(0, (slice(0, lq), slice(0, off), False))
+        return tiles
+    # more queries than keys: the first lq - lk rows see nothing
+    return [(slice(lq - lk, lq), slice(0, lk), True)]
+
+
+def _merge_into(out, lse, part_out, part_lse, rows):
+    from .merge import merge_partial
+
+    new_out, new_lse = merge_partial(out[:, :, rows].to(lse.dtype), lse[:, :, rows], part_out, part_lse)
+    out[:, :, rows] = new_out.to(out.dtype)
+    lse[:, :, rows] = new_lse
+
+
+def block_attn_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) -> tuple[Tensor, Tensor]:
+    tiles = _pieces(q.shape[2], k.shape[2], mask)
+    if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[2]):
+        _, cols, causal = tiles[0]
+        return _tile_fwd(q, k[:, :, cols], v[:, :, cols], causal, scale)
+    out, lse = _empty_result(q, v)
+    for rows, cols, causal in tiles:
+        part_out, part_lse = _tile_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        _merge_into(out, lse, part_out, part_lse, rows)
+    return out, lse
+
+
+def block_attn_backward_impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: str, scale: float, dlse: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, causal in _pieces(q.shape[2], k.shape[2], mask):
+        args = (q[:, :, rows], k[:, :, cols], v[:, :, cols])
+        tq, tk, tv = _tile_bwd(dout[:, :, rows], *args, out[:, :, rows], lse[:, :, rows].contiguous(), causal, scale)
+        if dlse is not None:
+            eq, ek = _lse_grad(dlse[:, :, rows], args[0], args[1], lse[:, :, rows], causal, scale)
+            tq, tk = (tq + eq).to(q.dtype), (tk + ek).to(k.dtype)
+        dq[:, :, rows] += tq
+        dk[:, :, cols] += tk
+        dv[:, :, cols] += tv
+    return dq, dk, dv
+
+
+def check_block_args(q: Tensor, k: Tensor, v: Tensor, mask: str) -> None:
+    if mask not in MASK_KINDS:
+        raise ValueError(f"unknown mask kind {mask!r}; expected one of {MASK_KINDS}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, L, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+# ----------------------------------------------------------------------------
+# The custom ops.
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cp::block_attn", mutates_args=())
+def block_attn(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) -> tuple[Tensor, Tensor]:
+    check_block_args(q, k, v, mask)
+    out, lse = block_attn_impl(q, k, v, mask, scale)
+    # Custom ops may not return views of inputs or of each other.
+    return out.contiguous(), lse.contiguous()
+
+
+@block_attn.register_fake
+def _(q, k, v, mask, scale):
+    check_block_args(q, k, v, mask)
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(_lse_shape(q), dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::block_attn_backward", mutates_args=())
+def block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: str, scale: float, dlse: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
+
+
+@block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, mask, scale, dlse=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _block_setup(ctx, inputs, output):
+    q, k, v, mask, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mask, ctx.scale = mask, scale
+
+
+def _block_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = block_attn_backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, dlse)
+    return dq, dk, dv, None, None
+
+
+block_attn.register_autograd(_block_backward, setup_context=_block_setup)

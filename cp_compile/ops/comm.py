@@ -1,0 +1,190 @@
+"""Communication ops for CP schedules.
+
+``cp::ring_shift`` starts an asynchronous shift of tensors around the ring and
+returns the receive buffers; ``torch.ops._c10d_functional.wait_tensor`` on a
+buffer completes it, exactly as for a functional collective. The op reads the
+rank and the peers from the group at run time: a compiled graph holds only the
+group name and the shift, so its code is the same on every rank. (The stock
+functional p2p ops take the peer as a constant, which would bake the rank into
+the graph.)
+
+``cp::agree`` makes every rank check every rank's q/k/v shapes and options
+before the first transfer, so a mismatch raises the same error everywhere
+instead of leaving some ranks waiting in a collective.
+
+Both talk to other ranks, so both are registered side-effectful: the compiler
+must never drop or duplicate them on one rank only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import PythonCallbackWork, _register_work
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(group_name)
+
+
+# ----------------------------------------------------------------------------
+# Traffic accounting: what this process really sent, eager or compiled.
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    shifts: int = 0  # ring_shift calls
+    tensors_sent: int = 0
+    bytes_sent: int = 0
+    by_tag: dict = field(default_factory=dict)  # tag -> number of shifts
+
+
+_active_traffic: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def count_traffic():
+    """Count ring transfers issued by this process inside the block."""
+    traffic = Traffic()
+    _active_traffic.append(traffic)
+    try:
+        yield traffic
+    finally:
+        _active_traffic.remove(traffic)
+
+
+def _record(tensors: list[Tensor], tag: int) -> None:
+    for t in _active_traffic:
+        t.shifts += 1
+        t.tensors_sent += len(tensors)
+        t.bytes_sent += sum(x.numel() * x.element_size() for x in tensors)
+        t.by_tag[tag] = t.by_tag.get(tag, 0) + 1
+
+
+# Tags keep concurrently travelling streams apart (K/V vs dK/dV in backward).
+TAG_KV = 0
+TAG_DKV = 1
+_MAX_TENSORS_PER_SHIFT = 64
+
+
+def _wire_tag(tag: int, index: int) -> int:
+    if index >= _MAX_TENSORS_PER_SHIFT:
+        raise ValueError(f"ring_shift moves at most {_MAX_TENSORS_PER_SHIFT} tensors at once")
+    return tag * _MAX_TENSORS_PER_SHIFT + index
+
+
+@torch.library.custom_op("cp::ring_shift", mutates_args=())
+def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> list[Tensor]:
+    """Send ``tensors`` to rank + shift, receive the same shapes from rank - shift.
+
+    Returns the receive buffers at once; wait on each with
+    ``torch.ops._c10d_functional.wait_tensor`` before reading it. The wait
+    also covers the sends, so a sent tensor may be freed or reused after it.
+    """
+    group = resolve_group(group_name)
+    size, rank = group.size(), group.rank()
+    dst = dist.get_global_rank(group, (rank + shift) % size)
+    src = dist.get_global_rank(group, (rank - shift) % size)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    works = []
+    for i, (t, buf) in enumerate(zip(tensors, received)):
+        # gloo stalls on two in-flight messages with one (peer, tag): one tag per tensor
+        works.append(dist.isend(t.contiguous(), dst, group=group, tag=_wire_tag(tag, i)))
+        works.append(dist.irecv(buf, src, group=group, tag=_wire_tag(tag, i)))
+    _record(tensors, tag)
+
+    def wait_all(timeout=None):
+        # every buffer shares this work, and a gloo work waited twice blocks forever
+        while works:
+            works.pop(0).wait()
+        return True
+
+    # One work per buffer: the functional wait_tensor looks buffers up by storage.
+    done = PythonCallbackWork(wait_all)
+    for buf in received:
+        _register_work(buf, done)
+    return received
+
+
+@ring_shift.register_fake
+def _(tensors, group_name, shift, tag):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+
+
+def wait(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.ops._c10d_functional.wait_tensor(t) for t in tensors]
+
+
+# ----------------------------------------------------------------------------
+# Cross-rank agreement on the arguments of one attention call.
+# ----------------------------------------------------------------------------
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+_DESC_LEN = 3 * 5 + 3  # per tensor: ndim + 4 dims; then dtype, device, options crc
+
+
+def _describe(tensors: list[Tensor], options: str) -> list[int]:
+    desc: list[int] = []
+    for t in tensors:
+        dims = list(t.shape)[:4]
+        desc += [t.dim()] + dims + [-1] * (4 - len(dims))
+    dtype = tensors[0].dtype
+    desc.append(_DTYPES.index(dtype) if dtype in _DTYPES else -1)
+    desc.append(0 if tensors[0].device.type == "cpu" else 1)
+    desc.append(zlib.crc32(options.encode()))
+    return desc
+
+
+def _fmt(row: list[int]) -> str:
+    shapes = []
+    for i in range(3):
+        ndim, dims = row[5 * i], row[5 * i + 1 : 5 * i + 1 + min(max(row[5 * i], 0), 4)]
+        shapes.append(str(tuple(dims)) if ndim <= 4 else f"<{ndim}-D>")
+    dtype = _DTYPES[row[15]] if 0 <= row[15] < len(_DTYPES) else "unsupported dtype"
+    return f"q{shapes[0]} k{shapes[1]} v{shapes[2]} {dtype}"
+
+
+def check_agreement(rows: list[list[int]], what: str) -> None:
+    """Raise the same error on every rank if the ranks' descriptors differ.
+
+    Every rank runs this on the same gathered data, so every rank reaches the
+    same verdict and the same message.
+    """
+    first = rows[0]
+    bad = [r for r, row in enumerate(rows) if row != first]
+    if not bad:
+        return
+    detail = "; ".join(f"rank {r}: {_fmt(row)}" for r, row in enumerate(rows))
+    if any(row[17] != first[17] for row in rows):
+        detail += "; the ranks also passed different options"
+    if any(row[16] != first[16] for row in rows):
+        detail += "; the ranks hold tensors on different device types"
+    raise ValueError(f"{what}: ranks disagree on their inputs ({detail}). Every rank must pass the same shapes, dtype and options.")
+
+
+@torch.library.custom_op("cp::agree", mutates_args=())
+def agree(q: Tensor, k: Tensor, v: Tensor, group_name: str, options: str) -> None:
+    """All-gather a small descriptor of (q, k, v, options); raise if ranks differ."""
+    group = resolve_group(group_name)
+    device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor(_describe([q, k, v], options), dtype=torch.int64, device=device)
+    everyone = torch.empty(group.size() * _DESC_LEN, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(group.size(), _DESC_LEN).tolist()
+    check_agreement(rows, "cp_compile attention")
+
+
+@agree.register_fake
+def _(q, k, v, group_name, options):
+    return None
+
+
+for _op in (torch.ops.cp.ring_shift.default, torch.ops.cp.agree.default):
+    torch.fx.node.has_side_effect(_op)

@@ -1,0 +1,73 @@
+"""The online-softmax merge of two partial attention results.
+
+Each partial ``out`` is normalised over its own keys and carries its ``lse``.
+Merged: ``lse = logaddexp(lse_a, lse_b)`` and
+``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``.
+Accumulators are fp32 (fp64 for fp64 input) whatever the input dtype, so
+low-precision error does not grow with the number of merged blocks.
+
+A row where both sides are -inf (it sees no key yet) stays out = 0,
+lse = -inf: the weights are computed against a finite stand-in for the
+maximum, so exp never sees ``-inf - (-inf)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .block import acc_dtype
+
+
+def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    dt = acc_lse.dtype
+    lse = lse.to(dt)
+    new_lse = torch.logaddexp(acc_lse, lse)
+    # rows that see nothing on either side: keep -inf but weigh against 0
+    w_acc, w_new = _weights(acc_lse, lse, new_lse)
+    new_out = acc_out.to(dt) * w_acc.unsqueeze(-1) + out.to(dt) * w_new.unsqueeze(-1)
+    return new_out, new_lse
+
+
+@torch.library.custom_op("cp::merge", mutates_args=())
+def merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge partial (out, lse) into the accumulator; returns fp32 (fp64) results."""
+    return merge_partial(acc_out, acc_lse, out, lse)
+
+
+@merge.register_fake
+def _(acc_out, acc_lse, out, lse):
+    dt = acc_lse.dtype
+    return acc_out.new_empty(acc_out.shape, dtype=dt), acc_lse.new_empty(acc_lse.shape)
+
+
+def _weights(acc_lse: Tensor, lse: Tensor, new_lse: Tensor) -> tuple[Tensor, Tensor]:
+    pivot = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    return torch.exp(acc_lse - pivot), torch.exp(lse.to(acc_lse.dtype) - pivot)
+
+
+def _merge_setup(ctx, inputs, output):
+    acc_out, acc_lse, out, lse = inputs
+    ctx.save_for_backward(acc_out, acc_lse, out, lse, *output)
+    ctx.dtypes = [t.dtype for t in inputs]
+
+
+def _merge_backward(ctx, d_out, d_lse):
+    # d new_out / d lse_a = w_a * (out_a - new_out); d new_lse / d lse_a = w_a.
+    acc_out, acc_lse, out, lse, new_out, new_lse = ctx.saved_tensors
+    w_acc, w_new = _weights(acc_lse, lse, new_lse)
+    d_out = torch.zeros_like(new_out) if d_out is None else d_out
+    d_lse = torch.zeros_like(new_lse) if d_lse is None else d_lse
+    g_acc_lse = w_acc * (d_lse + (d_out * (acc_out.to(new_out.dtype) - new_out)).sum(-1))
+    g_lse = w_new * (d_lse + (d_out * (out.to(new_out.dtype) - new_out)).sum(-1))
+    grads = (d_out * w_acc.unsqueeze(-1), g_acc_lse, d_out * w_new.unsqueeze(-1), g_lse)
+    return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+
+
+merge.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+def start_accumulator(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The first partial result as an accumulator (fp32 / fp64)."""
+    dt = acc_dtype(out.dtype)
+    return out.to(dt), lse.to(dt)

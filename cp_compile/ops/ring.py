@@ -1,0 +1,303 @@
+"""Ring attention: K/V travel around the ring, each rank attends its Q to every block.
+
+The schedule is written once, below, as plain Python over custom ops
+(``cp::ring_shift`` + ``wait_tensor`` for transfers, ``cp::ring_block_attn`` for
+compute, ``cp::merge`` for the online softmax). The eager op runs it directly;
+the compiler traces the very same functions into the graph.
+
+Which part of a step's tile is visible depends on the rank and on which rank's
+K/V arrived; ``cp::ring_block_attn`` reads both at run time, so a traced
+schedule holds the step number but never the rank.
+
+Zigzag layout (rank r holds global chunks r and 2C-1-r), causal, step i, K/V
+of rank j = (r - i) mod C:
+
+- i = 0       (j == r): local causal attention over both halves;
+- j < r:      all of Q against the first K/V half, no mask;
+- j > r:      the second Q half against all of K/V, no mask.
+
+Every step thus costs the same half-size work on every rank. The contiguous
+layout (rank r holds chunk r) is supported; under causality it leaves rank 0
+idle for most steps. Non-causal attention is full Q against full K/V.
+
+Memory: the forward holds the current and the incoming K/V and one fp32
+accumulator whatever C is; the backward holds K/V twice, the travelling fp32
+dK/dV twice and an fp32 dQ accumulator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .block import acc_dtype, block_attn_backward_impl, block_attn_impl, check_block_args
+from .comm import TAG_DKV, TAG_KV, resolve_group, wait
+from .merge import start_accumulator
+
+LAYOUTS = ("zigzag", "contiguous")
+
+# ----------------------------------------------------------------------------
+# Sections: which part of the (local Q, arriving K/V) tile a step computes.
+# ----------------------------------------------------------------------------
+
+FULL, DIAGONAL, KV_FIRST_HALF, Q_SECOND_HALF, SKIP = "full", "diagonal", "kv_first_half", "q_second_half", "skip"
+
+
+def ring_section(is_causal: bool, layout: str, rank: int, source: int) -> str:
+    """The part of the tile rank ``rank`` computes against K/V from ``source``."""
+    if not is_causal:
+        return FULL
+    if source == rank:
+        return DIAGONAL
+    if layout == "zigzag":
+        return KV_FIRST_HALF if source < rank else Q_SECOND_HALF
+    return FULL if source < rank else SKIP
+
+
+def _section_at(step: int, group_name: str, is_causal: bool, layout: str) -> str:
+    group = resolve_group(group_name)
+    rank, size = group.rank(), group.size()
+    return ring_section(is_causal, layout, rank, (rank - step) % size)
+
+
+def _halves(length: int) -> tuple[slice, slice]:
+    return slice(0, length // 2), slice(length // 2, length)
+
+
+def section_attn(q: Tensor, k: Tensor, v: Tensor, section: str, scale: float) -> tuple[Tensor, Tensor]:
+    """Full-size (out, lse) for one section; rows it does not touch are out=0, lse=-inf."""
+    if section in (FULL, DIAGONAL):
+        return block_attn_impl(q, k, v, "causal" if section == DIAGONAL else "none", scale)
+    if section == KV_FIRST_HALF:
+        first, _ = _halves(k.shape[2])
+        return block_attn_impl(q, k[:, :, first], v[:, :, first], "none", scale)
+    out, lse = block_attn_impl(q, k, v, "empty", scale)
+    if section == Q_SECOND_HALF:
+        _, second = _halves(q.shape[2])
+        out[:, :, second], lse[:, :, second] = block_attn_impl(q[:, :, second], k, v, "none", scale)
+    return out, lse
+
+
+def section_attn_backward(dout, q, k, v, out, lse, dlse, section: str, scale: float):
+    """Full-size (dq, dk, dv) of one section, given the final out and lse."""
+    if section in (FULL, DIAGONAL):
+        mask = "causal" if section == DIAGONAL else "none"
+        return block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if section == KV_FIRST_HALF:
+        first, _ = _halves(k.shape[2])
+        dq, dk[:, :, first], dv[:, :, first] = block_attn_backward_impl(
+            dout, q, k[:, :, first], v[:, :, first], out, lse, "none", scale, dlse
+        )
+    elif section == Q_SECOND_HALF:
+        _, rows = _halves(q.shape[2])
+        dq[:, :, rows], dk, dv = block_attn_backward_impl(
+            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows].contiguous(), "none", scale,
+            None if dlse is None else dlse[:, :, rows],
+        )
+    return dq, dk, dv
+
+
+@torch.library.custom_op("cp::ring_block_attn", mutates_args=())
+def ring_block_attn(
+    q: Tensor, k: Tensor, v: Tensor, step: int, group_name: str, is_causal: bool, layout: str, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One ring step's attention, its section chosen from this rank at run time."""
+    return section_attn(q, k, v, _section_at(step, group_name, is_causal, layout), scale)
+
+
+@ring_block_attn.register_fake
+def _(q, k, v, step, group_name, is_causal, layout, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::ring_block_attn_backward", mutates_args=())
+def ring_block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    step: int, group_name: str, is_causal: bool, layout: str, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    section = _section_at(step, group_name, is_causal, layout)
+    return section_attn_backward(dout, q, k, v, out, lse, dlse, section, scale)
+
+
+@ring_block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, step, group_name, is_causal, layout, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ----------------------------------------------------------------------------
+# The schedule (one definition, eager and compiled).
+# ----------------------------------------------------------------------------
+
+
+def _options(is_causal: bool, layout: str, scale: float, enable_gqa: bool) -> str:
+    return f"ring causal={is_causal} layout={layout} scale={scale!r} gqa={enable_gqa}"
+
+
+def check_ring_args(q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str, enable_gqa: bool):
+    """Local checks; identical inputs on every rank give identical verdicts."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    check_block_args(q, k, v, "none")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+    if is_causal and layout == "zigzag" and world_size > 1 and q.shape[2] % 2:
+        raise ValueError(
+            f"zigzag layout holds two equal chunks per rank, but the local length {q.shape[2]} is odd; "
+            "shard with ContextParallel.shard so the sequence splits into 2*C chunks"
+        )
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, group_name: str, world_size: int,
+    is_causal: bool, layout: str, scale: float, enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    ops = torch.ops.cp
+    if world_size > 1:
+        ops.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa))
+    check_ring_args(q, k, v, world_size, is_causal, layout, enable_gqa)
+    kv = [k, v]
+    acc = None
+    for step in range(world_size):
+        # next step's K/V is on the wire while this step computes
+        incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
+        out, lse = ops.ring_block_attn(q, kv[0], kv[1], step, group_name, is_causal, layout, scale)
+        acc = start_accumulator(out, lse) if acc is None else ops.merge(acc[0], acc[1], out, lse)
+        if incoming is not None:
+            kv = wait(incoming)
+    out, lse = acc
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], *,
+    group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """K/V go around the ring again; each block's dK/dV accumulated so far rides
+    along with it and, after C steps, arrives back at its owner."""
+    ops = torch.ops.cp
+    dt = acc_dtype(q.dtype)
+    kv = [k, v]
+    dq = dkv = dkv_incoming = None
+    for step in range(world_size):
+        kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
+        dq_i, dk_i, dv_i = ops.ring_block_attn_backward(
+            dout, q, kv[0], kv[1], out, lse, dlse, step, group_name, is_causal, layout, scale
+        )
+        dq = dq_i.to(dt) if dq is None else dq + dq_i
+        if dkv_incoming is None:
+            dkv = [dk_i.to(dt), dv_i.to(dt)]
+        else:
+            dk_acc, dv_acc = wait(dkv_incoming)
+            dkv = [dk_acc + dk_i, dv_acc + dv_i]
+        if world_size > 1:
+            dkv_incoming = ops.ring_shift(dkv, group_name, 1, TAG_DKV)
+        if kv_incoming is not None:
+            kv = wait(kv_incoming)
+    dk, dv = wait(dkv_incoming) if world_size > 1 else dkv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------
+# The ring as one differentiable op.
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cp::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, is_causal: bool, layout: str, scale: float, enable_gqa: bool
+) -> tuple[Tensor, Tensor]:
+    """Attention of this rank's queries over the whole sharded sequence: (out, lse)."""
+    world_size = resolve_group(group_name).size()
+    out, lse = ring_forward(
+        q, k, v, group_name=group_name, world_size=world_size,
+        is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa,
+    )
+    return out, lse
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, group_name, is_causal, layout, scale, enable_gqa):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    group_name: str, is_causal: bool, layout: str, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    world_size = resolve_group(group_name).size()
+    return ring_backward(
+        dout, q, k, v, out, lse, dlse, group_name=group_name, world_size=world_size,
+        is_causal=is_causal, layout=layout, scale=scale,
+    )
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, group_name, is_causal, layout, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = (group_name, is_causal, layout, scale)
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cp.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+for _op in (torch.ops.cp.ring_attention.default, torch.ops.cp.ring_attention_backward.default):
+    torch.fx.node.has_side_effect(_op)
+
+
+# ----------------------------------------------------------------------------
+# Eager API.
+# ----------------------------------------------------------------------------
+
+
+def group_name_of(group) -> str:
+    """Name of a ProcessGroup, a 1-D DeviceMesh, a group name, or None (the default group)."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+    if hasattr(group, "get_group"):  # DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"ring attention needs a 1-D DeviceMesh, got {group.ndim}-D")
+        group = group.get_group()
+    return group.group_name
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
+    enable_gqa: bool = False, layout: str = "zigzag",
+) -> Tensor:
+    """Ring attention over a sequence sharded across ``group``.
+
+    ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards, laid out as
+    ``layout`` says (``ContextParallel.shard`` produces them). ``is_causal``
+    means causal over the whole global sequence. Differentiable.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, _ = ring_attention_op(q, k, v, group_name_of(group), bool(is_causal), layout, scale, bool(enable_gqa))
+    return out

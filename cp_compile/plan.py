@@ -1,0 +1,60 @@
+"""ContextParallel: the group a sequence is sharded over, and how."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import layout as _layout
+from .ops.ring import group_name_of, ring_attention
+
+
+class ContextParallel:
+    """A context-parallel plan over a process group or a 1-D DeviceMesh.
+
+    ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
+    of 2C, balancing causal work) or ``"contiguous"``.
+    """
+
+    def __init__(self, group_or_mesh: Union[dist.ProcessGroup, "torch.distributed.DeviceMesh", None] = None,
+                 load_balance: str = "zigzag"):
+        if not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
+        _layout.check_layout(load_balance)
+        self.group_name = group_name_of(group_or_mesh)
+        self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
+        self.load_balance = load_balance
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
+
+    def shard(self, x: Tensor, seq_dim: int) -> Tensor:
+        """This rank's shard of ``x`` (the full tensor, the same on every rank)."""
+        return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
+
+    def unshard(self, x_local: Tensor, seq_dim: int) -> Tensor:
+        """The full tensor, on every rank, from each rank's shard."""
+        parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
+        dist.all_gather(parts, x_local.contiguous(), group=self.group)
+        return _layout.unshard(parts, seq_dim, self.load_balance)
+
+    def positions(self, seq_len: int, device=None) -> Tensor:
+        """Global positions (LongTensor) of this rank's tokens."""
+        return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
+                  scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+        """Eager CP attention over this plan's group and layout."""
+        return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)

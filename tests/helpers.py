@@ -1,0 +1,32 @@
+"""Reference data and error measures shared by tests (imported inside rank workers too)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_qkv(b, hq, hkv, s, d, dtype=torch.float64, seed=0, dv=None):
+    """Seeded global q, k, v and an output gradient, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, s, dv, generator=g, dtype=torch.float64)
+    do = torch.randn(b, hq, s, dv, generator=g, dtype=torch.float64)
+    return tuple(t.to(dtype) for t in (q, k, v, do))
+
+
+def sdpa_with_grads(q, k, v, do, **kwargs):
+    """Single-device SDPA output and input gradients (in the inputs' dtype)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kwargs)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def max_err(a, b) -> float:
+    diff = (a.double() - b.double()).abs()
+    return diff.max().item() if diff.numel() else 0.0
