@@ -288,6 +288,8 @@ def _block_setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.scale = mask, scale
+    # an unused lse must arrive as None, not zeros: its gradient path is dense
+    ctx.set_materialize_grads(False)
 
 
 def _block_backward(ctx, dout, dlse):

@@ -176,7 +176,7 @@ def agree(q: Tensor, k: Tensor, v: Tensor, group_name: str, options: str) -> Non
     device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     mine = torch.tensor(_describe([q, k, v], options), dtype=torch.int64, device=device)
     everyone = torch.empty(group.size() * _DESC_LEN, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    dist.all_gather_single(everyone, mine, group=group)
     rows = everyone.view(group.size(), _DESC_LEN).tolist()
     check_agreement(rows, "cp_compile attention")
 

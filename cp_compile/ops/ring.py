@@ -107,7 +107,8 @@ def ring_block_attn(
     q: Tensor, k: Tensor, v: Tensor, step: int, group_name: str, is_causal: bool, layout: str, scale: float
 ) -> tuple[Tensor, Tensor]:
     """One ring step's attention, its section chosen from this rank at run time."""
-    return section_attn(q, k, v, _section_at(step, group_name, is_causal, layout), scale)
+    out, lse = section_attn(q, k, v, _section_at(step, group_name, is_causal, layout), scale)
+    return out.contiguous(), lse.contiguous()
 
 
 @ring_block_attn.register_fake
@@ -223,7 +224,7 @@ def ring_attention_op(
         q, k, v, group_name=group_name, world_size=world_size,
         is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa,
     )
-    return out, lse
+    return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
@@ -252,6 +253,8 @@ def _ring_setup(ctx, inputs, output):
     q, k, v, group_name, is_causal, layout, scale, _ = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.options = (group_name, is_causal, layout, scale)
+    # an unused lse must arrive as None, not zeros: its gradient path is dense
+    ctx.set_materialize_grads(False)
 
 
 def _ring_backward(ctx, dout, dlse):
@@ -288,7 +291,7 @@ def group_name_of(group) -> str:
 
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
-    enable_gqa: bool = False, layout: str = "zigzag",
+    enable_gqa: bool = False, layout: str = "zigzag", dropout_p: float = 0.0,
 ) -> Tensor:
     """Ring attention over a sequence sharded across ``group``.
 
@@ -296,6 +299,11 @@ def ring_attention(
     ``layout`` says (``ContextParallel.shard`` produces them). ``is_causal``
     means causal over the whole global sequence. Differentiable.
     """
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
+            "use dropout_p=0.0"
+        )
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -1,0 +1,20 @@
+"""Command line: ``python -m cp_compile demo``."""
+
+import argparse
+import sys
+
+from . import demo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cp_compile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo.add_arguments(sub.add_parser("demo", help="ring attention on local ranks, checked against one device"))
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo.main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
