@@ -9,7 +9,7 @@ from . import demo
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cp_compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo.add_arguments(sub.add_parser("demo", help="ring attention on local ranks, checked against one device"))
+    demo.add_arguments(sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)

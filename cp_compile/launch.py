@@ -38,7 +38,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float,
+            env: dict[str, str]) -> None:
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
@@ -67,8 +69,9 @@ class RankPool:
     """``world_size`` local gloo ranks, reusable across calls."""
 
     def __init__(self, world_size: int, threads_per_rank: int = 1, pg_timeout: float = 60.0,
-                 start_timeout: float = 120.0):
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None):
         self.world_size = world_size
+        self.env = dict(env or {})  # set in each worker before anything runs
         self.threads_per_rank = threads_per_rank
         self.pg_timeout = pg_timeout
         self.start_timeout = start_timeout
@@ -83,7 +86,8 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank, self.pg_timeout),
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank,
+                      self.pg_timeout, self.env),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -54,6 +54,15 @@ class ContextParallel:
         """Global positions (LongTensor) of this rank's tokens."""
         return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
 
+    def backend(self, inner: str = "inductor"):
+        """A ``torch.compile`` backend that rewrites attention into CP schedules.
+
+        ``inner`` is ``"inductor"`` (default) or ``"aot_eager"`` (no code generation).
+        """
+        from .backend import CPBackend
+
+        return CPBackend(self.group_name, self.load_balance, inner)
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
         """Eager CP attention over this plan's group and layout."""

@@ -6,13 +6,18 @@ from cp_compile.launch import RankPool
 
 
 @pytest.fixture(scope="session")
-def ranks():
-    """``ranks(C, fn, *args)`` runs ``fn`` on C gloo ranks and returns per-rank results."""
+def ranks(tmp_path_factory):
+    """``ranks(C, fn, *args)`` runs ``fn`` on C gloo ranks and returns per-rank results.
+
+    All pools share one Inductor cache directory, so a kernel compiled for one
+    world size is not compiled again for another.
+    """
     pools: dict[int, RankPool] = {}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor_cache"))}
 
     def run(world_size: int, fn, *args, timeout: float = 180.0, **kwargs):
         if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
+            pools[world_size] = RankPool(world_size, env=env)
         return pools[world_size].run(fn, *args, timeout=timeout, **kwargs)
 
     yield run

@@ -39,6 +39,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def dense_like(t: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor like ``t``: every CP op returns contiguous
+    tensors, whatever the strides of its inputs, and its fake says so."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _lse_shape(q: Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[1], q.shape[2])
 
@@ -275,12 +281,13 @@ def block_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     mask: str, scale: float, dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
+    dq, dk, dv = block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @block_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, scale, dlse=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return dense_like(q), dense_like(k), dense_like(v)
 
 
 def _block_setup(ctx, inputs, output):

@@ -84,9 +84,9 @@ def _wire_tag(tag: int, index: int) -> int:
 def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> list[Tensor]:
     """Send ``tensors`` to rank + shift, receive the same shapes from rank - shift.
 
-    Returns the receive buffers at once; wait on each with
-    ``torch.ops._c10d_functional.wait_tensor`` before reading it. The wait
-    also covers the sends, so a sent tensor may be freed or reused after it.
+    Returns the receive buffers at once; complete the transfer with ``wait``
+    (``torch.ops._c10d_functional.wait_tensor`` on every received and every
+    sent tensor) before reading a received one or reusing a sent one.
     """
     group = resolve_group(group_name)
     size, rank = group.size(), group.rank()
@@ -106,9 +106,11 @@ def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> 
             works.pop(0).wait()
         return True
 
-    # One work per buffer: the functional wait_tensor looks buffers up by storage.
+    # One work for every buffer: the functional wait_tensor looks works up by storage.
+    # The sent tensors are registered too, and the schedule waits on them: that use
+    # keeps a compiled graph from reusing their memory while the send is in flight.
     done = PythonCallbackWork(wait_all)
-    for buf in received:
+    for buf in [*received, *tensors]:
         _register_work(buf, done)
     return received
 
@@ -118,8 +120,15 @@ def _(tensors, group_name, shift, tag):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
 
 
-def wait(tensors: list[Tensor]) -> list[Tensor]:
-    return [torch.ops._c10d_functional.wait_tensor(t) for t in tensors]
+def wait(received: list[Tensor], sent: list[Tensor] = ()) -> list[Tensor]:
+    """Complete a ``ring_shift``: the received tensors, ready to read.
+
+    Pass the shift's ``sent`` tensors too: waiting on them is what tells a
+    compiler they are still in use until the transfer is done.
+    """
+    for t in sent:
+        torch.ops._c10d_functional.wait_tensor(t)
+    return [torch.ops._c10d_functional.wait_tensor(t) for t in received]
 
 
 # ----------------------------------------------------------------------------

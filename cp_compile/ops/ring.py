@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .block import acc_dtype, block_attn_backward_impl, block_attn_impl, check_block_args
+from .block import acc_dtype, block_attn_backward_impl, dense_like, block_attn_impl, check_block_args
 from .comm import TAG_DKV, TAG_KV, resolve_group, wait
 from .merge import start_accumulator
 
@@ -122,12 +122,13 @@ def ring_block_attn_backward(
     step: int, group_name: str, is_causal: bool, layout: str, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     section = _section_at(step, group_name, is_causal, layout)
-    return section_attn_backward(dout, q, k, v, out, lse, dlse, section, scale)
+    dq, dk, dv = section_attn_backward(dout, q, k, v, out, lse, dlse, section, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_block_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, step, group_name, is_causal, layout, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return dense_like(q), dense_like(k), dense_like(v)
 
 
 # ----------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def ring_forward(
         out, lse = ops.ring_block_attn(q, kv[0], kv[1], step, group_name, is_causal, layout, scale)
         acc = start_accumulator(out, lse) if acc is None else ops.merge(acc[0], acc[1], out, lse)
         if incoming is not None:
-            kv = wait(incoming)
+            kv = wait(incoming, sent=kv)
     out, lse = acc
     return out.to(q.dtype), lse
 
@@ -190,6 +191,7 @@ def ring_backward(
     dt = acc_dtype(q.dtype)
     kv = [k, v]
     dq = dkv = dkv_incoming = None
+    dkv_sent: list[Tensor] = []
     for step in range(world_size):
         kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
         dq_i, dk_i, dv_i = ops.ring_block_attn_backward(
@@ -199,13 +201,13 @@ def ring_backward(
         if dkv_incoming is None:
             dkv = [dk_i.to(dt), dv_i.to(dt)]
         else:
-            dk_acc, dv_acc = wait(dkv_incoming)
+            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
             dkv = [dk_acc + dk_i, dv_acc + dv_i]
         if world_size > 1:
-            dkv_incoming = ops.ring_shift(dkv, group_name, 1, TAG_DKV)
+            dkv_incoming, dkv_sent = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv
         if kv_incoming is not None:
-            kv = wait(kv_incoming)
-    dk, dv = wait(dkv_incoming) if world_size > 1 else dkv
+            kv = wait(kv_incoming, sent=kv)
+    dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -238,15 +240,16 @@ def ring_attention_backward_op(
     group_name: str, is_causal: bool, layout: str, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     world_size = resolve_group(group_name).size()
-    return ring_backward(
+    dq, dk, dv = ring_backward(
         dout, q, k, v, out, lse, dlse, group_name=group_name, world_size=world_size,
         is_causal=is_causal, layout=layout, scale=scale,
     )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return dense_like(q), dense_like(k), dense_like(v)
 
 
 def _ring_setup(ctx, inputs, output):
@@ -267,8 +270,11 @@ def _ring_backward(ctx, dout, dlse):
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 
-for _op in (torch.ops.cp.ring_attention.default, torch.ops.cp.ring_attention_backward.default):
-    torch.fx.node.has_side_effect(_op)
+# The whole-ring ops are deliberately *not* registered side-effectful: they only
+# appear in graphs that are the same on every rank, so a compiler that drops an
+# unused one drops it everywhere, and AOTAutograd's partitioner copies
+# side-effectful forward nodes into the backward graph (re-running the ring).
+# The ops that really talk, cp::ring_shift and cp::agree, are side-effectful.
 
 
 # ----------------------------------------------------------------------------

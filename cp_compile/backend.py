@@ -1,0 +1,127 @@
+"""The torch.compile backend: stage 1 on the Dynamo graph, stage 2 after partitioning.
+
+``ContextParallel.backend(inner)`` returns a ``CPBackend``. Dynamo hands it each
+captured graph; it rewrites attention into CP ops (``passes.rewrite``), then
+compiles with the inner compiler, expanding the CP ops into their schedules in
+the partitioned forward and backward graphs (``passes.expand``):
+
+- ``inner="inductor"``: as custom post-grad passes, which carry a uuid so
+  Inductor's FX graph cache stays valid (and shareable by all ranks, since the
+  graphs hold no rank);
+- ``inner="aot_eager"``: in the forward/backward compilers of AOTAutograd, for
+  debugging without code generation.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .passes.expand import Expansion, expand_cp_ops
+from .passes.order import pin_overlap_order, schedule_listing
+from .passes.partition import save_cp_outputs
+from .passes.rewrite import AttentionSite, rewrite_attention
+
+INNER_COMPILERS = ("inductor", "aot_eager")
+
+
+@functools.cache
+def _source_hash() -> str:
+    """Changes whenever the code that shapes our graphs changes (Inductor cache key)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class CompileRecord:
+    """What the backend did to one captured graph."""
+
+    sites: list[AttentionSite] = field(default_factory=list)
+    expansions: list[Expansion] = field(default_factory=list)
+    schedules: list[list[str]] = field(default_factory=list)  # per expanded graph, in final order
+
+
+class _ExpandPass(CustomGraphPass):
+    def __init__(self, record: CompileRecord):
+        self.record = record
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.record.expansions += expand_cp_ops(graph)
+
+    def uuid(self):
+        return ("cp_compile.expand", _source_hash())
+
+
+class _SaveCPOutputsPass(CustomGraphPass):
+    def __call__(self, graph: fx.Graph) -> None:
+        save_cp_outputs(graph)
+
+    def uuid(self):
+        return ("cp_compile.save", _source_hash())
+
+
+class _PinPass(CustomGraphPass):
+    def __init__(self, record: CompileRecord):
+        self.record = record
+
+    def __call__(self, graph: fx.Graph) -> None:
+        pin_overlap_order(graph)
+        listing = schedule_listing(graph)
+        if listing:
+            self.record.schedules.append(listing)
+
+    def uuid(self):
+        return ("cp_compile.pin", _source_hash())
+
+
+class CPBackend:
+    """A ``torch.compile`` backend that turns attention into CP schedules."""
+
+    def __init__(self, group_name: str, layout: str, inner: str = "inductor"):
+        if inner not in INNER_COMPILERS:
+            raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
+        self.group_name, self.layout, self.inner = group_name, layout, inner
+        self.records: list[CompileRecord] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
+        record = CompileRecord()
+        self.records.append(record)
+        record.sites = rewrite_attention(gm, self.group_name, self.layout)
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {
+                "joint_custom_pre_pass": _SaveCPOutputsPass(),
+                "post_grad_custom_pre_pass": _ExpandPass(record),
+                "post_grad_custom_post_pass": _PinPass(record),
+            }
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import default_partition
+
+        def expand_and_run(graph_module: fx.GraphModule, _inputs):
+            record.expansions += expand_cp_ops(graph_module.graph)
+            listing = schedule_listing(graph_module.graph)
+            if listing:
+                record.schedules.append(listing)
+            graph_module.recompile()
+            return make_boxed_func(graph_module.forward)
+
+        def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+            save_cp_outputs(joint.graph)
+            return default_partition(joint, joint_inputs, **kwargs)
+
+        return aot_autograd(fw_compiler=expand_and_run, bw_compiler=expand_and_run, partition_fn=partition)(
+            gm, example_inputs
+        )

@@ -1,0 +1,117 @@
+"""Stage 2: expand each CP op in the partitioned forward/backward graphs into its schedule.
+
+After AOTAutograd has split the joint graph, every ``cp::ring_attention``
+(forward graph) and ``cp::ring_attention_backward`` (backward graph) node is
+replaced by the step-by-step ring, obtained by tracing the very functions the
+eager op runs (``ring_forward`` / ``ring_backward``). The graph then shows the
+C steps: each step's ``cp::ring_shift`` ahead of the previous step's
+``cp::ring_block_attn`` and its ``wait_tensor`` after it.
+
+The order is then pinned so the scheduler cannot hoist a wait above the
+compute it should overlap with (``pin_overlap_order``).
+
+Only the step number, the group name and C (the same on every rank) enter the
+graph; the rank is read inside the ops at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..ops.comm import resolve_group
+from ..ops.ring import ring_backward, ring_forward
+
+cp = torch.ops.cp
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@dataclass
+class Expansion:
+    """One expanded CP node: what it was and the schedule nodes that replaced it."""
+
+    direction: str  # "forward" | "backward"
+    world_size: int
+    nodes: list[fx.Node]
+
+    def count(self, target) -> int:
+        return sum(1 for n in self.nodes if n.target == target)
+
+
+def _schedule_fn(node: fx.Node):
+    """The schedule function and its tensor inputs for a CP node."""
+    if node.target == cp.ring_attention.default:
+        q, k, v, group_name, is_causal, layout, scale, enable_gqa = node.args
+        world_size = resolve_group(group_name).size()
+        fn = functools.partial(
+            ring_forward, group_name=group_name, world_size=world_size, is_causal=is_causal,
+            layout=layout, scale=scale, enable_gqa=enable_gqa,
+        )
+        return "forward", world_size, fn, [q, k, v]
+    dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale = node.args
+    world_size = resolve_group(group_name).size()
+    tensors = [dout, q, k, v, out, lse] + ([dlse] if dlse is not None else [])
+
+    def fn(*tensors):  # make_fx needs a fixed arity: dlse is there or not
+        dout, q, k, v, out, lse = tensors[:6]
+        dlse = tensors[6] if len(tensors) > 6 else None
+        return ring_backward(
+            dout, q, k, v, out, lse, dlse, group_name=group_name, world_size=world_size,
+            is_causal=is_causal, layout=layout, scale=scale,
+        )
+
+    return "backward", world_size, fn, tensors
+
+
+def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
+    """make_fx of a schedule function over the graph's own fake tensors."""
+    vals = [n.meta["val"] for n in inputs]
+    with detect_fake_mode(vals):
+        return make_fx(fn, tracing_mode="real")(*vals)
+
+
+def _inline(graph: fx.Graph, node: fx.Node, schedule: fx.GraphModule, inputs: list[fx.Node]) -> list[fx.Node]:
+    """Copy ``schedule``'s nodes in before ``node``; route ``node``'s users to its outputs."""
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in schedule.graph.nodes if n.op == "placeholder"]
+    env.update(zip(placeholders, inputs))
+    added = []
+    outputs = None
+    with graph.inserting_before(node):
+        for sub in schedule.graph.nodes:
+            if sub.op == "placeholder":
+                continue
+            if sub.op == "output":
+                outputs = fx.map_arg(sub.args[0], lambda n: env[n])
+                continue
+            new = graph.node_copy(sub, lambda n: env[n])
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "seq_nr")})
+            env[sub] = new
+            added.append(new)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target == operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        else:
+            raise RuntimeError(f"unexpected user {user.format_node()} of {node.format_node()}")
+    graph.erase_node(node)
+    return added
+
+
+def expand_cp_ops(graph: fx.Graph) -> list[Expansion]:
+    """Replace every CP attention node in ``graph`` with its inlined schedule."""
+    expansions = []
+    targets = (cp.ring_attention.default, cp.ring_attention_backward.default)
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in targets]:
+        direction, world_size, fn, inputs = _schedule_fn(node)
+        schedule = _trace(fn, inputs)
+        expansions.append(Expansion(direction, world_size, _inline(graph, node, schedule, inputs)))
+    if expansions:
+        graph.lint()
+    return expansions

@@ -1,0 +1,90 @@
+"""Pin the overlap order of expanded ring schedules in post-grad graphs.
+
+The expansion places each ``cp::ring_shift`` before the block compute it should
+overlap with and the shift's ``wait_tensor`` after it. Inductor's scheduler sees
+our comm ops as opaque kernels, so nothing stops a later reordering from
+hoisting a wait above that compute (no overlap) or sinking a shift below it.
+This pass records the two edges per shift as explicit control dependencies
+(Inductor's ``preserve_node_ordering``):
+
+    compute(step i)   after  ring_shift(for step i+1)
+    waits             after  compute(step i), on the received and the sent tensors
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils._ordered_set import OrderedSet
+
+cp = torch.ops.cp
+COMPUTE_OPS = (cp.ring_block_attn.default, cp.ring_block_attn_backward.default)
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def overlap_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
+    """For each shift: the compute issued after it, and the waits that must follow that compute."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    for shift in (n for n in nodes if n.target == cp.ring_shift.default):
+        compute = next(
+            (n for n in nodes[position[shift] + 1 :] if n.target in COMPUTE_OPS), None
+        )
+        if compute is None:  # the last dK/dV hop: nothing left to overlap with
+            continue
+        deps.setdefault(compute, OrderedSet()).add(shift)
+        received = [item for item in shift.users if item.target == operator.getitem]
+        sent = [t for t in shift.args[0] if isinstance(t, fx.Node)]
+        for tensor in received + sent:
+            for wait in tensor.users:
+                if wait.target == WAIT and position[wait] > position[compute]:
+                    deps.setdefault(wait, OrderedSet()).add(compute)
+    return deps
+
+
+def pin_overlap_order(graph: fx.Graph) -> int:
+    """Make the overlap order explicit; returns the number of pinned edges."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+
+    deps = overlap_edges(graph)
+    if deps:
+        preserve_node_ordering(graph, deps)
+    return sum(len(v) for v in deps.values())
+
+
+def _unwrapped(node: fx.Node) -> fx.Node:
+    """The node itself, or the op inside Inductor's control_deps wrapper."""
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "control_deps":
+        subgraph, owner = node.args[1], node.graph.owning_module
+        if isinstance(subgraph, fx.Node) and subgraph.op == "get_attr" and owner is not None:
+            inner = [n for n in getattr(owner, subgraph.target).graph.nodes if n.op == "call_function"]
+            if inner:
+                return inner[0]
+    return node
+
+
+_NAMES = {
+    cp.ring_shift.default: "shift",
+    cp.ring_block_attn.default: "attend",
+    cp.ring_block_attn_backward.default: "attend_backward",
+    cp.merge.default: "merge",
+    cp.agree.default: "agree",
+    WAIT: "wait",
+}
+
+
+def schedule_listing(graph: fx.Graph) -> list[str]:
+    """The CP ops of a graph in order, e.g. ``["agree", "shift", "attend step=0", "wait", ...]``."""
+    listing = []
+    for node in map(_unwrapped, graph.nodes):
+        name = _NAMES.get(node.target)
+        if name is None:
+            continue
+        if name.startswith("attend"):
+            step = next(a for a in node.args if isinstance(a, int) and not isinstance(a, bool))
+            name = f"{name} step={step}"
+        listing.append(name)
+    return listing
