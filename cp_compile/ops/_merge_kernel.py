@@ -17,6 +17,9 @@ than 2**31 elements are fine.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -32,8 +35,9 @@ def _merge_rows_kernel(
     sp_b, sp_h, sp_s,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)
-    pid_m = tl.program_id(1).to(tl.int64)
+    # row blocks on axis 0 (up to 2**31 - 1 programs), (batch, head) on axis 1 (up to 65535)
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // heads
     h = pid_bh % heads
 
@@ -77,10 +81,14 @@ def launch(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start
     # keep a program's tile around 4K elements for large head dims
     block_m = max(1, min(block_rows, 4096 // block_d))
     block_m = triton.next_power_of_2(block_m)
-    grid = (b * h, triton.cdiv(rows, block_m))
-    _merge_rows_kernel[grid](
-        acc_out, acc_lse, out, lse,
-        rows, row_start, h, d,
-        *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(),
-        BLOCK_M=block_m, BLOCK_D=block_d,
-    )
+    if b * h > 65535:
+        raise ValueError(f"merge_ kernel: batch x heads = {b * h} exceeds the CUDA grid limit 65535")
+    grid = (triton.cdiv(rows, block_m), b * h)
+    device = torch.cuda.device(acc_out.device) if acc_out.is_cuda else contextlib.nullcontext()
+    with device:  # launch on the tensors' GPU, not the current one
+        _merge_rows_kernel[grid](
+            acc_out, acc_lse, out, lse,
+            rows, row_start, h, d,
+            *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(),
+            BLOCK_M=block_m, BLOCK_D=block_d,
+        )

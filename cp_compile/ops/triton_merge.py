@@ -82,6 +82,9 @@ def check_merge_args(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor,
         raise ValueError(
             f"merge_: accumulators must be fp32 (or fp64) and share a dtype; got {acc_out.dtype}, {acc_lse.dtype}"
         )
+    devices = {t.device for t in (acc_out, acc_lse, out, lse)}
+    if len(devices) > 1:
+        raise ValueError(f"merge_: all four tensors must be on one device; got {sorted(map(str, devices))}")
     if not out.is_floating_point() or not lse.is_floating_point():
         raise ValueError(f"merge_: the partial must be floating point; got {out.dtype}, {lse.dtype}")
 
