@@ -52,7 +52,9 @@ comm hidden   fraction of communication time hidden behind compute. An instrumen
                            but the attention kernels replaced by zero-cost
                            stand-ins (zeros of the right shapes), i.e. the
                            communication's own cost;
-              hidden     = 1 - exposed / standalone, the mean over ranks.
+              hidden     = 1 - exposed / standalone, the mean over ranks, where
+                           exposed and standalone are each the median over
+                           ``--trace-repeats`` alternating (real, comm-only) pairs.
               Waits also absorb skew between ranks, so on a loaded machine the
               value can be negative (more blocked time than the transfers cost).
               The instrumented re-run calls the schedule's Python functions
@@ -560,8 +562,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _median_summary(tracers: list["OpTracer"]) -> dict:
+    """Per-field median over repeated traced runs."""
+    rows = [t.summary() for t in tracers]
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
 def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: str = "cpu",
-               trace: bool = True, keep_timeline: tuple[str, ...] = ()) -> dict:
+               trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1) -> dict:
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
@@ -643,18 +651,19 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
         for v in valid:
             if v.traced_setup is None or v.single_rank:
                 continue
-            runs = {}
-            for stub in (False, True):
-                traced = v.traced_setup(p, x, stub)
-                dist.barrier()
-                with OpTracer() as tracer:
-                    traced()
-                runs[stub] = tracer
+            runs: dict[bool, list[OpTracer]] = {False: [], True: []}
+            steps_traced = {stub: v.traced_setup(p, x, stub) for stub in (False, True)}
+            for _ in range(max(1, trace_repeats)):
+                for stub in (False, True):  # alternate, so drift hits both alike
+                    dist.barrier()
+                    with OpTracer() as tracer:
+                        steps_traced[stub]()
+                    runs[stub].append(tracer)
             entry = result["variants"][v.name]
-            entry["trace"] = {"run": runs[False].summary(), "comm_only": runs[True].summary()}
+            entry["trace"] = {"run": _median_summary(runs[False]), "comm_only": _median_summary(runs[True])}
             if v.name in keep_timeline:
                 # absolute perf_counter times: one clock for every process of this machine
-                entry["timeline"] = runs[False].timeline(origin=0.0)
+                entry["timeline"] = runs[False][0].timeline(origin=0.0)
     dist.barrier()
     return result
 
@@ -790,12 +799,13 @@ class BenchOptions:
     dtype: str = "float32"
     repeats: int = 5
     trace: bool = True
+    trace_repeats: int = 3  # instrumented (real, comm-only) pairs per variant; medians reported
     variants: Optional[tuple[str, ...]] = None  # None: every registered variant
     device: str = "cpu"
     threads_per_rank: int = 1
 
 
-TINY = dict(world_sizes=(1, 2), seq_lens=(256,), heads=2, head_dim=32, repeats=2)
+TINY = dict(world_sizes=(1, 2), seq_lens=(256,), heads=2, head_dim=32, repeats=2, trace_repeats=1)
 
 
 def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None] = print) -> dict:
@@ -825,7 +835,8 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
     start = time.perf_counter()
     for i, p in enumerate(problems, 1):
         keep = (OURS,) if p == timeline_problem else ()
-        rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep)
+        rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep,
+                      opts.trace_repeats)
         res = summarise(p, variants, rows)
         configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res})
         log(_progress_line(i, len(problems), p, res, time.perf_counter() - start))
@@ -994,6 +1005,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import a module that registers more variants (repeatable)")
     p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the comm-overlap re-runs")
+    p.add_argument("--trace-repeats", type=int, default=d.trace_repeats,
+                   help="instrumented (real, comm-only) run pairs per variant; medians are reported")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke configuration")
     p.add_argument("--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it")
     p.add_argument("--list", action="store_true", help="list registered variants and exit")
@@ -1003,6 +1016,7 @@ def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOpt
     opts = BenchOptions(
         world_sizes=args.world_sizes, seq_lens=args.seq_lens, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, trace=args.trace,
+        trace_repeats=args.trace_repeats,
         causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
         variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
         device=device,
