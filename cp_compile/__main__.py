@@ -1,18 +1,21 @@
-"""Command line: ``python -m cp_compile demo``."""
+"""Command line: ``python -m cp_compile demo`` and ``python -m cp_compile bench``."""
 
 import argparse
 import sys
 
-from . import demo
+from . import bench, demo
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cp_compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device"))
+    bench.add_arguments(sub.add_parser("bench", help="time ours vs PyTorch's ring vs one device; JSON + PNG"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
+    if args.command == "bench":
+        return bench.main(args)
     return 2
 
 

@@ -1,0 +1,1078 @@
+"""``python -m cp_compile bench``: CP attention against PyTorch's ring and one device.
+
+For every configuration (causal or not, C ranks, global sequence length S;
+B, H, D and dtype fixed per run) one task runs on C local gloo ranks (one
+thread each) and measures every registered *variant*:
+
+``ours eager``             ``cp_compile.ring_attention`` forward + backward on zigzag shards.
+``torch ring (alltoall)``  PyTorch's own ring (``_templated_ring_attention`` and its
+``torch ring (allgather)`` backward from ``torch.distributed.tensor.experimental``),
+                           driven with the same CPU flash kernel as ours
+                           (``aten._scaled_dot_product_flash_attention_for_cpu`` and
+                           its ``_backward``), on the same zigzag (head-tail) shards,
+                           load balancing on for causal, off for non-causal (it
+                           refuses otherwise), K/V rotated by all-to-all or by one
+                           all-gather (dK/dV always travel by all-to-all).
+``single device``          SDPA forward + backward of the full sequence on rank 0
+                           (one thread): the reference for correctness and for
+                           parallel efficiency.
+
+Before anything is timed every variant's output and input gradients are
+checked against the single-device result (sharded alike); a variant that
+disagrees is reported invalid and not timed.
+
+What is measured, per configuration and variant
+-----------------------------------------------
+time          fwd+bwd wall time. Each repeat runs every variant once, in an order
+              that rotates from repeat to repeat, so slow drift of a shared
+              machine hits all variants alike. A variant's time in one repeat is
+              the slowest rank's time (ranks start together after a barrier);
+              the reported time is the median over repeats.
+efficiency    single-device time / (C x variant time).
+time ratio    variant time / torch ring time (< 1: faster than torch), per rotate method.
+peak memory   growth of the peak RSS (``PeakMemory``) during one fwd+bwd after
+              warm-up, above the memory held before it (inputs included there),
+              max over ranks, in units of one local q tensor (B*H*S/C*D elements).
+bytes/rank    payload bytes that arrive at one rank from other ranks during one
+              fwd+bwd. Ours: ``cp_compile.count_traffic()`` (bytes each
+              ``cp::ring_shift`` sends; on a ring what a rank sends equals what
+              it receives). Torch: its K/V and dK/dV buffers are counted as they
+              are handed to ``funcol.permute_tensor`` (all-to-all with one peer:
+              the buffer's bytes) or ``funcol.all_gather_single`` (C-1 times the
+              buffer's bytes arrive), with the wrappers installed around one step.
+              The small shape agreement ours does first (an int64 all-gather of
+              18 values per rank) is not counted.
+comm hidden   fraction of communication time hidden behind compute. An instrumented
+              re-run records, with ``time.perf_counter`` in a ``TorchDispatchMode``
+              (``OpTracer``), every op the schedule issues: comm issues
+              (``cp::ring_shift``, ``_c10d_functional.*``), waits
+              (``_c10d_functional.wait_tensor``), attention kernels and merges.
+              exposed    = time this rank spends inside comm issues and waits;
+              standalone = the same sum in a re-run with identical communication
+                           but the attention kernels replaced by zero-cost
+                           stand-ins (zeros of the right shapes), i.e. the
+                           communication's own cost;
+              hidden     = 1 - exposed / standalone, the mean over ranks, where
+                           exposed and standalone are each the median over
+                           ``--trace-repeats`` alternating (real, comm-only) pairs.
+              Waits also absorb skew between ranks, so on a loaded machine the
+              value can be negative (more blocked time than the transfers cost).
+              The instrumented re-run calls the schedule's Python functions
+              directly (``ring_forward`` / ``ring_backward``): a dispatch mode
+              cannot see inside a custom op.
+GFLOP/s/rank  model FLOPs of full attention fwd+bwd, 12*B*H*S^2*D (fwd 4*B*H*S^2*D,
+              bwd twice that; recompute not counted), halved when causal,
+              divided by C and by the time.
+
+The JSON also keeps one per-rank timeline (the largest causal configuration,
+ours) and the PNG draws it next to time and memory against C.
+
+Adding a variant (e.g. "ours compiled") without touching this file: write a
+module that builds a :class:`Variant` from module-level functions and calls
+:func:`register_variant`; pass ``--import that.module`` on the command line (or
+add its name to :data:`PLUGIN_MODULES`). A variant is, per rank::
+
+    setup(problem, inputs) -> step          # step() runs fwd+bwd once and returns
+                                           # (out, dq, dk, dv), local shards
+    traced_setup(problem, inputs, stub)     # optional: the same schedule with its
+                                           # inner ops visible to OpTracer; stub=True
+                                           # swaps attention kernels for stand-ins
+    meter()                                 # optional: context manager whose value
+                                           # has .bytes after one step
+
+``warmup`` says how many untimed steps it needs (a compiled variant wants 2+).
+
+GPU (UNTESTED, no GPU was available when this was written): under ``torchrun``
+the same driver runs on the launched ranks with CUDA and NCCL; C is then the
+launched world size only, torch's ring variants are skipped (they are wired to
+the CPU kernel), timings synchronise CUDA, peak memory comes from the CUDA
+allocator and the comm-hidden measurement is skipped (host timestamps of
+asynchronous kernels mean nothing). GFLOP/s per rank is reported next to
+single-GPU SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .memory import PeakMemory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SINGLE = "single device"
+OURS = "ours eager"
+TORCH_A2A = "torch ring (alltoall)"
+TORCH_AG = "torch ring (allgather)"
+TORCH_RINGS = (TORCH_A2A, TORCH_AG)
+
+# Modules imported (if present) before variants are listed, so a later file can
+# register e.g. "ours compiled" without restructuring this one.
+PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled"]
+
+
+# ----------------------------------------------------------------------------
+# Configurations, inputs, variants.
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark configuration. ``seq_len`` is the global sequence length."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    seq_len: int
+    world_size: int
+    causal: bool
+    dtype: str = "float32"
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.world_size
+
+    @property
+    def flops(self) -> float:
+        """Model FLOPs of full-sequence attention fwd+bwd (see module docstring)."""
+        fwd = 4.0 * self.batch * self.heads * self.seq_len**2 * self.head_dim
+        return 3.0 * fwd * (0.5 if self.causal else 1.0)
+
+    def label(self) -> str:
+        return f"{'causal' if self.causal else 'full  '} C={self.world_size} S={self.seq_len}"
+
+
+@dataclass
+class Inputs:
+    """Per rank: global tensors (identical on every rank) and this rank's zigzag shards."""
+
+    q_full: Tensor
+    k_full: Tensor
+    v_full: Tensor
+    do_full: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    do: Tensor
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A way of computing attention fwd+bwd, run on every rank (or rank 0 only)."""
+
+    name: str
+    setup: Callable[[Problem, Inputs], Callable[[], tuple]]
+    description: str = ""
+    single_rank: bool = False  # True: rank 0 runs the full sequence, others wait
+    traced_setup: Optional[Callable[[Problem, Inputs, bool], Callable[[], tuple]]] = None
+    meter: Optional[Callable[[], ContextManager]] = None
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    warmup: int = 1
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(variant: Variant) -> Variant:
+    """Add (or replace) a variant; the registry order is the report order."""
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def load_plugins(modules: list[str] = ()) -> None:
+    """Import variant plugins; the ones in PLUGIN_MODULES only if they exist."""
+    for name in PLUGIN_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    for name in modules:
+        importlib.import_module(name)
+
+
+def make_inputs(p: Problem, rank: int, world_size: int, device: torch.device, seed: int = 0) -> Inputs:
+    from . import layout
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (p.batch, p.heads, p.seq_len, p.head_dim)
+    full = [torch.randn(shape, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4)]
+    local = [layout.shard(t, 2, rank, world_size, "zigzag") for t in full]
+    return Inputs(*full, *local, rank=rank, world_size=world_size, device=device)
+
+
+def _scale(p: Problem) -> float:
+    return 1.0 / math.sqrt(p.head_dim)
+
+
+def _take_grads(leaves: list[Tensor]) -> list[Tensor]:
+    """The leaves' gradients, detached from the leaves.
+
+    A step must hold nothing once its results are dropped: the harness frees
+    them before the memory measurement, so every variant's peak includes
+    allocating its own outputs and gradients.
+    """
+    grads = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return grads
+
+
+# -- single device -------------------------------------------------------------
+
+
+def _single_setup(p: Problem, x: Inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in (x.q_full, x.k_full, x.v_full)]
+
+    def step():
+        out = F.scaled_dot_product_attention(*leaves, is_causal=p.causal)
+        out.backward(x.do_full)
+        return (out.detach(), *_take_grads(leaves))
+
+    return step
+
+
+# -- ours ------------------------------------------------------------------------
+
+
+def _ours_setup(p: Problem, x: Inputs):
+    import cp_compile
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
+
+    def step():
+        out = cp_compile.ring_attention(*leaves, is_causal=p.causal)
+        out.backward(x.do)
+        return (out.detach(), *_take_grads(leaves))
+
+    return step
+
+
+@contextlib.contextmanager
+def _stub_our_kernels():
+    """Swap the dense attention tiles under every cp op for zero-cost stand-ins."""
+    from .ops import block
+
+    def fwd(q, k, v, causal, scale):
+        lse = torch.zeros(q.shape[:3], dtype=block.acc_dtype(q.dtype), device=q.device)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), lse
+
+    def bwd(dout, q, k, v, out, lse, causal, scale):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    saved = block._tile_fwd, block._tile_bwd
+    block._tile_fwd, block._tile_bwd = fwd, bwd
+    try:
+        yield
+    finally:
+        block._tile_fwd, block._tile_bwd = saved
+
+
+def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
+    """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
+    from .ops.ring import group_name_of, ring_backward, ring_forward
+
+    opts = dict(group_name=group_name_of(None), world_size=x.world_size, is_causal=p.causal,
+                layout="zigzag", scale=_scale(p))
+
+    def step():
+        with _stub_our_kernels() if stub else contextlib.nullcontext():
+            out, lse = ring_forward(x.q, x.k, x.v, enable_gqa=False, **opts)
+            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, **opts)
+        return out, dq, dk, dv
+
+    return step
+
+
+class _Bytes:
+    bytes = 0
+
+
+@contextlib.contextmanager
+def _ours_meter():
+    from .ops.comm import count_traffic
+
+    box = _Bytes()
+    with count_traffic() as traffic:
+        yield box
+    box.bytes = traffic.bytes_sent
+
+
+# -- PyTorch's ring --------------------------------------------------------------
+
+
+def _torch_cp():
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+@contextlib.contextmanager
+def _torch_cp_options(load_balance: bool, rotate_method: str):
+    """Set torch's global CP options for one call and restore them after."""
+    A = _torch_cp()
+    saved = A._cp_options.enable_load_balance, A._cp_options.rotate_method
+    A._cp_options.enable_load_balance = load_balance
+    A.set_rotate_method(rotate_method)
+    try:
+        yield
+    finally:
+        A._cp_options.enable_load_balance, A._cp_options.rotate_method = saved
+
+
+def _stub_flash_fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    lse = torch.zeros(query.shape[:3], dtype=torch.float32, device=query.device)
+    return query.new_zeros(*query.shape[:-1], value.shape[-1]), lse
+
+
+def _stub_flash_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+def _torch_ring_step(p: Problem, x: Inputs, rotate_method: str, stub: bool):
+    import torch.distributed as dist
+
+    A = _torch_cp()
+    aten = torch.ops.aten
+    fwd_op = _stub_flash_fwd if stub else aten._scaled_dot_product_flash_attention_for_cpu
+    bwd_op = _stub_flash_bwd if stub else aten._scaled_dot_product_flash_attention_for_cpu_backward
+    group, scale = dist.group.WORLD, _scale(p)
+
+    def step():
+        # load balancing (head-tail = our zigzag) only for causal: torch raises otherwise
+        with _torch_cp_options(load_balance=p.causal, rotate_method=rotate_method):
+            out, lse = A._templated_ring_attention(
+                group, 2, fwd_op, x.q, x.k, x.v, is_causal=p.causal, dropout_p=0.0, scale=scale
+            )
+            dq, dk, dv = A._templated_ring_attention_backward(
+                group, 2, bwd_op, x.do, "grad_out", x.q, x.k, x.v, out, lse,
+                is_causal=p.causal, dropout_p=0.0, scale=scale,
+            )
+        return out, dq, dk, dv
+
+    return step
+
+
+def _torch_ring_setup(p: Problem, x: Inputs, rotate_method: str):
+    return _torch_ring_step(p, x, rotate_method, stub=False)
+
+
+def _torch_ring_traced_setup(p: Problem, x: Inputs, stub: bool, rotate_method: str):
+    return _torch_ring_step(p, x, rotate_method, stub=stub)
+
+
+@contextlib.contextmanager
+def _torch_meter():
+    """Count the bytes torch's ring hands to its collectives (see module docstring)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as ft_c
+
+    box = _Bytes()
+    others = dist.get_world_size() - 1
+    saved = ft_c.permute_tensor, ft_c.all_gather_single
+
+    def permute_tensor(t, *args, **kwargs):
+        box.bytes += t.numel() * t.element_size() if others else 0  # C=1: a copy to itself
+        return saved[0](t, *args, **kwargs)
+
+    def all_gather_single(t, *args, **kwargs):
+        box.bytes += t.numel() * t.element_size() * others
+        return saved[1](t, *args, **kwargs)
+
+    ft_c.permute_tensor, ft_c.all_gather_single = permute_tensor, all_gather_single
+    try:
+        yield box
+    finally:
+        ft_c.permute_tensor, ft_c.all_gather_single = saved
+
+
+register_variant(Variant(OURS, _ours_setup, "cp_compile.ring_attention, eager, zigzag",
+                         traced_setup=_ours_traced_setup, meter=_ours_meter))
+for _method, _name in (("alltoall", TORCH_A2A), ("allgather", TORCH_AG)):
+    register_variant(Variant(
+        _name, functools.partial(_torch_ring_setup, rotate_method=_method),
+        f"torch _templated_ring_attention(+_backward), CPU flash kernel, K/V rotate={_method}",
+        traced_setup=functools.partial(_torch_ring_traced_setup, rotate_method=_method),
+        meter=_torch_meter, devices=("cpu",),
+    ))
+register_variant(Variant(SINGLE, _single_setup, "F.scaled_dot_product_attention, full sequence, rank 0",
+                         single_rank=True))
+
+
+# ----------------------------------------------------------------------------
+# Tracing: comm issue / wait / compute spans of one rank.
+# ----------------------------------------------------------------------------
+
+# op name -> kind; names not listed are classified by ``op_kind``. Plugins may add.
+OP_KINDS: dict[str, str] = {
+    "_c10d_functional::wait_tensor": "wait",
+    # torch 2.13 wraps every functional collective's result with this op (no transfer)
+    "_c10d_functional::_wrap_tensor_autograd": "other",
+    "cp::ring_shift": "comm",
+    "cp::agree": "comm",
+    "cp::ring_block_attn": "compute",
+    "cp::ring_block_attn_backward": "compute",
+    "cp::block_attn": "compute",
+    "cp::block_attn_backward": "compute",
+    "cp::merge": "merge",
+    "cp::merge_": "merge",
+}
+
+
+def op_kind(name: str) -> str:
+    if name in OP_KINDS:
+        return OP_KINDS[name]
+    if name.startswith(("_c10d_functional::", "c10d::")):
+        return "comm"
+    if "scaled_dot_product" in name:
+        return "compute"
+    return "other"
+
+
+def _storage_keys(value) -> list[int]:
+    if isinstance(value, Tensor):
+        inner = getattr(value, "elem", None)  # AsyncCollectiveTensor: key by the wrapped buffer
+        if type(value) is not Tensor and isinstance(inner, Tensor):
+            value = inner
+        try:
+            return [value.untyped_storage().data_ptr()] if value.numel() else []
+        except RuntimeError:  # a wrapper subclass without storage of its own
+            return []
+    if isinstance(value, (list, tuple)):
+        return [k for v in value for k in _storage_keys(v)]
+    return []
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class OpTracer(TorchDispatchMode):
+    """Time every dispatched op with ``perf_counter``; link waits to their comm issue.
+
+    ``events``: dicts with kind, op, t0, t1 (seconds, ``perf_counter`` clock, which
+    is CLOCK_MONOTONIC and thus shared by the processes of one machine), and for
+    comm/wait the id of the transfer. Ops inside a custom op are not seen.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[dict] = []
+        self._inflight: dict[int, int] = {}  # storage ptr of a receive buffer -> comm id
+        self._next_id = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        kind = op_kind(name)
+        t0 = time.perf_counter()
+        result = func(*args, **(kwargs or {}))
+        t1 = time.perf_counter()
+        event = {"kind": kind, "op": name, "t0": t0, "t1": t1}
+        if kind == "comm":
+            event["id"], event["bytes"] = self._next_id, _nbytes(args[0] if args else None)
+            for key in _storage_keys(result):
+                self._inflight[key] = self._next_id
+            self._next_id += 1
+        elif kind == "wait":
+            keys = _storage_keys(args[0] if args else None)
+            event["id"] = self._inflight.get(keys[0], -1) if keys else -1
+        self.events.append(event)
+        return result
+
+    def summary(self) -> dict:
+        spent: dict[str, float] = {}
+        for e in self.events:
+            spent[e["kind"]] = spent.get(e["kind"], 0.0) + e["t1"] - e["t0"]
+        return {
+            "exposed_comm_s": spent.get("comm", 0.0) + spent.get("wait", 0.0),
+            "wait_s": spent.get("wait", 0.0),
+            "issue_s": spent.get("comm", 0.0),
+            "compute_s": spent.get("compute", 0.0),
+            "merge_s": spent.get("merge", 0.0),
+            "other_s": spent.get("other", 0.0),
+            "transfers": len({e["id"] for e in self.events if e["kind"] == "comm"}),
+        }
+
+    def timeline(self, origin: float, min_other_s: float = 50e-6) -> list[dict]:
+        """Events relative to ``origin``; short 'other' ops are dropped (they only clutter)."""
+        out = []
+        for e in self.events:
+            if e["kind"] == "other" and e["t1"] - e["t0"] < min_other_s:
+                continue
+            out.append({**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin})
+        return out
+
+
+# ----------------------------------------------------------------------------
+# The per-rank task: validate, time, measure memory / traffic / overlap.
+# ----------------------------------------------------------------------------
+
+
+def _tolerance(dtype: str) -> float:
+    return {"float64": 1e-9, "float32": 1e-4}.get(dtype, 5e-2)
+
+
+def _rel_err(got: Tensor, want: Tensor) -> float:
+    scale = max(want.abs().max().item(), 1e-6)
+    return (got.double() - want.double()).abs().max().item() / scale
+
+
+def _release_heap() -> None:
+    """Make the RSS baseline of a PeakMemory region count live memory only.
+
+    glibc serves a large allocation from the heap instead of mmap once its
+    dynamic mmap threshold has grown (after the first large free), and keeps
+    freed heap pages resident; a later step then reuses them and its peak RSS
+    growth reads ~0. Pin the threshold before the first allocation of a task
+    (``PeakMemory`` pins it too, but only when first entered) and trim the heap
+    before each measurement.
+    """
+    from .memory import _pin_mmap_threshold
+
+    _pin_mmap_threshold()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_summary(tracers: list["OpTracer"]) -> dict:
+    """Per-field median over repeated traced runs."""
+    rows = [t.summary() for t in tracers]
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: str = "cpu",
+               trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1) -> dict:
+    """Runs on every rank of a C-rank group; returns this rank's measurements."""
+    import torch.distributed as dist
+
+    from . import layout
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _release_heap()
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    x = make_inputs(p, rank, world, device)
+    mine = lambda v: rank == 0 or not v.single_rank  # noqa: E731
+    steps = {v.name: v.setup(p, x) for v in variants if mine(v)}
+    result: dict[str, Any] = {"rank": rank, "variants": {v.name: {} for v in variants}}
+
+    # -- warm-up, then check every variant against the single-device result
+    reference = None
+    for v in variants:
+        if v.single_rank and mine(v):
+            for _ in range(v.warmup):
+                reference = steps[v.name]()
+            _sync(device)
+    if reference is None:  # rank 0 holds it; the others receive it
+        reference = [torch.empty_like(t) for t in (x.q_full, x.k_full, x.v_full, x.do_full)]
+    reference = [t.detach().contiguous() for t in reference]
+    for t in reference:
+        dist.broadcast(t, src=0)
+    local_ref = [layout.shard(t, 2, rank, world, "zigzag") for t in reference]
+    errs = torch.zeros(len(variants), dtype=torch.float64, device=device)
+    for i, v in enumerate(variants):
+        if v.single_rank:
+            continue
+        meter = v.meter() if v.meter is not None else contextlib.nullcontext()
+        with meter as box:
+            got = steps[v.name]()  # first warm-up step: traffic of one fwd+bwd
+        for _ in range(v.warmup - 1):
+            got = steps[v.name]()
+        _sync(device)
+        errs[i] = max(_rel_err(a, b) for a, b in zip(got, local_ref))
+        if box is not None:
+            result["variants"][v.name]["bytes_per_rank"] = box.bytes
+        del got
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict
+    valid = []
+    for i, v in enumerate(variants):
+        ok = bool(errs[i] <= _tolerance(p.dtype))
+        result["variants"][v.name].update(max_rel_err=float(errs[i]), valid=ok)
+        if ok:
+            valid.append(v)
+    del reference, local_ref
+
+    # -- timing: every repeat runs every valid variant once, rotating the order
+    times: dict[str, list[float]] = {v.name: [] for v in valid}
+    for r in range(repeats):
+        order = valid[r % len(valid):] + valid[: r % len(valid)] if valid else []
+        for v in order:
+            dist.barrier()
+            if not mine(v):
+                continue
+            t0 = time.perf_counter()
+            out = steps[v.name]()
+            _sync(device)
+            times[v.name].append(time.perf_counter() - t0)
+            del out
+    # -- peak memory of one step, after warm-up
+    for v in valid:
+        dist.barrier()
+        if not mine(v):
+            continue
+        _release_heap()
+        with PeakMemory(device) as mem:
+            out = steps[v.name]()
+            _sync(device)
+        del out
+        q = x.q_full if v.single_rank else x.q
+        result["variants"][v.name].update(
+            times_s=times[v.name], peak_bytes=mem.peak_bytes, q_bytes=q.numel() * q.element_size()
+        )
+    # -- instrumented re-runs: exposed vs standalone communication
+    if trace and device.type == "cpu":
+        for v in valid:
+            if v.traced_setup is None or v.single_rank:
+                continue
+            runs: dict[bool, list[OpTracer]] = {False: [], True: []}
+            steps_traced = {stub: v.traced_setup(p, x, stub) for stub in (False, True)}
+            for _ in range(max(1, trace_repeats)):
+                for stub in (False, True):  # alternate, so drift hits both alike
+                    dist.barrier()
+                    with OpTracer() as tracer:
+                        steps_traced[stub]()
+                    runs[stub].append(tracer)
+            entry = result["variants"][v.name]
+            entry["trace"] = {"run": _median_summary(runs[False]), "comm_only": _median_summary(runs[True])}
+            if v.name in keep_timeline:
+                # absolute perf_counter times: one clock for every process of this machine
+                entry["timeline"] = runs[False][0].timeline(origin=0.0)
+    dist.barrier()
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Driving the ranks and summarising.
+# ----------------------------------------------------------------------------
+
+# runner(world_size, fn, *args, timeout=...) -> per-rank results (the tests'
+# ``ranks`` fixture has this signature; LocalPools is the CLI's).
+Runner = Callable[..., list]
+
+
+class LocalPools:
+    """One ``RankPool`` per world size (gloo, CPU), created on first use."""
+
+    def __init__(self, threads_per_rank: int = 1):
+        self.threads_per_rank = threads_per_rank
+        self.pools: dict = {}
+
+    def __call__(self, world_size: int, fn, *args, timeout: float = 1800.0, **kwargs):
+        from .launch import RankPool
+
+        if world_size not in self.pools:
+            self.pools[world_size] = RankPool(world_size, threads_per_rank=self.threads_per_rank)
+        return self.pools[world_size].run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+def torchrun_runner(world_size: int, fn, *args, timeout: float = 0.0, **kwargs):
+    """UNTESTED (GPU path): run on this already-launched rank, gather every rank's result."""
+    import torch.distributed as dist
+
+    if world_size != dist.get_world_size():
+        raise ValueError(f"under torchrun C is the launched world size ({dist.get_world_size()}), not {world_size}")
+    rows = [None] * world_size
+    dist.all_gather_object(rows, fn(*args, **kwargs))
+    return rows
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
+    """Combine per-rank measurements into one entry per variant, plus derived ratios."""
+    out: dict[str, Any] = {}
+    for v in variants:
+        per_rank = [row["variants"][v.name] for row in rows]
+        first = per_rank[0]
+        entry: dict[str, Any] = {
+            "valid": first["valid"], "max_rel_err": first["max_rel_err"], "description": v.description,
+        }
+        ranks_with_times = [r for r in per_rank if r.get("times_s")]
+        if first["valid"] and ranks_with_times:
+            n = min(len(r["times_s"]) for r in ranks_with_times)
+            per_repeat = [max(r["times_s"][i] for r in ranks_with_times) for i in range(n)]
+            entry.update(
+                time_s=_median(per_repeat), times_s=per_repeat,
+                per_rank_time_s=[_median(r["times_s"]) for r in ranks_with_times],
+                peak_bytes=max(r["peak_bytes"] for r in ranks_with_times),
+                q_bytes=ranks_with_times[0]["q_bytes"],
+            )
+            entry["peak_q_units"] = entry["peak_bytes"] / entry["q_bytes"]
+            world = 1 if v.single_rank else p.world_size
+            entry["gflops_per_rank"] = p.flops / world / entry["time_s"] / 1e9
+        if "bytes_per_rank" in first:
+            entry["bytes_per_rank"] = max(r["bytes_per_rank"] for r in per_rank)
+        traces = [r["trace"] for r in per_rank if "trace" in r]
+        if traces:
+            exposed = [t["run"]["exposed_comm_s"] for t in traces]
+            standalone = [t["comm_only"]["exposed_comm_s"] for t in traces]
+            # C = 1: nothing crosses ranks (torch still all-to-alls dK/dV to itself)
+            hidden = [1.0 - e / s if s > 0 and p.world_size > 1 else None for e, s in zip(exposed, standalone)]
+            known = [h for h in hidden if h is not None]
+            entry.update(
+                comm_exposed_s=statistics.mean(exposed), comm_standalone_s=statistics.mean(standalone),
+                comm_hidden_fraction=statistics.mean(known) if known else None,
+                comm_hidden_per_rank=hidden,
+                traced_compute_s=statistics.mean(t["run"]["compute_s"] for t in traces),
+            )
+        timelines = [r.get("timeline") for r in per_rank]
+        if any(t is not None for t in timelines):
+            entry["timeline"] = timelines
+        out[v.name] = entry
+
+    single = out.get(SINGLE, {}).get("time_s")
+    for v in variants:
+        entry = out[v.name]
+        if v.single_rank or entry.get("time_s") is None:
+            continue
+        if single:
+            entry["parallel_efficiency"] = single / (p.world_size * entry["time_s"])
+        for base in TORCH_RINGS:
+            base_time = out.get(base, {}).get("time_s")
+            if base_time and v.name != base:
+                entry[f"time_ratio_vs {base}"] = entry["time_s"] / base_time
+    return out
+
+
+def _progress_line(index: int, total: int, p: Problem, res: dict, elapsed: float) -> str:
+    short = {OURS: "ours", TORCH_A2A: "torch a2a", TORCH_AG: "torch ag", SINGLE: "single"}
+    parts = []
+    for name, entry in res.items():
+        label = short.get(name, name)
+        if not entry["valid"]:
+            parts.append(f"{label} INVALID (err {entry['max_rel_err']:.1e})")
+        elif entry.get("time_s") is not None:
+            parts.append(f"{label} {entry['time_s']:.3f}s")
+    ours = res.get(OURS, {})
+    extra = ""
+    if ours.get("parallel_efficiency") is not None:
+        extra += f" | eff {ours['parallel_efficiency']:.2f}"
+    if ours.get(f"time_ratio_vs {TORCH_A2A}") is not None:
+        extra += f" | ours/torch-a2a {ours[f'time_ratio_vs {TORCH_A2A}']:.2f}"
+    if ours.get("comm_hidden_fraction") is not None:
+        extra += f" | hidden {ours['comm_hidden_fraction']:.2f}"
+    return f"[{index}/{total}] {p.label():<22} " + " | ".join(parts) + extra + f"  ({elapsed:.0f}s)"
+
+
+@dataclass
+class BenchOptions:
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    seq_lens: tuple[int, ...] = (2048, 4096, 8192)
+    causal: tuple[bool, ...] = (True, False)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    repeats: int = 5
+    trace: bool = True
+    trace_repeats: int = 3  # instrumented (real, comm-only) pairs per variant; medians reported
+    variants: Optional[tuple[str, ...]] = None  # None: every registered variant
+    device: str = "cpu"
+    threads_per_rank: int = 1
+
+
+TINY = dict(world_sizes=(1, 2), seq_lens=(256,), heads=2, head_dim=32, repeats=2, trace_repeats=1)
+
+
+def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None] = print) -> dict:
+    """Run every configuration; returns the results dict written to JSON."""
+    names = list(opts.variants) if opts.variants else list(VARIANTS)
+    if SINGLE not in names:
+        names.append(SINGLE)  # the reference: validation and efficiency need it
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; registered: {list(VARIANTS)}")
+    skipped = {n: f"not available on {opts.device}" for n in names if opts.device not in VARIANTS[n].devices}
+    variants = [VARIANTS[n] for n in names if n not in skipped]
+    problems = [
+        Problem(opts.batch, opts.heads, opts.head_dim, s, c, causal, opts.dtype)
+        for causal in opts.causal for c in opts.world_sizes for s in opts.seq_lens
+    ]
+    for p in problems:
+        chunks = 2 * p.world_size
+        if p.seq_len % chunks:
+            raise ValueError(f"S={p.seq_len} does not split into 2C={chunks} zigzag chunks")
+    causal_problems = [p for p in problems if p.causal] or problems
+    timeline_problem = max(causal_problems, key=lambda p: (p.world_size, p.seq_len))
+    log(f"benchmarking {len(problems)} configurations x {len(variants)} variants "
+        f"({', '.join(v.name for v in variants)}); B={opts.batch} H={opts.heads} D={opts.head_dim} "
+        f"{opts.dtype}, {opts.repeats} repeats, device {opts.device}")
+    configs = []
+    start = time.perf_counter()
+    for i, p in enumerate(problems, 1):
+        keep = (OURS,) if p == timeline_problem else ()
+        rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep,
+                      opts.trace_repeats)
+        res = summarise(p, variants, rows)
+        configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res})
+        log(_progress_line(i, len(problems), p, res, time.perf_counter() - start))
+    return {
+        "meta": {
+            "torch": torch.__version__, "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
+            "device": opts.device, "threads_per_rank": opts.threads_per_rank,
+            "options": dataclasses.asdict(opts), "skipped_variants": skipped,
+            "timeline_config": dataclasses.asdict(timeline_problem),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - start,
+            "definitions": _definitions(),
+        },
+        "variants": {v.name: v.description for v in variants},
+        "configs": configs,
+    }
+
+
+def _definitions() -> dict:
+    return {
+        "time_s": "median over repeats of the slowest rank's fwd+bwd wall time; variants interleaved per repeat",
+        "parallel_efficiency": "single-device time / (C * time)",
+        "time_ratio_vs": "time / that torch ring variant's time (< 1: faster)",
+        "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, / bytes of one local q",
+        "bytes_per_rank": "payload bytes arriving at one rank from others in one fwd+bwd",
+        "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); mean over ranks",
+        "gflops_per_rank": "12*B*H*S^2*D (x0.5 causal) / C / time",
+    }
+
+
+# ----------------------------------------------------------------------------
+# Report: table and figure.
+# ----------------------------------------------------------------------------
+
+
+def table(results: dict) -> str:
+    head = (f"{'config':<22} {'variant':<24} {'time s':>8} {'eff':>5} {'/a2a':>5} {'/ag':>5} "
+            f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7}")
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for cfg in results["configs"]:
+        p = Problem(**cfg["config"])
+        for name, e in cfg["variants"].items():
+            if not e["valid"]:
+                lines.append(f"{p.label():<22} {name:<24} INVALID: max rel err {e['max_rel_err']:.2e}")
+                continue
+            mib = e.get("bytes_per_rank")
+            lines.append(
+                f"{p.label():<22} {name:<24} {fmt(e.get('time_s'), '8.3f')} "
+                f"{fmt(e.get('parallel_efficiency'), '5.2f')} {fmt(e.get(f'time_ratio_vs {TORCH_A2A}'), '5.2f')} "
+                f"{fmt(e.get(f'time_ratio_vs {TORCH_AG}'), '5.2f')} {fmt(e.get('peak_q_units'), '7.1f')} "
+                f"{fmt(None if mib is None else mib / 2**20, '9.1f')} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
+                f"{fmt(e.get('gflops_per_rank'), '7.1f')}"
+            )
+    return "\n".join(lines)
+
+
+_COLORS = {
+    OURS: "tab:blue", TORCH_A2A: "tab:orange", TORCH_AG: "tab:green", SINGLE: "black", "ours compiled": "tab:purple",
+}
+_SPAN_STYLE = {"compute": ("tab:blue", "attention"), "merge": ("tab:purple", "merge"),
+               "other": ("0.7", "other ops"), "wait": ("tab:red", "blocked in wait/issue")}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = results["configs"]
+    causal_values = sorted({c["config"]["causal"] for c in configs}, reverse=True)
+    seq_lens = sorted({c["config"]["seq_len"] for c in configs})
+    markers = "osD^v<>"
+    fig = plt.figure(figsize=(13, 11), constrained_layout=True)
+    grid = fig.add_gridspec(3, len(causal_values))
+    for col, causal in enumerate(causal_values):
+        ax_t, ax_m = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
+        for name in results["variants"]:
+            for si, s in enumerate(seq_lens):
+                pts = [(c["config"]["world_size"], c["variants"][name]) for c in configs
+                       if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]]
+                pts = [(w, e) for w, e in sorted(pts, key=lambda t: t[0]) if e.get("time_s") is not None]
+                if not pts:
+                    continue
+                style = dict(color=_COLORS.get(name), marker=markers[si % len(markers)],
+                             linestyle="--" if name == SINGLE else "-")
+                label = f"{name}, S={s}"
+                ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
+                if name != SINGLE:
+                    ax_m.plot([w for w, _ in pts], [e["peak_q_units"] for _, e in pts], label=label, **style)
+        kind = "causal" if causal else "non-causal"
+        ax_t.set(title=f"fwd+bwd time, {kind}", xlabel="C (ranks)", ylabel="seconds (median)", yscale="log")
+        ax_m.set(title=f"peak memory growth, {kind}", xlabel="C (ranks)", ylabel="local q units")
+        for ax in (ax_t, ax_m):
+            ax.set_xticks(sorted({c["config"]["world_size"] for c in configs}))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    ax = fig.add_subplot(grid[2, :])
+    _plot_timeline(ax, results)
+    fig.suptitle(f"cp_compile bench: B={configs[0]['config']['batch']} H={configs[0]['config']['heads']} "
+                 f"D={configs[0]['config']['head_dim']} {configs[0]['config']['dtype']}, "
+                 f"{results['meta']['device']}, {results['meta']['threads_per_rank']} thread/rank")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_timeline(ax, results: dict) -> None:
+    tl_cfg = results["meta"].get("timeline_config")
+    found = None
+    for c in results["configs"]:
+        if c["config"] == tl_cfg and "timeline" in c["variants"].get(OURS, {}):
+            found = c["variants"][OURS]["timeline"]
+    if not found:
+        ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    origin = min(e["t0"] for events in found if events for e in events)
+    used = set()
+    for rank, events in enumerate(found):
+        y = len(found) - 1 - rank
+        issued = {}
+        for e in events:
+            t0, t1 = e["t0"] - origin, e["t1"] - origin
+            if e["kind"] == "comm":
+                issued[e["id"]] = t0
+            kind = "wait" if e["kind"] in ("wait", "comm") else e["kind"]
+            color, label = _SPAN_STYLE[kind]
+            ax.broken_barh([(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color,
+                           label=None if kind in used else label)
+            used.add(kind)
+        ends: dict[int, float] = {}
+        for e in events:
+            if e["kind"] == "wait" and e.get("id", -1) in issued:
+                ends[e["id"]] = max(ends.get(e["id"], 0.0), e["t1"] - origin)
+        spans = [(issued[i], end - issued[i]) for i, end in ends.items()]
+        ax.broken_barh(spans, (y + 0.2, 0.15), color="tab:orange", alpha=0.6,
+                       label=None if "inflight" in used else "transfer in flight (issue to wait done)")
+        used.add("inflight")
+    ax.set_yticks(range(len(found)), [f"rank {r}" for r in reversed(range(len(found)))])
+    c = tl_cfg
+    ax.set(xlabel="seconds (instrumented re-run; fwd then bwd)",
+           title=f"ours eager, per-rank timeline: {'causal' if c['causal'] else 'non-causal'} "
+                 f"C={c['world_size']} S={c['seq_len']}")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=4)
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+# ----------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",") if t.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BenchOptions()
+    p.add_argument("--world-sizes", "-C", type=_ints, default=d.world_sizes, help="comma list (default 1,2,4)")
+    p.add_argument("--seq-lens", "-S", type=_ints, default=d.seq_lens, help="global tokens, comma list (default 2048,4096,8192)")
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
+    p.add_argument("--mask", choices=["both", "causal", "full"], default="both")
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--variants", default=None, help="comma list of variant names (default: all registered)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module that registers more variants (repeatable)")
+    p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the comm-overlap re-runs")
+    p.add_argument("--trace-repeats", type=int, default=d.trace_repeats,
+                   help="instrumented (real, comm-only) run pairs per variant; medians are reported")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke configuration")
+    p.add_argument("--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it")
+    p.add_argument("--list", action="store_true", help="list registered variants and exit")
+
+
+def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOptions:
+    opts = BenchOptions(
+        world_sizes=args.world_sizes, seq_lens=args.seq_lens, batch=args.batch, heads=args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, trace=args.trace,
+        trace_repeats=args.trace_repeats,
+        causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
+        variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
+        device=device,
+    )
+    if args.tiny:
+        opts = dataclasses.replace(opts, **TINY)
+    return opts
+
+
+def write_outputs(results: dict, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    png = out.with_suffix(".png")
+    plot(results, png)
+    return png
+
+
+def main(args: argparse.Namespace) -> int:
+    load_plugins(args.imports)
+    if args.list:
+        for name, v in VARIANTS.items():
+            print(f"{name:<26} {v.description}")
+        return 0
+    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if under_torchrun:  # UNTESTED GPU path (see module docstring)
+        import torch.distributed as dist
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        import cp_compile  # noqa: F401
+
+        opts = options_from_args(args, "cuda" if cuda else "cpu")
+        opts = dataclasses.replace(opts, world_sizes=(dist.get_world_size(),),
+                                   trace=opts.trace and not cuda)
+        main_rank = dist.get_rank() == 0
+        results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
+        if main_rank:
+            print(table(results))
+            print(f"wrote {args.out} and {write_outputs(results, args.out)}")
+        dist.destroy_process_group()
+        return 0
+    opts = options_from_args(args)
+    runner = LocalPools(threads_per_rank=1)
+    try:
+        results = run_benchmark(opts, runner)
+    finally:
+        runner.close()
+    print(table(results))
+    png = write_outputs(results, args.out)
+    print(f"wrote {args.out} and {png}")
+    invalid = [(c["config"], n) for c in results["configs"] for n, e in c["variants"].items() if not e["valid"]]
+    if invalid:
+        print(f"INVALID results (not timed): {invalid}")
+        return 1
+    return 0

@@ -1,0 +1,43 @@
+"""Benchmark variant "ours compiled": plain SDPA compiled with the CP backend (Inductor).
+
+Imported by ``cp_compile.bench`` when present; the function handed to
+``torch.compile`` is written for one device, as a user's model would be.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .bench import Inputs, Problem, Variant, _ours_meter, _take_grads, register_variant
+
+OURS_COMPILED = "ours compiled"
+
+
+def _ours_compiled_setup(p: Problem, x: Inputs):
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    torch._dynamo.reset()
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+
+    compiled = torch.compile(attention, backend=plan.backend("inductor"), fullgraph=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
+
+    def step():
+        out = compiled(*leaves)
+        out.backward(x.do)
+        return (out.detach(), *_take_grads(leaves))
+
+    return step
+
+
+register_variant(Variant(
+    name=OURS_COMPILED,
+    setup=_ours_compiled_setup,
+    description="the user's SDPA compiled with plan.backend('inductor'): the same ring, expanded in the graph",
+    meter=_ours_meter,
+    devices=("cpu",),
+))
