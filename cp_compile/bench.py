@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import importlib
@@ -114,7 +113,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .memory import PeakMemory
+from .memory import PeakMemory, release_heap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SINGLE = "single device"
@@ -538,25 +537,6 @@ def _rel_err(got: Tensor, want: Tensor) -> float:
     return (got.double() - want.double()).abs().max().item() / scale
 
 
-def _release_heap() -> None:
-    """Make the RSS baseline of a PeakMemory region count live memory only.
-
-    glibc serves a large allocation from the heap instead of mmap once its
-    dynamic mmap threshold has grown (after the first large free), and keeps
-    freed heap pages resident; a later step then reuses them and its peak RSS
-    growth reads ~0. Pin the threshold before the first allocation of a task
-    (``PeakMemory`` pins it too, but only when first entered) and trim the heap
-    before each measurement.
-    """
-    from .memory import _pin_mmap_threshold
-
-    _pin_mmap_threshold()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -576,7 +556,7 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
     from . import layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    _release_heap()
+    release_heap()
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     x = make_inputs(p, rank, world, device)
     mine = lambda v: rank == 0 or not v.single_rank  # noqa: E731
@@ -637,7 +617,7 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
         dist.barrier()
         if not mine(v):
             continue
-        _release_heap()
+        release_heap()
         with PeakMemory(device) as mem:
             out = steps[v.name]()
             _sync(device)

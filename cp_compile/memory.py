@@ -34,6 +34,19 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
+def release_heap() -> None:
+    """Hand freed heap pages back, so the RSS baseline counts live memory only.
+
+    Also pins the mmap threshold (see the module docstring); call it before a
+    task's first large allocation for the most faithful numbers.
+    """
+    _pin_mmap_threshold()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class PeakMemory:
     """``with PeakMemory(device) as m: ...`` then ``m.peak_bytes``: the peak above the start."""
 
@@ -47,7 +60,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            _pin_mmap_threshold()
+            release_heap()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak RSS to the current RSS
             self._start = _status_kib("VmRSS") * 1024

@@ -56,7 +56,8 @@ def test_cpu_op_matches_merge_partial(row_start, dtype):
         new = merge_partial(want_out[:, :, row_start:], want_lse[:, :, row_start:], out, lse)
         want_out[:, :, row_start:], want_lse[:, :, row_start:] = new
     torch.ops.cp.merge_(acc_out, acc_lse, out, lse, row_start)
-    assert torch.equal(acc_out, want_out)
+    # in place (mul_, addcmul_) rounds the out update differently in the last bit
+    torch.testing.assert_close(acc_out, want_out, rtol=2e-7, atol=1e-7)
     assert torch.equal(acc_lse, want_lse)
     assert not acc_out.isnan().any() and not acc_lse.isnan().any()
     if row_start < 12:  # -inf on both sides: stays out = 0, lse = -inf

@@ -45,6 +45,11 @@ def dense_like(t: Tensor) -> Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def result_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised (out, lse) of attention of ``q`` over values like ``v``: what fakes return."""
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(_lse_shape(q), dtype=acc_dtype(q.dtype))
+
+
 def _lse_shape(q: Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[1], q.shape[2])
 
@@ -273,7 +278,7 @@ def block_attn(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) -> tupl
 @block_attn.register_fake
 def _(q, k, v, mask, scale):
     check_block_args(q, k, v, mask)
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(_lse_shape(q), dtype=acc_dtype(q.dtype))
+    return result_like(q, v)
 
 
 @torch.library.custom_op("cp::block_attn_backward", mutates_args=())

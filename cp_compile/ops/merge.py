@@ -19,6 +19,11 @@ from torch import Tensor
 from .block import acc_dtype
 
 
+def _weights(acc_lse: Tensor, lse: Tensor, new_lse: Tensor) -> tuple[Tensor, Tensor]:
+    pivot = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    return torch.exp(acc_lse - pivot), torch.exp(lse.to(acc_lse.dtype) - pivot)
+
+
 def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     dt = acc_lse.dtype
     lse = lse.to(dt)
@@ -27,6 +32,14 @@ def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) ->
     w_acc, w_new = _weights(acc_lse, lse, new_lse)
     new_out = acc_out.to(dt) * w_acc.unsqueeze(-1) + out.to(dt) * w_new.unsqueeze(-1)
     return new_out, new_lse
+
+
+def merge_into_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """``merge_partial`` written into the accumulators, with no full-size temporary."""
+    new_lse = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))
+    w_acc, w_new = _weights(acc_lse, lse, new_lse)
+    acc_out.mul_(w_acc.unsqueeze(-1)).addcmul_(out, w_new.unsqueeze(-1))
+    acc_lse.copy_(new_lse)
 
 
 @torch.library.custom_op("cp::merge", mutates_args=())
@@ -39,11 +52,6 @@ def merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[T
 def _(acc_out, acc_lse, out, lse):
     dt = acc_lse.dtype
     return acc_out.new_empty(acc_out.shape, dtype=dt), acc_lse.new_empty(acc_lse.shape)
-
-
-def _weights(acc_lse: Tensor, lse: Tensor, new_lse: Tensor) -> tuple[Tensor, Tensor]:
-    pivot = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    return torch.exp(acc_lse - pivot), torch.exp(lse.to(acc_lse.dtype) - pivot)
 
 
 def _merge_setup(ctx, inputs, output):

@@ -2,7 +2,7 @@
 
 The schedule is written once, below, as plain Python over custom ops
 (``cp::ring_shift`` + ``wait_tensor`` for transfers, ``cp::ring_block_attn`` for
-compute, ``cp::merge`` for the online softmax). The eager op runs it directly;
+compute, ``cp::merge_`` for the online softmax, in place). The eager op runs it directly;
 the compiler traces the very same functions into the graph.
 
 Which part of a step's tile is visible depends on the rank and on which rank's
@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .block import acc_dtype, block_attn_backward_impl, dense_like, block_attn_impl, check_block_args
+from .block import (
+    acc_dtype, block_attn_backward_impl, block_attn_impl, check_block_args, dense_like, result_like,
+)
 from .comm import TAG_DKV, TAG_KV, resolve_group, wait
 from .merge import start_accumulator
 
@@ -113,7 +115,7 @@ def ring_block_attn(
 
 @ring_block_attn.register_fake
 def _(q, k, v, step, group_name, is_causal, layout, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+    return result_like(q, v)
 
 
 @torch.library.custom_op("cp::ring_block_attn_backward", mutates_args=())
@@ -173,8 +175,13 @@ def ring_forward(
     for step in range(world_size):
         # next step's K/V is on the wire while this step computes
         incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        out, lse = ops.ring_block_attn(q, kv[0], kv[1], step, group_name, is_causal, layout, scale)
-        acc = start_accumulator(out, lse) if acc is None else ops.merge(acc[0], acc[1], out, lse)
+        part_out, part_lse = ops.ring_block_attn(q, kv[0], kv[1], step, group_name, is_causal, layout, scale)
+        if acc is None:
+            acc = start_accumulator(part_out, part_lse)
+        else:
+            ops.merge_(acc[0], acc[1], part_out, part_lse, 0)  # in place: one fp32 accumulator, no copies
+        # let the partial go now, not when the next step's result replaces it
+        del part_out, part_lse
         if incoming is not None:
             kv = wait(incoming, sent=kv)
     out, lse = acc
@@ -197,12 +204,14 @@ def ring_backward(
         dq_i, dk_i, dv_i = ops.ring_block_attn_backward(
             dout, q, kv[0], kv[1], out, lse, dlse, step, group_name, is_causal, layout, scale
         )
-        dq = dq_i.to(dt) if dq is None else dq + dq_i
+        # accumulate in place: dq is ours, and so are received dK/dV (never the ones in flight)
+        dq = dq_i.to(dt) if dq is None else dq.add_(dq_i)
         if dkv_incoming is None:
             dkv = [dk_i.to(dt), dv_i.to(dt)]
         else:
             dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
-            dkv = [dk_acc + dk_i, dv_acc + dv_i]
+            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
+        del dq_i, dk_i, dv_i  # as in the forward: free this step's partials before the next step
         if world_size > 1:
             dkv_incoming, dkv_sent = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv
         if kv_incoming is not None:
@@ -231,7 +240,7 @@ def ring_attention_op(
 
 @ring_attention_op.register_fake
 def _(q, k, v, group_name, is_causal, layout, scale, enable_gqa):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+    return result_like(q, v)
 
 
 @torch.library.custom_op("cp::ring_attention_backward", mutates_args=())

@@ -19,8 +19,8 @@ A row that is -inf on both sides stays out = 0, lse = -inf (never NaN).
 On CUDA (with triton installed, fp32 accumulators) one Triton kernel reads
 each element once and writes it once, instead of the ~10 full-size temporaries
 the eager torch merge allocates. Everywhere else (CPU, fp64 accumulators, no
-triton) the op runs ``merge_partial`` from ``merge.py`` and copies the result
-back, so results agree across devices.
+triton) the op runs ``merge_into_`` from ``merge.py`` (the same arithmetic, in
+place), so results agree across devices.
 
 How a ring schedule uses it (not wired in yet)::
 
@@ -53,7 +53,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
-from .merge import merge_partial
+from .merge import merge_into_
 
 
 @functools.cache
@@ -90,10 +90,7 @@ def check_merge_args(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor,
 
 
 def _merge_torch_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start: int) -> None:
-    tail_out, tail_lse = acc_out[:, :, row_start:], acc_lse[:, :, row_start:]
-    new_out, new_lse = merge_partial(tail_out, tail_lse, out, lse)
-    tail_out.copy_(new_out)
-    tail_lse.copy_(new_lse)
+    merge_into_(acc_out[:, :, row_start:], acc_lse[:, :, row_start:], out, lse)
 
 
 @functools.cache

@@ -71,6 +71,7 @@ _NAMES = {
     cp.ring_block_attn.default: "attend",
     cp.ring_block_attn_backward.default: "attend_backward",
     cp.merge.default: "merge",
+    cp.merge_.default: "merge",
     cp.agree.default: "agree",
     WAIT: "wait",
 }

@@ -1,0 +1,43 @@
+"""Per-rank peak memory of the eager ring stays flat as C grows (fixed local shard)."""
+
+import pytest
+import torch
+
+
+def ring_peaks(s_local: int, kv_heads: int):
+    """Peak RSS growth of forward and of forward+backward, in local-q units."""
+    import cp_compile
+    from cp_compile.memory import PeakMemory, release_heap
+
+    release_heap()  # before the first large allocation: frees must show in the RSS
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, s_local, 64, generator=g)
+    k, v = (torch.randn(1, kv_heads, s_local, 64, generator=g) for _ in range(2))
+    do = torch.randn_like(q)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def forward():
+        return cp_compile.ring_attention(*leaves, is_causal=True, enable_gqa=kv_heads != 8)
+
+    forward().backward(do)  # warm-up: gloo's buffers and first-call allocations
+    for t in leaves:
+        t.grad = None
+    with PeakMemory() as fwd:
+        out = forward()
+    del out
+    with PeakMemory() as fwd_bwd:
+        forward().backward(do)
+    unit = q.numel() * q.element_size()
+    return fwd.peak_bytes / unit, fwd_bwd.peak_bytes / unit
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_peak_memory_flat_in_c(ranks, kv_heads):
+    """From C=3 on every rank runs middle steps (current + incoming K/V, dK/dV in flight),
+    so the peak must not grow from there. C=2 has no middle step and peaks lower
+    (the README gives the numbers)."""
+    s_local = 1024  # one local q is 2 MiB: well above allocator noise
+    peaks = {c: max(ranks(c, ring_peaks, s_local, kv_heads), key=lambda p: p[1]) for c in (3, 4)}
+    (fwd3, both3), (fwd4, both4) = peaks[3], peaks[4]
+    assert fwd4 <= 1.10 * fwd3 and both4 <= 1.10 * both3, peaks
+    assert max(fwd3, fwd4) < 8.0, peaks  # the forward holds under 8 local-q units
