@@ -20,15 +20,21 @@ def ring_peaks(s_local: int, kv_heads: int):
         return cp_compile.ring_attention(*leaves, is_causal=True, enable_gqa=kv_heads != 8)
 
     forward().backward(do)  # warm-up: gloo's buffers and first-call allocations
-    for t in leaves:
-        t.grad = None
-    with PeakMemory() as fwd:
-        out = forward()
-    del out
-    with PeakMemory() as fwd_bwd:
-        forward().backward(do)
+    fwd_peaks, both_peaks = [], []
+    # RSS counts touched pages: a receive buffer counts only once its data has landed,
+    # which may come after the compute it overlaps. The worst of three readings is the peak.
+    for _ in range(3):
+        for t in leaves:
+            t.grad = None
+        with PeakMemory() as fwd:
+            out = forward()
+        del out
+        with PeakMemory() as fwd_bwd:
+            forward().backward(do)
+        fwd_peaks.append(fwd.peak_bytes)
+        both_peaks.append(fwd_bwd.peak_bytes)
     unit = q.numel() * q.element_size()
-    return fwd.peak_bytes / unit, fwd_bwd.peak_bytes / unit
+    return max(fwd_peaks) / unit, max(both_peaks) / unit
 
 
 @pytest.mark.parametrize("kv_heads", [8, 2])
@@ -36,7 +42,7 @@ def test_peak_memory_flat_in_c(ranks, kv_heads):
     """From C=3 on every rank runs middle steps (current + incoming K/V, dK/dV in flight),
     so the peak must not grow from there. C=2 has no middle step and peaks lower
     (the README gives the numbers)."""
-    s_local = 1024  # one local q is 2 MiB: well above allocator noise
+    s_local = 2048  # one local q is 4 MiB, so ~1 MiB of allocator and gloo noise stays small
     peaks = {c: max(ranks(c, ring_peaks, s_local, kv_heads), key=lambda p: p[1]) for c in (3, 4)}
     (fwd3, both3), (fwd4, both4) = peaks[3], peaks[4]
     assert fwd4 <= 1.10 * fwd3 and both4 <= 1.10 * both3, peaks

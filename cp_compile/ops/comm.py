@@ -95,7 +95,7 @@ def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> 
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     works = []
     for i, (t, buf) in enumerate(zip(tensors, received)):
-        # gloo stalls on two in-flight messages with one (peer, tag): one tag per tensor
+        # one tag per tensor: matching never depends on both sides posting in the same order
         works.append(dist.isend(t.contiguous(), dst, group=group, tag=_wire_tag(tag, i)))
         works.append(dist.irecv(buf, src, group=group, tag=_wire_tag(tag, i)))
     _record(tensors, tag)
