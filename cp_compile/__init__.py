@@ -6,6 +6,10 @@ from .ops.comm import count_traffic
 from .ops.ring import ring_attention
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel
+from .sac import sac_context, sac_policy
 
-__all__ = ["ContextParallel", "UnsupportedAttention", "count_traffic", "explain", "ring_attention"]
+__all__ = [
+    "ContextParallel", "UnsupportedAttention", "count_traffic", "explain", "ring_attention", "sac_context",
+    "sac_policy",
+]
 __version__ = "0.1.0"
