@@ -14,7 +14,7 @@ or set ``TORCH_LOGS=graph_code,aot_graphs,post_grad_graphs,output_code``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
