@@ -235,7 +235,6 @@ def main(args: argparse.Namespace) -> int:
         print("training the same model in one process...", flush=True)
         ref_losses, ref_times = train_reference(args)
         table, worst = _train_table(rows, ref_losses, ref_times, args)
-        tolerance = 1e-9 if args.dtype == "float64" else (1e-4 if args.dtype == "float32" else 5e-2)
     else:
         device = "cuda" if "WORLD_SIZE" in os.environ and torch.cuda.is_available() else "cpu"
         config = (args.batch, args.heads, args.kv_heads, args.seq_len, args.head_dim, args.dtype, args.causal,
@@ -244,8 +243,8 @@ def main(args: argparse.Namespace) -> int:
         if rows is None:
             return 0
         table, worst = _attention_table(rows, args), max(r["max_err"] for r in rows)
-        tolerance = 1e-9 if args.dtype == "float64" else (1e-4 if args.dtype == "float32" else 5e-2)
     print(table)
+    tolerance = 1e-9 if args.dtype == "float64" else (1e-4 if args.dtype == "float32" else 5e-2)
     ok = worst <= tolerance
     print(f"{'OK' if ok else 'MISMATCH'}: max difference {worst:.2e} (tolerance {tolerance:g})")
     return 0 if ok else 1

@@ -99,7 +99,7 @@ def _nbytes(shape, dtype) -> int:
     n = 1
     for s in shape:
         n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def site_report(site, world_size: int) -> SiteReport:

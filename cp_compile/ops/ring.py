@@ -37,10 +37,9 @@ from torch import Tensor
 from .block import (
     acc_dtype, block_attn_backward_impl, block_attn_impl, check_block_args, dense_like, result_like,
 )
+from ..layout import check_layout
 from .comm import TAG_DKV, TAG_KV, resolve_group, wait
 from .merge import start_accumulator
-
-LAYOUTS = ("zigzag", "contiguous")
 
 # ----------------------------------------------------------------------------
 # Sections: which part of the (local Q, arriving K/V) tile a step computes.
@@ -144,8 +143,7 @@ def _options(is_causal: bool, layout: str, scale: float, enable_gqa: bool) -> st
 
 def check_ring_args(q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str, enable_gqa: bool):
     """Local checks; identical inputs on every rank give identical verdicts."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    check_layout(layout)
     check_block_args(q, k, v, "none")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -319,8 +317,6 @@ def ring_attention(
             f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
             "use dropout_p=0.0"
         )
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, _ = ring_attention_op(q, k, v, group_name_of(group), bool(is_causal), layout, scale, bool(enable_gqa))
     return out

@@ -29,7 +29,6 @@ from ..ops.comm import resolve_group
 from ..ops.ring import ring_backward, ring_forward
 
 cp = torch.ops.cp
-WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 @dataclass

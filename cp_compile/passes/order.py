@@ -26,23 +26,27 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 def overlap_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     """For each shift: the compute issued after it, and the waits that must follow that compute."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
+    position = {n: i for i, n in enumerate(graph.nodes)}
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
-    for shift in (n for n in nodes if n.target == cp.ring_shift.default):
-        compute = next(
-            (n for n in nodes[position[shift] + 1 :] if n.target in COMPUTE_OPS), None
-        )
-        if compute is None:  # the last dK/dV hop: nothing left to overlap with
-            continue
-        deps.setdefault(compute, OrderedSet()).add(shift)
-        received = [item for item in shift.users if item.target == operator.getitem]
-        sent = [t for t in shift.args[0] if isinstance(t, fx.Node)]
-        for tensor in received + sent:
-            for wait in tensor.users:
-                if wait.target == WAIT and position[wait] > position[compute]:
-                    deps.setdefault(wait, OrderedSet()).add(compute)
-    return deps
+    pending: list[fx.Node] = []  # shifts issued since the last compute
+    for node in graph.nodes:
+        if node.target == cp.ring_shift.default:
+            pending.append(node)
+        elif node.target in COMPUTE_OPS:
+            for shift in pending:
+                _pin_to_compute(shift, node, position, deps)
+            pending = []
+    return deps  # shifts still pending (the last dK/dV hop) have nothing to overlap with
+
+
+def _pin_to_compute(shift, compute, position, deps) -> None:
+    deps.setdefault(compute, OrderedSet()).add(shift)
+    received = [item for item in shift.users if item.target == operator.getitem]
+    sent = [t for t in shift.args[0] if isinstance(t, fx.Node)]
+    for tensor in received + sent:
+        for wait in tensor.users:
+            if wait.target == WAIT and position[wait] > position[compute]:
+                deps.setdefault(wait, OrderedSet()).add(compute)
 
 
 def pin_overlap_order(graph: fx.Graph) -> int:
