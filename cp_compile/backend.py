@@ -26,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .passes.expand import Expansion, expand_cp_ops
 from .passes.order import pin_overlap_order, schedule_listing
 from .passes.partition import save_cp_outputs
-from .passes.rewrite import AttentionSite, rewrite_attention
+from .passes.rewrite import AttentionSite, CPOptions, rewrite_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager")
 
@@ -86,16 +86,20 @@ class _PinPass(CustomGraphPass):
 class CPBackend:
     """A ``torch.compile`` backend that turns attention into CP schedules."""
 
-    def __init__(self, group_name: str, layout: str, inner: str = "inductor"):
+    def __init__(self, group_name: str, layout: str, inner: str = "inductor", schedule: str = "auto"):
+        from .passes.cost import check_schedule
+
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
-        self.group_name, self.layout, self.inner = group_name, layout, inner
+        check_schedule(schedule)
+        self.options = CPOptions(group_name, layout, schedule)
+        self.inner = inner
         self.records: list[CompileRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         record = CompileRecord()
         self.records.append(record)
-        record.sites = rewrite_attention(gm, self.group_name, self.layout)
+        record.sites = rewrite_attention(gm, self.options)
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

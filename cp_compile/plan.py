@@ -16,14 +16,20 @@ class ContextParallel:
     """A context-parallel plan over a process group or a 1-D DeviceMesh.
 
     ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
-    of 2C, balancing causal work) or ``"contiguous"``.
+    of 2C, balancing causal work) or ``"contiguous"``. ``schedule`` is
+    ``"auto"`` (default: chosen per attention site; ``explain`` says which and
+    why) or a schedule name to use for every site.
     """
 
     def __init__(self, group_or_mesh: Union[dist.ProcessGroup, "torch.distributed.DeviceMesh", None] = None,
-                 load_balance: str = "zigzag"):
+                 load_balance: str = "zigzag", schedule: str = "auto"):
+        from .passes.cost import check_schedule
+
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
         _layout.check_layout(load_balance)
+        check_schedule(schedule)
+        self.schedule = schedule
         self.group_name = group_name_of(group_or_mesh)
         self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
         self.load_balance = load_balance
@@ -60,7 +66,7 @@ class ContextParallel:
         """
         from .backend import CPBackend
 
-        return CPBackend(self.group_name, self.load_balance, inner)
+        return CPBackend(self.group_name, self.load_balance, inner, self.schedule)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:

@@ -40,6 +40,7 @@ from .block import (
 from ..layout import check_layout
 from .comm import TAG_DKV, TAG_KV, resolve_group, wait
 from .merge import start_accumulator
+from .registry import Traceable, register_schedule
 
 # ----------------------------------------------------------------------------
 # Sections: which part of the (local Q, arriving K/V) tile a step computes.
@@ -276,6 +277,41 @@ def _ring_backward(ctx, dout, dlse):
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
+def _expand_forward(args) -> Traceable:
+    q, k, v, group_name, is_causal, layout, scale, enable_gqa = args
+    world_size = resolve_group(group_name).size()
+
+    def fn(q, k, v):
+        return ring_forward(
+            q, k, v, group_name=group_name, world_size=world_size, is_causal=is_causal,
+            layout=layout, scale=scale, enable_gqa=enable_gqa,
+        )
+
+    return Traceable("forward", world_size, fn, [q, k, v])
+
+
+def _expand_backward(args) -> Traceable:
+    dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale = args
+    world_size = resolve_group(group_name).size()
+
+    def fn(*tensors):  # a fixed arity for tracing: dlse is there or not
+        dout, q, k, v, out, lse = tensors[:6]
+        dlse = tensors[6] if len(tensors) > 6 else None
+        return ring_backward(
+            dout, q, k, v, out, lse, dlse, group_name=group_name, world_size=world_size,
+            is_causal=is_causal, layout=layout, scale=scale,
+        )
+
+    return Traceable("backward", world_size, fn, [dout, q, k, v, out, lse] + ([dlse] if dlse is not None else []))
+
+
+register_schedule(
+    torch.ops.cp.ring_attention.default, _expand_forward,
+    torch.ops.cp.ring_attention_backward.default, _expand_backward,
+    {torch.ops.cp.ring_block_attn.default: "attend", torch.ops.cp.ring_block_attn_backward.default: "attend_backward"},
+)
 
 # The whole-ring ops are deliberately *not* registered side-effectful: they only
 # appear in graphs that are the same on every rank, so a compiler that drops an

@@ -1,9 +1,10 @@
 """Stage 2: expand each CP op in the partitioned forward/backward graphs into its schedule.
 
-After AOTAutograd has split the joint graph, every ``cp::ring_attention``
-(forward graph) and ``cp::ring_attention_backward`` (backward graph) node is
-replaced by the step-by-step ring, obtained by tracing the very functions the
-eager op runs (``ring_forward`` / ``ring_backward``). The graph then shows the
+After AOTAutograd has split the joint graph, every whole-schedule CP node
+(``cp::ring_attention`` in the forward graph, ``cp::ring_attention_backward``
+in the backward graph, and the other schedules in ``ops.registry``) is
+replaced by its steps, obtained by tracing the very functions the eager op
+runs (``ring_forward`` / ``ring_backward`` for the ring). The graph then shows the
 C steps: each step's ``cp::ring_shift`` ahead of the previous step's
 ``cp::ring_block_attn`` and its ``wait_tensor`` after it.
 
@@ -16,19 +17,14 @@ graph; the rank is read inside the ops at run time.
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ops.comm import resolve_group
-from ..ops.ring import ring_backward, ring_forward
-
-cp = torch.ops.cp
+from ..ops.registry import EXPANSIONS
 
 
 @dataclass
@@ -41,31 +37,6 @@ class Expansion:
 
     def count(self, target) -> int:
         return sum(1 for n in self.nodes if n.target == target)
-
-
-def _schedule_fn(node: fx.Node):
-    """The schedule function and its tensor inputs for a CP node."""
-    if node.target == cp.ring_attention.default:
-        q, k, v, group_name, is_causal, layout, scale, enable_gqa = node.args
-        world_size = resolve_group(group_name).size()
-        fn = functools.partial(
-            ring_forward, group_name=group_name, world_size=world_size, is_causal=is_causal,
-            layout=layout, scale=scale, enable_gqa=enable_gqa,
-        )
-        return "forward", world_size, fn, [q, k, v]
-    dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale = node.args
-    world_size = resolve_group(group_name).size()
-    tensors = [dout, q, k, v, out, lse] + ([dlse] if dlse is not None else [])
-
-    def fn(*tensors):  # make_fx needs a fixed arity: dlse is there or not
-        dout, q, k, v, out, lse = tensors[:6]
-        dlse = tensors[6] if len(tensors) > 6 else None
-        return ring_backward(
-            dout, q, k, v, out, lse, dlse, group_name=group_name, world_size=world_size,
-            is_causal=is_causal, layout=layout, scale=scale,
-        )
-
-    return "backward", world_size, fn, tensors
 
 
 def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
@@ -106,11 +77,10 @@ def _inline(graph: fx.Graph, node: fx.Node, schedule: fx.GraphModule, inputs: li
 def expand_cp_ops(graph: fx.Graph) -> list[Expansion]:
     """Replace every CP attention node in ``graph`` with its inlined schedule."""
     expansions = []
-    targets = (cp.ring_attention.default, cp.ring_attention_backward.default)
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in targets]:
-        direction, world_size, fn, inputs = _schedule_fn(node)
-        schedule = _trace(fn, inputs)
-        expansions.append(Expansion(direction, world_size, _inline(graph, node, schedule, inputs)))
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in EXPANSIONS]:
+        call = EXPANSIONS[node.target](node.args)
+        schedule = _trace(call.fn, call.tensors)
+        expansions.append(Expansion(call.direction, call.world_size, _inline(graph, node, schedule, call.tensors)))
     if expansions:
         graph.lint()
     return expansions

@@ -19,8 +19,9 @@ import torch
 import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
+from ..ops.registry import COMPUTE_OPS, LISTING_NAMES
+
 cp = torch.ops.cp
-COMPUTE_OPS = (cp.ring_block_attn.default, cp.ring_block_attn_backward.default)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -70,10 +71,8 @@ def _unwrapped(node: fx.Node) -> fx.Node:
     return node
 
 
-_NAMES = {
+_COMM_NAMES = {
     cp.ring_shift.default: "shift",
-    cp.ring_block_attn.default: "attend",
-    cp.ring_block_attn_backward.default: "attend_backward",
     cp.merge.default: "merge",
     cp.merge_.default: "merge",
     cp.agree.default: "agree",
@@ -85,7 +84,7 @@ def schedule_listing(graph: fx.Graph) -> list[str]:
     """The CP ops of a graph in order, e.g. ``["agree", "shift", "attend step=0", "wait", ...]``."""
     listing = []
     for node in map(_unwrapped, graph.nodes):
-        name = _NAMES.get(node.target)
+        name = _COMM_NAMES.get(node.target) or LISTING_NAMES.get(node.target)
         if name is None:
             continue
         if name.startswith("attend"):

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-CP_FORWARD_OPS = (torch.ops.cp.ring_attention.default,)
+from ..ops.registry import FORWARD_OPS as CP_FORWARD_OPS
 
 
 def save_cp_outputs(graph: fx.Graph) -> int:

@@ -8,11 +8,14 @@ as submodules.
 
 The pass is match -> check -> rewrite:
 
-- ``find_sites`` returns one ``AttentionSite`` per SDPA call;
-- ``check_site`` raises ``UnsupportedAttention`` (naming the argument) for
-  what CP cannot reproduce exactly: ``dropout_p > 0``, an ``attn_mask`` tensor;
-- ``rewrite_site`` inserts ``cp::ring_attention``, reroutes the users of the
-  old output and erases the SDPA node.
+- ``find_sites`` returns one ``AttentionSite`` per attention call, of any of
+  the ``SITE_KINDS`` (each kind knows how to match, check and rewrite its op);
+- the kind's ``check`` raises ``UnsupportedAttention`` (naming the argument)
+  for what CP cannot reproduce exactly (for SDPA: ``dropout_p > 0``, an
+  ``attn_mask`` tensor);
+- ``passes.cost.choose_schedule`` picks the schedule, and the kind's
+  ``rewrite`` inserts that schedule's CP op, reroutes the users of the old
+  output and erases the attention node.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import inspect
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -41,6 +44,15 @@ class UnsupportedAttention(NotImplementedError):
     """An attention call that CP cannot rewrite exactly."""
 
 
+@dataclass(frozen=True)
+class CPOptions:
+    """What the plan tells the passes: the same on every rank."""
+
+    group_name: str
+    layout: str
+    schedule: str = "auto"  # "auto" or a schedule name forced for every site
+
+
 @dataclass
 class AttentionSite:
     """One attention call found in a graph."""
@@ -51,6 +63,10 @@ class AttentionSite:
     args: dict[str, Any]  # SDPA arguments by name
     kind: str = "sdpa"
     decision: dict = field(default_factory=dict)  # filled by the rewrite: schedule and why
+
+    @property
+    def handler(self) -> "SiteKind":
+        return next(k for k in SITE_KINDS if k.name == self.kind)
 
     @property
     def query(self) -> fx.Node:
@@ -97,14 +113,31 @@ def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:
     sites = []
     for path, module in _graph_modules(gm):
         for node in module.graph.nodes:
-            if node.op == "call_function" and node.target in SDPA_TARGETS:
-                bound = _SDPA_SIGNATURE.bind(*node.args, **node.kwargs)
-                bound.apply_defaults()
-                sites.append(AttentionSite(owner=module, owner_path=path, node=node, args=dict(bound.arguments)))
+            if node.op != "call_function":
+                continue
+            for kind in SITE_KINDS:
+                args = kind.match(node)
+                if args is not None:
+                    sites.append(AttentionSite(owner=module, owner_path=path, node=node, args=args, kind=kind.name))
+                    break
     return sites
 
 
-def check_site(site: AttentionSite) -> None:
+def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int = 1) -> list[fx.Node]:
+    """Insert ``target(*args)`` (a tuple-valued CP op) before the site's node and
+    route the old node's users to its first output; returns [op, out0, ...]."""
+    graph = site.owner.graph
+    with graph.inserting_before(site.node):
+        op = graph.call_function(target, args)
+        outs = [graph.call_function(operator.getitem, (op, i)) for i in range(n_outputs_used)]
+    for new in [op] + outs:
+        new.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    if "example_value" in site.node.meta and n_outputs_used == 1:
+        outs[0].meta["example_value"] = site.node.meta["example_value"]
+    return [op] + outs
+
+
+def _check_sdpa(site: AttentionSite) -> None:
     args = site.args
     where = f"at {site.source}"
     if args["attn_mask"] is not None:
@@ -131,43 +164,72 @@ def check_site(site: AttentionSite) -> None:
         )
 
 
-def rewrite_site(site: AttentionSite, group_name: str, layout: str) -> fx.Node:
-    """Replace the SDPA node with ``cp::ring_attention``; returns the new out node."""
+def _ring_sdpa(site: AttentionSite, options: CPOptions, scale: float):
+    args = site.args
+    return torch.ops.cp.ring_attention.default, (
+        args["query"], args["key"], args["value"], options.group_name, bool(args["is_causal"]), options.layout,
+        scale, bool(args["enable_gqa"]),
+    )
+
+
+# schedule name -> (site, options, scale) -> (whole forward op, its args); its output 0 is SDPA's output
+SDPA_SCHEDULES: dict[str, Callable] = {"ring": _ring_sdpa}
+
+
+def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
+    """Replace the SDPA node with the chosen schedule's CP op."""
+    from .cost import choose_schedule
+
     args = site.args
     head_dim = site.shape("query")[-1]
-    scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim)
-    graph = site.owner.graph
-    with graph.inserting_before(site.node):
-        ring = graph.call_function(
-            torch.ops.cp.ring_attention.default,
-            (args["query"], args["key"], args["value"], group_name, bool(args["is_causal"]), layout,
-             float(scale), bool(args["enable_gqa"])),
+    scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
+    schedule, why = choose_schedule(site, options)
+    if schedule not in SDPA_SCHEDULES:
+        raise UnsupportedAttention(
+            f"schedule {schedule!r} is not available for scaled_dot_product_attention at {site.source}; "
+            f"available: {sorted(SDPA_SCHEDULES)}"
         )
-        out = graph.call_function(operator.getitem, (ring, 0))
-    for new in (ring, out):
-        new.meta["stack_trace"] = site.node.meta.get("stack_trace")
-    if "example_value" in site.node.meta:
-        out.meta["example_value"] = site.node.meta["example_value"]
+    _, out = replace_node(site, *SDPA_SCHEDULES[schedule](site, options, scale))
     site.node.replace_all_uses_with(out)
-    graph.erase_node(site.node)
+    site.owner.graph.erase_node(site.node)
     site.decision = {
-        "schedule": "ring",
-        "why": "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
-        if args["is_causal"] else "ring: K/V transfer overlapped with compute",
-        "is_causal": bool(args["is_causal"]),
-        "scale": float(scale),
+        "schedule": schedule, "why": why, "is_causal": bool(args["is_causal"]), "scale": scale,
         "enable_gqa": bool(args["enable_gqa"]),
     }
-    return out
 
 
-def rewrite_attention(gm: fx.GraphModule, group_name: str, layout: str) -> list[AttentionSite]:
+@dataclass(frozen=True)
+class SiteKind:
+    """One kind of attention call: how to find it, check it and rewrite it."""
+
+    name: str
+    match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None
+    check: Callable[[AttentionSite], None]
+    rewrite: Callable[[AttentionSite, CPOptions], None]
+
+
+def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:
+    if node.target not in SDPA_TARGETS:
+        return None
+    bound = _SDPA_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+SITE_KINDS: list[SiteKind] = [SiteKind("sdpa", _match_sdpa, _check_sdpa, _rewrite_sdpa)]
+
+
+def check_site(site: AttentionSite) -> None:
+    site.handler.check(site)
+
+
+def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionSite]:
     """Stage 1 over a whole Dynamo graph module (HOP bodies included)."""
     sites = find_sites(gm)
     for site in sites:
         check_site(site)
     for site in sites:
-        rewrite_site(site, group_name, layout)
+        site.handler.rewrite(site, options)
     touched = {id(s.owner): s.owner for s in sites}
     for module in touched.values():
         module.graph.lint()
