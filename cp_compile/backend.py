@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .passes.expand import Expansion, expand_cp_ops
 from .passes.order import pin_overlap_order, schedule_listing
-from .passes.partition import save_cp_outputs
+from .passes.partition import CPPartitioner, save_cp_outputs
 from .passes.rewrite import AttentionSite, CPOptions, rewrite_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager")
@@ -107,6 +107,7 @@ class CPBackend:
                 "joint_custom_pre_pass": _SaveCPOutputsPass(),
                 "post_grad_custom_pre_pass": _ExpandPass(record),
                 "post_grad_custom_post_pass": _PinPass(record),
+                "custom_partitioner_fn": CPPartitioner(_source_hash()),
             }
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd

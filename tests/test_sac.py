@@ -7,9 +7,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from cp_compile.sac import sac_policy
 
 
-def checkpointed_traffic(mode: str, compiled: bool, inner: str = "aot_eager"):
-    """fp64 attention block under checkpoint: backward traffic by tag and gradient error."""
+def checkpointed_traffic(mode: str, compiled: bool, inner: str = "aot_eager", budget: float = 1.0):
+    """fp64 attention block under checkpoint: backward traffic by tag and gradient error.
+
+    ``budget`` is ``torch._functorch.config.activation_memory_budget`` while compiling."""
     import torch.nn.functional as F
+    from torch._functorch import config as functorch_config
     from torch.utils.checkpoint import checkpoint
 
     import cp_compile
@@ -36,7 +39,8 @@ def checkpointed_traffic(mode: str, compiled: bool, inner: str = "aot_eager"):
     block(sdpa, *ref).sum().backward()
     local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
     if compiled:
-        out = torch.compile(lambda *a: fn(sdpa, *a), backend=plan.backend(inner), fullgraph=True)(*local)
+        with functorch_config.patch(activation_memory_budget=budget):
+            out = torch.compile(lambda *a: fn(sdpa, *a), backend=plan.backend(inner), fullgraph=True)(*local)
     else:
         eager = lambda q, k, v: cp_compile.ring_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
         out = fn(eager, *local)
@@ -62,6 +66,17 @@ def test_plain_checkpoint_compiled_does_not_rerun_the_ring(ranks, inner):
     from cp_compile.ops.comm import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_traffic, "plain", True, inner, timeout=600):
+        assert err < 1e-10
+        assert by_tag == {TAG_KV: 1, TAG_DKV: 2}
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_activation_memory_budget_never_recomputes_the_ring(ranks, budget):
+    """Under a budget the min-cut partitioner ignores MUST_SAVE tags (budget 0 saves only inputs);
+    the CP partitioner splits again with the CP outputs saved."""
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+
+    for by_tag, err in ranks(2, checkpointed_traffic, "none", True, "inductor", budget, timeout=600):
         assert err < 1e-10
         assert by_tag == {TAG_KV: 1, TAG_DKV: 2}
 
