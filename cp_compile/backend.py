@@ -14,6 +14,7 @@ the partitioned forward and backward graphs (``passes.expand``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass, field
@@ -50,28 +51,43 @@ class CompileRecord:
     schedules: list[list[str]] = field(default_factory=list)  # per expanded graph, in final order
 
 
+def _plan_key(options: CPOptions) -> tuple:
+    """What, besides the graph and our code, decides the compiled result.
+
+    The graph holds the group's name but not its size, and the same local
+    shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
+    steps) differs. Every cache key of ours therefore carries C.
+    """
+    from .ops.comm import resolve_group
+
+    return (*dataclasses.astuple(options), resolve_group(options.group_name).size(), _source_hash())
+
+
 class _ExpandPass(CustomGraphPass):
-    def __init__(self, record: CompileRecord):
-        self.record = record
+    def __init__(self, record: CompileRecord, key: tuple):
+        self.record, self.key = record, key
 
     def __call__(self, graph: fx.Graph) -> None:
         self.record.expansions += expand_cp_ops(graph)
 
     def uuid(self):
-        return ("cp_compile.expand", _source_hash())
+        return ("cp_compile.expand", self.key)
 
 
 class _SaveCPOutputsPass(CustomGraphPass):
+    def __init__(self, key: tuple):
+        self.key = key
+
     def __call__(self, graph: fx.Graph) -> None:
         save_cp_outputs(graph)
 
     def uuid(self):
-        return ("cp_compile.save", _source_hash())
+        return ("cp_compile.save", self.key)
 
 
 class _PinPass(CustomGraphPass):
-    def __init__(self, record: CompileRecord):
-        self.record = record
+    def __init__(self, record: CompileRecord, key: tuple):
+        self.record, self.key = record, key
 
     def __call__(self, graph: fx.Graph) -> None:
         pin_overlap_order(graph)
@@ -80,7 +96,7 @@ class _PinPass(CustomGraphPass):
             self.record.schedules.append(listing)
 
     def uuid(self):
-        return ("cp_compile.pin", _source_hash())
+        return ("cp_compile.pin", self.key)
 
 
 class CPBackend:
@@ -103,11 +119,12 @@ class CPBackend:
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
+            key = _plan_key(self.options)
             patches = {
-                "joint_custom_pre_pass": _SaveCPOutputsPass(),
-                "post_grad_custom_pre_pass": _ExpandPass(record),
-                "post_grad_custom_post_pass": _PinPass(record),
-                "custom_partitioner_fn": CPPartitioner(_source_hash()),
+                "joint_custom_pre_pass": _SaveCPOutputsPass(key),
+                "post_grad_custom_pre_pass": _ExpandPass(record, key),
+                "post_grad_custom_post_pass": _PinPass(record, key),
+                "custom_partitioner_fn": CPPartitioner(key),
             }
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd

@@ -214,3 +214,47 @@ def function_parity(inner: str):
 def test_noncausal_scale_and_gqa_compiled(ranks, inner):
     for errs in ranks(3, function_parity, inner, timeout=600):
         assert max(errs) < 1e-10, errs
+
+
+def attention_with_cache(cache_dir: str, local_len: int):
+    """Causal SDPA fwd+bwd compiled with Inductor and a given cache directory; (max error, FX cache hits)."""
+    import os
+
+    import torch._inductor.config as inductor_config
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    import cp_compile
+    from helpers import make_qkv, max_err
+
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        plan = cp_compile.ContextParallel()
+        q, k, v, dout = make_qkv(1, 2, 2, local_len * plan.world_size, 8)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout)
+        local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+        with inductor_config.patch(fx_graph_cache=True):
+            fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               backend=plan.backend("inductor"), fullgraph=True)
+            fn(*local).backward(plan.shard(dout, 2))
+        err = max(max_err(a.grad, plan.shard(b.grad, 2)) for a, b in zip(local, ref))
+        return err, counters["inductor"]["fxgraph_cache_hit"]
+    finally:
+        if previous is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def test_cache_shared_by_world_sizes_never_serves_another_c(ranks, tmp_path):
+    """Same local shapes at C=2 and C=4 give the same Dynamo graph; the ring differs (C steps),
+    so the cache key must hold C or C=4 would run a cached 2-step ring."""
+    cache = str(tmp_path / "cache")
+    for world_size in (2, 4, 2):
+        for err, hits in ranks(world_size, attention_with_cache, cache, 8, timeout=600):
+            assert err < 1e-10, f"C={world_size}"
+    assert hits >= 2  # the second C=2 run came from the cache: the key still hits where it should

@@ -95,12 +95,12 @@ def partition_saving_cp(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs:
 class CPPartitioner(CustomPartitionerFn):
     """Inductor's ``custom_partitioner_fn``: ``partition_saving_cp``."""
 
-    def __init__(self, source_hash: str):
-        self.source_hash = source_hash
+    def __init__(self, key: tuple):
+        self.key = key
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
         return partition_saving_cp(gm, joint_inputs, **kwargs)
 
     def uuid(self):
-        return ("cp_compile.partition", self.source_hash)
+        return ("cp_compile.partition", self.key)
