@@ -70,5 +70,9 @@ class ContextParallel:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
-        """Eager CP attention over this plan's group and layout."""
+        """Eager CP attention over this plan's group and layout (all-gather if the plan says so, else the ring)."""
+        if self.schedule == "allgather":
+            from .ops.allgather import allgather_attention
+
+            return allgather_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
         return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)

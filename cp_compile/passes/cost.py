@@ -7,7 +7,7 @@ graph.
 
 from __future__ import annotations
 
-SCHEDULES = ("ring",)
+SCHEDULES = ("ring", "allgather")
 
 
 def check_schedule(schedule: str) -> None:
