@@ -5,12 +5,13 @@ from .inspect import explain
 from .ops.comm import count_traffic
 from .ops.allgather import allgather_attention
 from .ops.ring import ring_attention
+from .ops.varlen import varlen_attention
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel
 from .sac import sac_context, sac_policy
 
 __all__ = [
     "ContextParallel", "allgather_attention", "UnsupportedAttention", "count_traffic", "explain", "ring_attention", "sac_context",
-    "sac_policy",
+    "sac_policy", "varlen_attention",
 ]
 __version__ = "0.1.0"

@@ -242,3 +242,6 @@ def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionS
         module.graph.lint()
         module.recompile()
     return sites
+
+
+from . import varlen_site  # noqa: E402,F401  (adds the "varlen" site kind)

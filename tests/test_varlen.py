@@ -1,0 +1,250 @@
+"""Packed documents (THD, cu_seqlens) under CP: layout, eager schedules, the compiled varlen_attn rewrite."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_compile import layout
+from helpers import max_err
+
+# Lengths that do not divide by 2C, a length-1 document, documents shorter than
+# 2C (some ranks hold only their padding), a zero-length document.
+LENGTHS = [13, 1, 0, 3, 22, 5]
+WINDOWS = [(-1, -1), (-1, 0), (3, 0), (2, 1)]
+
+
+def packed_inputs(lengths, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
+    do = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return q, k, v, do, cu
+
+
+def window_mask(n, left, right):
+    i = torch.arange(n)
+    behind = i[:, None] - i[None, :]
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        mask &= behind <= left
+    if right >= 0:
+        mask &= -behind <= right
+    return mask
+
+
+def per_document_reference(q, k, v, do, cu, window):
+    """Single-device attention of each document on its own, with input gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
+        tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
+                                           enable_gqa=tq.shape[1] != tk.shape[1])
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+# ----------------------------------------------------------------------------
+# Layout (no ranks needed).
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_packed_layout_edge_cases(world_size):
+    cu = torch.tensor([0, 13, 14, 14, 17, 39, 44], dtype=torch.int32)
+    x = torch.arange(44 * 2).view(44, 2) + 1  # no zeros: padding is recognisable
+    shards = [layout.shard_packed(x, 0, cu, r, world_size) for r in range(world_size)]
+    assert len({s.shape[0] for s in shards}) == 1  # every rank holds as many slots
+    assert shards[0].shape[0] == layout.packed_local_len(cu, world_size)
+    assert torch.equal(layout.unshard_packed(shards, 0, cu), x)
+    real = torch.cat([layout.packed_slots(cu, r, world_size)["real"] for r in range(world_size)])
+    assert real.sum().item() == 44  # every real token exactly once
+    for r, s in enumerate(shards):
+        slots = layout.packed_slots(cu, r, world_size)
+        assert (s[~slots["real"]] == 0).all()
+        # positions inside each document: exact, not rounded by 2C
+        assert torch.equal(s[slots["real"]][:, 0] - 1, 2 * (cu[slots["doc"][slots["real"]]].long() + slots["pos"][slots["real"]]))
+
+
+def test_per_document_zigzag_chunks():
+    # a 5-token document over C=2: 4 chunks of 2 slots (3 pad slots at the tail);
+    # rank 0 holds chunks 0 and 3 (positions 0,1 and 6,7: padding), rank 1 chunks 1 and 2
+    cu = [0, 5, 6]  # then a length-1 document: only rank 0 holds its token
+    zero, one = (layout.packed_slots(cu, r, 2) for r in (0, 1))
+    assert zero["pos"].tolist() == [0, 1, 6, 7, 0, 3] and zero["real"].tolist() == [1, 1, 0, 0, 1, 0]
+    assert one["pos"].tolist() == [2, 3, 4, 5, 1, 2] and one["real"].tolist() == [1, 1, 1, 0, 0, 0]
+    assert zero["index"].tolist() == [0, 1, -1, -1, 5, -1]
+
+
+def test_bad_cu_seqlens_named():
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layout.shard_packed(torch.zeros(5), 0, [0, 3, 2], 0, 2)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 4"):
+        layout.shard_packed(torch.zeros(5), 0, [0, 4], 0, 2)
+
+
+# ----------------------------------------------------------------------------
+# Eager schedules on gloo ranks.
+# ----------------------------------------------------------------------------
+
+
+def run_packed(lengths, hq, hkv, d):
+    """Every schedule and window on this rank: fp64 errors against per-document attention."""
+    import cp_compile
+    from cp_compile.ops import varlen as varlen_ops
+
+    plan = cp_compile.ContextParallel()
+    q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
+    slots = layout.packed_slots(cu, plan.rank, plan.world_size)
+    pad = ~slots["real"]
+    results = []
+    for schedule in ("allgather", "ring"):
+        for window in WINDOWS:
+            reference = per_document_reference(q, k, v, do, cu, window)
+            leaves = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+            # gradients arriving at padding rows must not leak anywhere
+            local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
+            computed = []
+            real_scores = varlen_ops._scores
+            varlen_ops._scores = lambda *a: computed.append(1) or real_scores(*a)
+            try:
+                out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
+                                                  schedule=schedule)
+                n_forward = len(computed)
+                out.backward(local_do)
+            finally:
+                varlen_ops._scores = real_scores
+            got = [out.detach()] + [t.grad for t in leaves]
+            results.append({
+                "case": (schedule, window),
+                "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
+                "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
+                "nan": any(not torch.isfinite(g).all().item() for g in got),
+                "padding_zero": all((g[pad] == 0).all().item() for g in got[:2]),
+                "forward_blocks_computed": n_forward,
+            })
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_packed_fp64_equals_per_document_attention(ranks, world_size):
+    for per_rank in ranks(world_size, run_packed, LENGTHS, 4, 2, 8, timeout=300):
+        for result in per_rank:
+            case = result["case"]
+            assert not result["nan"], case
+            assert result["padding_zero"], case  # padding rows: out = 0, dq = 0
+            assert max(result["errors"]) < 1e-10, (case, result["errors"])
+            assert result["unshard_err"] < 1e-10, case
+
+
+def test_ring_skips_blocks_outside_every_window(ranks):
+    # long documents, a window of 2: each query sees only its own and neighbouring chunks
+    for per_rank in ranks(4, run_packed, [64, 40], 2, 2, 4, timeout=300):
+        by_case = {r["case"]: r for r in per_rank}
+        assert max(max(r["errors"]) for r in per_rank) < 1e-10
+        assert by_case[("ring", (-1, -1))]["forward_blocks_computed"] == 4
+        assert by_case[("ring", (2, 1))]["forward_blocks_computed"] < 4
+
+
+def opcheck_packed_ops():
+    import torch.distributed as dist
+
+    import cp_compile  # noqa: F401
+
+    name = dist.group.WORLD.group_name
+    c = dist.get_world_size()
+    q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
+    q, k, v, do = (layout.shard_packed(t, 0, cu, dist.get_rank(), c) for t in (q, k, v, do))
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    cases = []
+    for schedule in ("allgather", "ring"):
+        out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 2, 0, 0.4, True)
+        cases += [
+            (torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, schedule, 2, 0, 0.4, True)),
+            (torch.ops.cp.varlen_attention_backward.default,
+             (do, q, k, v, out, lse, lse.clone(), cu, name, schedule, 2, 0, 0.4)),
+        ]
+    k_all, v_all = (torch.cat([t] * c) for t in (k, v))
+    cases += [
+        (torch.ops.cp.varlen_block_attn.default, (q, k_all, v_all, cu, -1, name, -1, 0, 0.4)),
+        (torch.ops.cp.varlen_block_attn.default, (q, k, v, cu, 1, name, -1, -1, 0.4)),
+        (torch.ops.cp.varlen_block_attn_backward.default, (do, q, k, v, out, lse, None, cu, 1, name, 2, 0, 0.4)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return True
+
+
+def test_opcheck_packed_ops(ranks):
+    assert ranks(2, opcheck_packed_ops) == [True, True]
+
+
+# ----------------------------------------------------------------------------
+# torch's varlen_attn in a compiled model.
+# ----------------------------------------------------------------------------
+
+
+def compiled_varlen(inner: str):
+    """Two varlen_attn sites (a short causal window with GQA; full causal), compiled for one device."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.varlen import varlen_attn
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    lengths = [13, 1, 0, 3, 22, 5]
+    q, k, v, do, cu = packed_inputs(lengths, 4, 1, 8)
+    max_len = max(lengths)
+
+    def model(q, k, v, cu):
+        kk = k.repeat_interleave(4, 1)
+        a = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True)
+        b = varlen_attn(q, kk, v.repeat_interleave(4, 1), cu, cu, max_len, max_len, window_size=(-1, 0))
+        return a * b
+
+    def reference_model(q, k, v):
+        a = per_document_reference_out(q, k, v, cu, (2, 0))
+        b = per_document_reference_out(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, (-1, 0))
+        return a * b
+
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_model(*ref_inputs)
+    ref_out.backward(do)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = plan.backend(inner)
+    local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+    out = torch.compile(model, backend=backend, fullgraph=True)(*local, cu)
+    out.backward(plan.shard(do, 0, cu_seqlens=cu))
+    errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
+    errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
+    decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
+    return errs, decisions, sum(counters["graph_break"].values())
+
+
+def per_document_reference_out(q, k, v, cu, window):
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
+                                               enable_gqa=tq.shape[1] != tk.shape[1])
+            outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_compiled_varlen_attn_rewrite(ranks):
+    for errs, decisions, breaks in ranks(3, compiled_varlen, "aot_eager", timeout=600):
+        assert breaks == 0
+        assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
+        assert "window" in decisions[0][2]
+        assert max(errs) < 1e-10, errs
