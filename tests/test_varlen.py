@@ -195,7 +195,7 @@ def test_opcheck_packed_ops(ranks):
 def compiled_varlen(inner: str):
     """Two varlen_attn sites (a short causal window with GQA; full causal), compiled for one device."""
     from torch._dynamo.utils import counters
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     import cp_compile
 
@@ -206,9 +206,10 @@ def compiled_varlen(inner: str):
 
     def model(q, k, v, cu):
         kk = k.repeat_interleave(4, 1)
-        a = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True)
+        a, lse = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True,
+                             return_aux=AuxRequest(lse=True))
         b = varlen_attn(q, kk, v.repeat_interleave(4, 1), cu, cu, max_len, max_len, window_size=(-1, 0))
-        return a * b
+        return a * b, lse.detach()
 
     def reference_model(q, k, v):
         a = per_document_reference_out(q, k, v, cu, (2, 0))
@@ -222,12 +223,20 @@ def compiled_varlen(inner: str):
     counters.clear()
     backend = plan.backend(inner)
     local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
-    out = torch.compile(model, backend=backend, fullgraph=True)(*local, cu)
+    out, lse = torch.compile(model, backend=backend, fullgraph=True)(*local, cu)
     out.backward(plan.shard(do, 0, cu_seqlens=cu))
     errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
+    # varlen_attn's lse is [H, T]; padding slots see nothing (-inf)
+    real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    ref_lse = plan.shard(per_document_lse(q, k, cu, (2, 0)), 0, cu_seqlens=cu)
+    lse_ok = (lse.dtype == torch.float32 and lse.shape == (4, len(real))  # fp32, as varlen_attn returns it
+              and bool(torch.isneginf(lse.t()[~real]).all()) and max_err(lse.t()[real], ref_lse[real]) < 1e-5)
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
     decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
-    return errs, decisions, sum(counters["graph_break"].values())
+    from cp_compile.inspect import site_report
+
+    reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
+    return errs, decisions, sum(counters["graph_break"].values()), reports, lse_ok
 
 
 def per_document_reference_out(q, k, v, cu, window):
@@ -242,9 +251,24 @@ def per_document_reference_out(q, k, v, cu, window):
     return torch.cat(outs)
 
 
+def per_document_lse(q, k, cu, window):
+    """[T, Hq] log-sum-exp of each token's visible scores (GQA: K repeated)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype)
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / q.shape[-1] ** 0.5
+            lse[a:b] = s.masked_fill(~window_mask(b - a, *window), float("-inf")).logsumexp(-1).t()
+    return lse
+
+
 def test_compiled_varlen_attn_rewrite(ranks):
-    for errs, decisions, breaks in ranks(3, compiled_varlen, "aot_eager", timeout=600):
+    for errs, decisions, breaks, reports, lse_ok in ranks(3, compiled_varlen, "aot_eager", timeout=600):
         assert breaks == 0
+        assert lse_ok
+        assert "schedule: allgather over C=3 (window (2, 0)" in reports[0] and "causal" in reports[0]
+        assert "schedule: ring over C=3" in reports[1]
         assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
         assert "window" in decisions[0][2]
         assert max(errs) < 1e-10, errs
