@@ -263,8 +263,9 @@ def per_document_lse(q, k, cu, window):
     return lse
 
 
-def test_compiled_varlen_attn_rewrite(ranks):
-    for errs, decisions, breaks, reports, lse_ok in ranks(3, compiled_varlen, "aot_eager", timeout=600):
+@pytest.mark.parametrize("inner", ["inductor"])
+def test_compiled_varlen_attn_rewrite(ranks, inner):
+    for errs, decisions, breaks, reports, lse_ok in ranks(3, compiled_varlen, inner, timeout=600):
         assert breaks == 0
         assert lse_ok
         assert "schedule: allgather over C=3 (window (2, 0)" in reports[0] and "causal" in reports[0]
