@@ -273,3 +273,33 @@ def test_compiled_varlen_attn_rewrite(ranks, inner):
         assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
         assert "window" in decisions[0][2]
         assert max(errs) < 1e-10, errs
+
+
+def packed_low_precision(dtype_name: str):
+    """bf16 CP error against fp64, next to the same-dtype single-device error, per schedule."""
+    import cp_compile
+
+    dtype = getattr(torch, dtype_name)
+    plan = cp_compile.ContextParallel()
+    q, k, v, do, cu = packed_inputs([50, 7, 1, 33], 4, 2, 32, seed=1)
+    window = (-1, 0)
+    reference = per_document_reference(q, k, v, do, cu, window)
+    single = per_document_reference(*(t.to(dtype) for t in (q, k, v, do)), cu, window)
+    shard = lambda t: plan.shard(t, 0, cu_seqlens=cu)  # noqa: E731
+    errors = {}
+    for schedule in ("allgather", "ring"):
+        leaves = [shard(t.to(dtype)).requires_grad_() for t in (q, k, v)]
+        out = cp_compile.varlen_attention(*leaves, cu, is_causal=True, enable_gqa=True, schedule=schedule)
+        out.backward(shard(do.to(dtype)))
+        got = [out.detach()] + [t.grad for t in leaves]
+        errors[schedule] = [(str(g.dtype), max_err(g, shard(r)), max_err(shard(s), shard(r)))
+                            for g, s, r in zip(got, single, reference)]
+    return errors
+
+
+def test_packed_bfloat16_within_twice_single_device_error(ranks):
+    for errors in ranks(3, packed_low_precision, "bfloat16"):
+        for schedule, per_tensor in errors.items():
+            for name, (dtype, cp, single) in zip(("out", "dq", "dk", "dv"), per_tensor):
+                assert dtype == "torch.bfloat16"
+                assert cp <= 2 * single, f"{schedule} {name}: CP error {cp:.3g} vs single-device {single:.3g}"
