@@ -303,3 +303,45 @@ def test_packed_bfloat16_within_twice_single_device_error(ranks):
             for name, (dtype, cp, single) in zip(("out", "dq", "dk", "dv"), per_tensor):
                 assert dtype == "torch.bfloat16"
                 assert cp <= 2 * single, f"{schedule} {name}: CP error {cp:.3g} vs single-device {single:.3g}"
+
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["allgather", "ring"])
+def test_packed_expansion_graph(fake_group, schedule):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cp_compile.passes.expand import expand_cp_ops
+    from cp_compile.passes.order import pin_overlap_order
+
+    name, fc = fake_group, torch.ops._c10d_functional
+
+    def fwd(q, k, v, cu):
+        return torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 4, 0, 0.25, True)
+
+    def bwd(do, q, k, v, out, lse, cu):
+        return torch.ops.cp.varlen_attention_backward(do, q, k, v, out, lse, None, cu, name, schedule, 4, 0, 0.25)
+
+    with FakeTensorMode():
+        q, k, v, do = (torch.empty(s) for s in [(12, 4, 8), (12, 2, 8), (12, 2, 8), (12, 4, 8)])
+        cu, lse = torch.empty(4, dtype=torch.int32), torch.empty(12, 4)
+        graphs = [make_fx(fwd, tracing_mode="fake")(q, k, v, cu), make_fx(bwd, tracing_mode="fake")(do, q, k, v, do, lse, cu)]
+    (forward,), (backward,) = (expand_cp_ops(gm.graph) for gm in graphs)
+    gathers = sum(e.count(fc.all_gather_into_tensor.default) for e in (forward, backward))
+    shifts = sum(e.count(torch.ops.cp.ring_shift.default) for e in (forward, backward))
+    if schedule == "allgather":
+        assert (gathers, shifts, backward.count(fc.reduce_scatter_tensor.default)) == (4, 0, 2)
+    else:  # forward C-1 K/V shifts; backward C-1 K/V and C dK/dV shifts, each but the last overlapped
+        assert (gathers, shifts) == (0, 2 + 2 + 3)
+        assert [pin_overlap_order(gm.graph) for gm in graphs] == [5 * 2, 10 * 2]
+    steps = [n.args[4] for n in forward.nodes if n.target == torch.ops.cp.varlen_block_attn.default]
+    assert steps == ([-1] if schedule == "allgather" else [0, 1, 2])  # step numbers, never a rank
