@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .block import acc_dtype, block_attn_backward_impl, block_attn_impl, dense_like, result_like
+from .block import _lse_grad, _tile_bwd, acc_dtype, block_attn_impl, dense_like, result_like
 from .comm import resolve_group
 from .registry import Traceable, register_schedule
 from .ring import check_ring_args, group_name_of
@@ -127,26 +127,49 @@ def _(q, k, v, group_name, is_causal, layout, scale):
     return result_like(q, v)
 
 
+def _key_tiles(q_len: int, visible: int, mask: str, width: int):
+    """(key columns, causal) tiles covering a chunk's visible keys, each at most ``width`` wide.
+
+    Narrow tiles keep each kernel's dK/dV temporaries one chunk in size, so
+    the backward holds the gathered K/V and fp32 dK/dV and little else, at
+    any C. Bottom-right causal is a visible prefix plus a top-left causal
+    square ending at ``visible``.
+    """
+    end = visible - q_len if mask == "causal_bottom_right" else visible
+    tiles = [(slice(a, min(a + width, end)), False) for a in range(0, end, width)]
+    if mask == "causal_bottom_right":
+        tiles.append((slice(end, visible), True))
+    return tiles
+
+
 @torch.library.custom_op("cp::allgather_block_attn_backward", mutates_args=())
 def allgather_block_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     group_name: str, is_causal: bool, layout: str, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ (q's dtype) and the full-length dK/dV in the accumulator dtype, ready to reduce-scatter."""
+    """dQ (q's dtype) and the full-length dK/dV in the accumulator dtype, ready to reduce-scatter.
+
+    Each tile's gradients are its exact share given the final out and lse.
+    """
     dt = acc_dtype(q.dtype)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
     dv = torch.zeros(v.shape, dtype=dt, device=v.device)
     for rows, visible, mask in _chunks_at(q, group_name, is_causal, layout):
-        cols = slice(0, k.shape[2] if visible is None else visible)
-        tq, tk, tv = block_attn_backward_impl(
-            dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-            lse[:, :, rows].contiguous(), mask, scale, None if dlse is None else dlse[:, :, rows],
-        )
-        dq[:, :, rows] = tq
-        dk[:, :, cols] += tk
-        dv[:, :, cols] += tv
-    return dq, dk, dv
+        q_r, out_r, dout_r = q[:, :, rows], out[:, :, rows], dout[:, :, rows].contiguous()
+        lse_r = lse[:, :, rows].contiguous()
+        width = q_r.shape[2]
+        for cols, causal in _key_tiles(q_r.shape[2], k.shape[2] if visible is None else visible, mask, width):
+            k_c, v_c = k[:, :, cols], v[:, :, cols]
+            tq, tk, tv = _tile_bwd(dout_r, q_r, k_c, v_c, out_r, lse_r, causal, scale)
+            if dlse is not None:
+                eq, ek = _lse_grad(dlse[:, :, rows], q_r, k_c, lse_r, causal, scale)
+                tq, tk = tq + eq, tk + ek
+            dq[:, :, rows] += tq
+            dk[:, :, cols] += tk
+            dv[:, :, cols] += tv
+            del tq, tk, tv
+    return dq.to(q.dtype), dk, dv
 
 
 @allgather_block_attn_backward.register_fake
