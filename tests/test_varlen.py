@@ -345,3 +345,23 @@ def test_packed_expansion_graph(fake_group, schedule):
         assert [pin_overlap_order(gm.graph) for gm in graphs] == [5 * 2, 10 * 2]
     steps = [n.args[4] for n in forward.nodes if n.target == torch.ops.cp.varlen_block_attn.default]
     assert steps == ([-1] if schedule == "allgather" else [0, 1, 2])  # step numbers, never a rank
+
+
+def mismatched_cu_seqlens():
+    import torch.distributed as dist
+
+    import cp_compile
+
+    lengths = [5, 3] if dist.get_rank() == 0 else [6, 2]  # same total, same local slots: only cu differs
+    q, k, v, _, cu = packed_inputs(lengths, 2, 2, 4)
+    q, k, v = (layout.shard_packed(t, 0, cu, dist.get_rank(), 2) for t in (q, k, v))
+    try:
+        cp_compile.varlen_attention(q, k, v, cu, is_causal=True, schedule="ring")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_cu_seqlens_all_raise(ranks):
+    for message in ranks(2, mismatched_cu_seqlens, timeout=60):
+        assert message is not None and "cu_seqlens differs across ranks" in message

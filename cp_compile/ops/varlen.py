@@ -32,9 +32,11 @@ Schedules:
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..layout import check_cu_seqlens, packed_local_len, packed_slots
@@ -212,15 +214,44 @@ def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
-def _start(q, k, v, group_name, world_size, schedule, left, right, scale, enable_gqa):
+@torch.library.custom_op("cp::agree_cu_seqlens", mutates_args=())
+def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
+    """All-gather a digest of cu_seqlens; raise on every rank if the ranks passed different ones.
+
+    Validation comes after the exchange: a rank that raised first would leave
+    the others waiting in the collective.
+    """
+    group = resolve_group(group_name)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
+    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(group.size(), 3).tolist()
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
+        raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")
+    check_cu_seqlens(cu)
+
+
+@agree_cu_seqlens.register_fake
+def _(cu_seqlens, group_name):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
+
+
+def _start(q, k, v, cu_seqlens, group_name, world_size, schedule, left, right, scale, enable_gqa):
     if world_size > 1:
         torch.ops.cp.agree(q, k, v, group_name, f"packed {schedule} window=({left},{right}) scale={scale!r} "
                            f"gqa={enable_gqa}")
+        torch.ops.cp.agree_cu_seqlens(cu_seqlens, group_name)
     check_packed_args(q, k, v, enable_gqa)
 
 
 def packed_allgather_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
-    _start(q, k, v, group_name, world_size, "allgather", *window, scale, enable_gqa)
+    _start(q, k, v, cu_seqlens, group_name, world_size, "allgather", *window, scale, enable_gqa)
     k_all, v_all = gather_dim0(k, group_name, world_size), gather_dim0(v, group_name, world_size)
     return torch.ops.cp.varlen_block_attn(q, k_all, v_all, cu_seqlens, GATHERED, group_name, *window, scale)
 
@@ -238,7 +269,7 @@ def packed_allgather_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, grou
 
 def packed_ring_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
     ops = torch.ops.cp
-    _start(q, k, v, group_name, world_size, "ring", *window, scale, enable_gqa)
+    _start(q, k, v, cu_seqlens, group_name, world_size, "ring", *window, scale, enable_gqa)
     kv, acc = [k, v], None
     for step in range(world_size):
         incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
