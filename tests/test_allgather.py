@@ -105,6 +105,7 @@ def fake_group():
 
 def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
     from cp_compile.passes.expand import expand_cp_ops
+    from cp_compile.passes.order import schedule_listing
 
     name = fake_group
     fc = torch.ops._c10d_functional
@@ -122,6 +123,12 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
     assert backward.count(fc.all_gather_into_tensor.default) == 2  # gathered again, not saved
     assert backward.count(fc.reduce_scatter_tensor.default) == 2  # dK and dV home
     assert forward.count(torch.ops.cp.ring_shift.default) == 0
+    gm.recompile()
+    assert schedule_listing(gm.graph) == (
+        ["agree", "gather", "wait", "gather", "wait", "gathered attend"]
+        + ["gather", "wait", "gather", "wait", "gathered attend_backward"]
+        + ["reduce_scatter", "wait", "reduce_scatter", "wait"]
+    )
     for node in forward.nodes + backward.nodes:  # the group size and name, never the rank
         if node.target in (fc.all_gather_into_tensor.default, fc.reduce_scatter_tensor.default):
             assert node.args[-2:] == (3, name)

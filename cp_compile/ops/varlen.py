@@ -99,7 +99,8 @@ def _tokens_first(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1]).permute(1, 0, 2)
 
 
-def _visible_block(q, k, v, mask):
+def _visible_block(mask: Tensor):
+    """Rows that see some key, columns some query sees, and the mask between them."""
     rows = mask.any(1).nonzero().flatten()
     cols = mask.any(0).nonzero().flatten()
     sub = mask.index_select(0, rows).index_select(1, cols)
@@ -118,7 +119,7 @@ def masked_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> 
     dt = acc_dtype(q.dtype)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
-    rows, cols, sub = _visible_block(q, k, v, mask)
+    rows, cols, sub = _visible_block(mask)
     if rows.numel() == 0:
         return out, lse
     _, _, s = _scores(q.index_select(0, rows), k.index_select(0, cols), sub, scale, dt)
@@ -136,7 +137,7 @@ def masked_attn_backward(dout, q, k, v, out, lse, dlse, mask, scale):
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
     dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-    rows, cols, sub = _visible_block(q, k, v, mask)
+    rows, cols, sub = _visible_block(mask)
     if rows.numel() == 0:
         return dq, dk, dv
     hkv = k.shape[1]

@@ -47,7 +47,8 @@ def _check_varlen(site: AttentionSite) -> None:
             raise UnsupportedAttention(f"varlen_attn({name}=...) {where}: not supported under context parallelism")
     for name in ("is_causal", "scale", "window_size", "enable_gqa"):
         value = args[name]
-        if isinstance(value, fx.Node) or (isinstance(value, (list, tuple)) and any(isinstance(v, fx.Node) for v in value)):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, fx.Node) for v in items):
             raise UnsupportedAttention(f"varlen_attn({name}=<traced value>) {where}: must be a constant")
     if site.shape("query") is None or len(site.shape("query")) != 3:
         raise UnsupportedAttention(f"varlen_attn {where}: CP needs packed [tokens, heads, dim] inputs")
