@@ -2,8 +2,8 @@
 
 from . import ops  # noqa: F401  (registers torch.ops.cp.*)
 from .inspect import explain
-from .ops.comm import count_traffic
 from .ops.allgather import allgather_attention
+from .ops.comm import count_traffic
 from .ops.ring import ring_attention
 from .ops.varlen import varlen_attention
 from .passes.rewrite import UnsupportedAttention
@@ -11,7 +11,7 @@ from .plan import ContextParallel
 from .sac import sac_context, sac_policy
 
 __all__ = [
-    "ContextParallel", "allgather_attention", "UnsupportedAttention", "count_traffic", "explain", "ring_attention", "sac_context",
-    "sac_policy", "varlen_attention",
+    "ContextParallel", "UnsupportedAttention", "allgather_attention", "count_traffic", "explain", "ring_attention",
+    "sac_context", "sac_policy", "varlen_attention",
 ]
 __version__ = "0.1.0"
