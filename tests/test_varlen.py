@@ -369,3 +369,38 @@ def mismatched_cu_seqlens():
 def test_ranks_with_different_cu_seqlens_all_raise(ranks):
     for message in ranks(2, mismatched_cu_seqlens, timeout=60):
         assert message is not None and "cu_seqlens differs across ranks" in message
+
+
+def test_packed_schedule_choice():
+    from cp_compile.passes.cost import choose_packed_schedule
+
+    schedule, why = choose_packed_schedule(8, 8, 1024, (128, 0), 4)
+    assert schedule == "allgather" and "window (128, 0)" in why
+    schedule, why = choose_packed_schedule(8, 2, 1024, (-1, 0), 4)
+    assert schedule == "allgather" and "few K/V heads" in why
+    assert choose_packed_schedule(8, 8, 1024, (-1, 0), 4)[0] == "ring"
+    assert choose_packed_schedule(8, 8, 1024, (4096, 0), 4)[0] == "ring"  # window wider than a rank's share
+
+
+def test_varlen_with_other_key_documents_is_rejected_at_compile_time():
+    from torch.nn.attention.varlen import varlen_attn
+
+    from cp_compile.passes.rewrite import UnsupportedAttention, check_site, find_sites
+
+    def checking_backend(gm, example_inputs):
+        for site in find_sites(gm):
+            check_site(site)
+        return gm.forward
+
+    def cross(q, cu_q, cu_k):
+        return varlen_attn(q, q, q, cu_q, cu_k, 4, 4)
+
+    q = torch.randn(8, 2, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(cross, backend=checking_backend, fullgraph=True)(q, cu, cu.clone())
+    cause = info.value
+    while cause is not None and not isinstance(cause, UnsupportedAttention):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    assert cause is not None and "cu_seq_k" in str(cause)
