@@ -124,7 +124,7 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
-PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled"]
+PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled", "cp_compile.bench_allgather"]
 
 
 # ----------------------------------------------------------------------------

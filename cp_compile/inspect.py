@@ -41,6 +41,18 @@ class SiteReport:
 
     def __str__(self) -> str:
         c = self.world_size
+        if self.schedule == "allgather":
+            return (
+                f"{self.source}\n"
+                f"    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
+                f"{'causal' if self.is_causal else 'non-causal'}\n"
+                f"    schedule: {self.schedule} over C={c} ({self.why})\n"
+                f"    receives per rank: forward K/V of {c - 1} ranks ({c - 1} x "
+                f"{_fmt_bytes(self.forward_bytes_per_step)}) in one all-gather, backward the same again + a "
+                f"reduce-scatter of fp32 dK/dV\n"
+                f"    holds: forward {self.forward_memory_q_units:.1f}, backward {self.backward_memory_q_units:.1f} "
+                f"local-q units at this C (grows with C: the gathered K/V)"
+            )
         return (
             f"{self.source}\n"
             f"    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
@@ -115,9 +127,13 @@ def site_report(site, world_size: int) -> SiteReport:
     forward = (2 * kv_bytes if world_size > 1 else kv_bytes) + out_acc + lse + partial
     # backward: current + incoming K/V, travelling dK/dV (mine + incoming), dQ accumulator, one step's grads
     backward = 2 * kv_bytes + 2 * dkv_bytes + _nbytes(q_shape, acc) + q_bytes + kv_bytes
+    if site.decision.get("schedule") == "allgather":
+        # gathered K/V, out and lse; backward: gathered K/V, full-length fp32 dK/dV, dQ
+        forward = world_size * kv_bytes + out_acc + lse
+        backward = world_size * (kv_bytes + dkv_bytes) + _nbytes(q_shape, acc)
     return SiteReport(
         source=site.source, location=site.location, schedule=site.decision.get("schedule", "?"),
-        why=site.decision.get("why", ""), is_causal=bool(site.args["is_causal"]),
+        why=site.decision.get("why", ""), is_causal=bool(site.decision.get("is_causal", site.args["is_causal"])),
         q_shape=q_shape, kv_shape=k_shape, dtype=str(dtype).replace("torch.", ""), world_size=world_size,
         forward_bytes_per_step=kv_bytes, backward_bytes_per_step=kv_bytes + dkv_bytes,
         forward_memory_q_units=forward / q_bytes, backward_memory_q_units=backward / q_bytes,

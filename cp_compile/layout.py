@@ -4,6 +4,7 @@ zigzag      the sequence is cut into 2C equal chunks and rank r holds chunks r
             and 2C-1-r, concatenated. Under a causal mask every rank then has
             the same amount of visible work at every ring step.
 contiguous  C equal chunks, rank r holds chunk r.
+packed      per-document zigzag for packed documents (THD with cu_seqlens), below.
 """
 
 from __future__ import annotations
@@ -59,3 +60,75 @@ def unshard(shards: list[Tensor], seq_dim: int, layout: str) -> Tensor:
 
 def positions(seq_len: int, rank: int, world_size: int, layout: str, device=None) -> Tensor:
     return shard(torch.arange(seq_len, device=device), 0, rank, world_size, layout)
+
+
+# ----------------------------------------------------------------------------
+# Packed documents (THD with cu_seqlens): per-document zigzag.
+#
+# Every document of length n is split on its own into 2C chunks of
+# ceil(n / 2C) slots (the tail of the last chunks is padding) and rank r holds
+# chunks r and 2C-1-r of every document, document after document. Every rank
+# then holds the same number of slots, and causal work is balanced within
+# each document. Lengths are computed exactly from cu_seqlens; a document
+# shorter than 2C leaves some ranks only padding, a zero-length one nothing.
+# ----------------------------------------------------------------------------
+
+
+def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:
+    """cu_seqlens as a list of ints, validated (starts at 0, never decreases, ends at ``total``)."""
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {cu}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but the packed sequence has {total} tokens")
+    return cu
+
+
+def packed_slots(cu_seqlens, rank: int, world_size: int) -> dict[str, Tensor]:
+    """Per local slot of ``rank``: document id, position in the document, whether it
+    is a real token, and its index in the packed global sequence (-1 for padding)."""
+    cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64)
+    n = cu[1:] - cu[:-1]
+    two_c = 2 * world_size
+    chunk = (n + two_c - 1) // two_c  # exact ceil in integers: lengths need not divide by 2C
+    doc = torch.repeat_interleave(torch.arange(len(n)), 2 * chunk)
+    first_slot = torch.cumsum(2 * chunk, 0) - 2 * chunk
+    s = torch.arange(doc.numel()) - first_slot[doc]
+    c = chunk[doc]
+    second = s >= c
+    global_chunk = torch.where(second, two_c - 1 - rank, rank)
+    pos = global_chunk * c + s - torch.where(second, c, 0)
+    real = pos < n[doc]
+    index = torch.where(real, cu[:-1][doc] + pos, -1)
+    return {"doc": doc, "pos": pos, "real": real, "index": index}
+
+
+def packed_local_len(cu_seqlens, world_size: int) -> int:
+    cu = check_cu_seqlens(cu_seqlens)
+    two_c = 2 * world_size
+    return sum(2 * ((b - a + two_c - 1) // two_c) for a, b in zip(cu, cu[1:]))
+
+
+def shard_packed(x: Tensor, seq_dim: int, cu_seqlens, rank: int, world_size: int) -> Tensor:
+    """This rank's slots of packed ``x``; padding slots are zero."""
+    cu = check_cu_seqlens(cu_seqlens, x.shape[seq_dim])
+    slots = packed_slots(cu, rank, world_size)
+    index = slots["index"].clamp(min=0).to(x.device)
+    local = x.index_select(seq_dim, index)
+    shape = [1] * x.dim()
+    shape[seq_dim] = -1
+    return local * slots["real"].to(x.device).view(shape) if local.numel() else local
+
+
+def unshard_packed(shards: list[Tensor], seq_dim: int, cu_seqlens) -> Tensor:
+    """The packed global tensor, without padding, from every rank's slots (in rank order)."""
+    cu = check_cu_seqlens(cu_seqlens)
+    world_size = len(shards)
+    shape = list(shards[0].shape)
+    shape[seq_dim] = cu[-1]
+    out = shards[0].new_zeros(shape)
+    for rank, local in enumerate(shards):
+        slots = packed_slots(cu, rank, world_size)
+        keep = slots["real"].nonzero().flatten().to(local.device)
+        out.index_copy_(seq_dim, slots["index"][slots["real"]].to(local.device), local.index_select(seq_dim, keep))
+    return out

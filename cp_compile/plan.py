@@ -45,18 +45,32 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
 
-    def shard(self, x: Tensor, seq_dim: int) -> Tensor:
-        """This rank's shard of ``x`` (the full tensor, the same on every rank)."""
+    def shard(self, x: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """This rank's shard of ``x`` (the full tensor, the same on every rank).
+
+        With ``cu_seqlens`` (packed documents), every document is split into 2C
+        chunks on its own and this rank gets chunks r and 2C-1-r of each, padding
+        slots zero (``layout.packed_slots``).
+        """
+        if cu_seqlens is not None:
+            return _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size)
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
 
-    def unshard(self, x_local: Tensor, seq_dim: int) -> Tensor:
-        """The full tensor, on every rank, from each rank's shard."""
+    def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """The full tensor, on every rank, from each rank's shard (packed: without padding)."""
         parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
+        if cu_seqlens is not None:
+            return _layout.unshard_packed(parts, seq_dim, cu_seqlens)
         return _layout.unshard(parts, seq_dim, self.load_balance)
 
-    def positions(self, seq_len: int, device=None) -> Tensor:
-        """Global positions (LongTensor) of this rank's tokens."""
+    def positions(self, seq_len: Optional[int] = None, device=None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """Global positions (LongTensor) of this rank's tokens; with ``cu_seqlens``, each
+        local slot's position inside its document (padding slots continue their document)."""
+        if cu_seqlens is not None:
+            return _layout.packed_slots(cu_seqlens, self.rank, self.world_size)["pos"].to(device)
+        if seq_len is None:
+            raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
 
     def backend(self, inner: str = "inductor"):
@@ -70,5 +84,9 @@ class ContextParallel:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
-        """Eager CP attention over this plan's group and layout."""
+        """Eager CP attention over this plan's group and layout (all-gather if the plan says so, else the ring)."""
+        if self.schedule == "allgather":
+            from .ops.allgather import allgather_attention
+
+            return allgather_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
         return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)

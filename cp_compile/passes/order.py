@@ -77,6 +77,8 @@ _COMM_NAMES = {
     cp.merge_.default: "merge",
     cp.agree.default: "agree",
     WAIT: "wait",
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
 }
 
 

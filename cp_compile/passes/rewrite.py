@@ -176,6 +176,13 @@ def _ring_sdpa(site: AttentionSite, options: CPOptions, scale: float):
 SDPA_SCHEDULES: dict[str, Callable] = {"ring": _ring_sdpa}
 
 
+def _allgather_sdpa(site: AttentionSite, options: CPOptions, scale: float):
+    return torch.ops.cp.allgather_attention.default, _ring_sdpa(site, options, scale)[1]
+
+
+SDPA_SCHEDULES["allgather"] = _allgather_sdpa
+
+
 def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
     """Replace the SDPA node with the chosen schedule's CP op."""
     from .cost import choose_schedule
@@ -235,3 +242,6 @@ def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionS
         module.graph.lint()
         module.recompile()
     return sites
+
+
+from . import varlen_site  # noqa: E402,F401  (adds the "varlen" site kind)

@@ -1,0 +1,457 @@
+"""Packed documents (THD, ``cu_seqlens``) under CP: all-gather and ring schedules.
+
+Tensors are packed ``[T_local, H, D]``: this rank's slots under the
+per-document zigzag (``layout.packed_slots``): every document split into 2C
+chunks on its own, rank r holding chunks r and 2C-1-r of each, padding at a
+document's tail. ``cu_seqlens`` is the *global* int32 tensor of real document
+lengths, the same on every rank, exactly what the model passes to
+``varlen_attn`` on one device.
+
+Which query may see which key is decided from global facts only: the
+document, the position inside it and whether the slot is a real token, all
+computed exactly from ``cu_seqlens`` (never by dividing lengths by 2C). A key
+is visible to a query when both are real, in the same document and inside
+the window ``(left, right)`` (-1: unbounded; ``right = 0`` is causal), as in
+``varlen_attn``. Padding rows get out = 0, lse = -inf and zero gradients, and
+are never visible as keys.
+
+The per-rank compute (``cp::varlen_block_attn``) reads the rank at run time
+and evaluates that mask on the rows and columns that see anything at all; a
+ring step whose K/V block is outside every query's window computes nothing.
+On CPU this runs the math path (fp32/fp64 accumulation) with a dense mask.
+
+Schedules:
+
+- ``allgather``: gather K/V once (rank order suffices: the mask is built from
+  global positions), attend, no merge; backward gathers again and
+  reduce-scatters dK/dV.
+- ``ring``: the K/V ring of ``ops.ring`` with per-step visibility; partial
+  results merge into an fp32 accumulator; dK/dV ride along in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..layout import check_cu_seqlens, packed_local_len, packed_slots
+from .allgather import gather_dim0, reduce_scatter_dim0
+from .block import acc_dtype, dense_like
+from .comm import TAG_DKV, TAG_KV, resolve_group, wait
+from .merge import start_accumulator
+from .registry import Traceable, register_schedule
+from .ring import group_name_of
+
+PACKED_SCHEDULES = ("allgather", "ring")
+GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in rank order
+
+
+# ----------------------------------------------------------------------------
+# Visibility from cu_seqlens, and masked attention on the visible rows/columns.
+# ----------------------------------------------------------------------------
+
+
+def _slots(cu: list[int], ranks: list[int], world_size: int) -> dict[str, Tensor]:
+    parts = [packed_slots(cu, r, world_size) for r in ranks]
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def visible_mask(q_slots: dict, k_slots: dict, left: int, right: int) -> Tensor:
+    """[Tq, Tk] bool: key j is visible to query i."""
+    mask = (q_slots["doc"][:, None] == k_slots["doc"][None, :]) & q_slots["real"][:, None] & k_slots["real"][None, :]
+    behind = q_slots["pos"][:, None] - k_slots["pos"][None, :]  # > 0: key before query
+    if left >= 0:
+        mask &= behind <= left
+    if right >= 0:
+        mask &= -behind <= right
+    return mask
+
+
+def step_mask(q: Tensor, k: Tensor, cu_seqlens: Tensor, step: int, group_name: str, left: int, right: int) -> Tensor:
+    """The visibility of this rank's Q against the K/V a step holds, read at run time."""
+    group = resolve_group(group_name)
+    rank, size = group.rank(), group.size()
+    cu = check_cu_seqlens(cu_seqlens)
+    expected = packed_local_len(cu, size)
+    if q.shape[0] != expected:
+        raise ValueError(
+            f"q has {q.shape[0]} local tokens but cu_seqlens={cu} gives {expected} slots per rank over C={size}; "
+            "shard packed inputs with ContextParallel.shard(x, 0, cu_seqlens=...)"
+        )
+    sources = list(range(size)) if step == GATHERED else [(rank - step) % size]
+    if k.shape[0] != expected * len(sources):
+        raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected * len(sources)} for step {step}")
+    return visible_mask(_slots(cu, [rank], size), _slots(cu, sources, size), left, right)
+
+
+def _heads_first(t: Tensor, dt: torch.dtype, kv_heads: int) -> Tensor:
+    """[T, H, D] -> [Hkv, H/Hkv, T, D] in the accumulator dtype (K/V: H = Hkv, a broadcast group dim)."""
+    return t.to(dt).permute(1, 0, 2).reshape(kv_heads, t.shape[1] // kv_heads, t.shape[0], t.shape[2])
+
+
+def _tokens_first(t: Tensor) -> Tensor:
+    """[Hkv, G, T, D] -> [T, Hkv*G, D]."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1]).permute(1, 0, 2)
+
+
+def _visible_block(mask: Tensor):
+    """Rows that see some key, columns some query sees, and the mask between them."""
+    rows = mask.any(1).nonzero().flatten()
+    cols = mask.any(0).nonzero().flatten()
+    sub = mask.index_select(0, rows).index_select(1, cols)
+    return rows, cols, sub
+
+
+def _scores(q, k, sub, scale, dt):
+    hkv = k.shape[1]
+    qh, kh = _heads_first(q, dt, hkv), _heads_first(k, dt, hkv)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    return qh, kh, s.masked_fill(~sub, float("-inf"))
+
+
+def masked_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [Tq, Hq, Dv], lse [Tq, Hq] fp32/fp64); rows that see nothing: 0 and -inf, at no cost."""
+    dt = acc_dtype(q.dtype)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
+    rows, cols, sub = _visible_block(mask)
+    if rows.numel() == 0:
+        return out, lse
+    _, _, s = _scores(q.index_select(0, rows), k.index_select(0, cols), sub, scale, dt)
+    row_lse = torch.logsumexp(s, -1)  # finite: every selected row sees a key
+    p = torch.exp(s - row_lse.unsqueeze(-1))
+    o = torch.matmul(p, _heads_first(v.index_select(0, cols), dt, k.shape[1]))
+    out.index_copy_(0, rows, _tokens_first(o).to(q.dtype))
+    lse.index_copy_(0, rows, row_lse.reshape(-1, rows.numel()).t())
+    return out, lse
+
+
+def masked_attn_backward(dout, q, k, v, out, lse, dlse, mask, scale):
+    """(dq, dk, dv) in the accumulator dtype, given the final out and lse (and an lse gradient)."""
+    dt = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+    rows, cols, sub = _visible_block(mask)
+    if rows.numel() == 0:
+        return dq, dk, dv
+    hkv = k.shape[1]
+    pick = lambda t: _heads_first(t.index_select(0, rows), dt, hkv)  # noqa: E731
+    qh, kh, s = _scores(q.index_select(0, rows), k.index_select(0, cols), sub, scale, dt)
+    row_lse = lse.index_select(0, rows).to(dt).t().reshape(hkv, -1, rows.numel(), 1)
+    p = torch.exp(s - row_lse)  # masked entries: exp(-inf) = 0
+    vh = _heads_first(v.index_select(0, cols), dt, hkv)
+    do = pick(dout)
+    dp = torch.matmul(do, vh.transpose(-1, -2))
+    delta = (do * pick(out)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    if dlse is not None:
+        ds = ds + p * dlse.index_select(0, rows).to(dt).t().reshape(hkv, -1, rows.numel(), 1)
+    ds = ds * scale
+    dq.index_copy_(0, rows, _tokens_first(torch.matmul(ds, kh)))
+    dk.index_copy_(0, cols, _tokens_first(torch.matmul(ds.transpose(-1, -2), qh).sum(1, keepdim=True)))
+    dv.index_copy_(0, cols, _tokens_first(torch.matmul(p.transpose(-1, -2), do).sum(1, keepdim=True)))
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------
+# Per-step compute ops (rank read at run time).
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cp::varlen_block_attn", mutates_args=())
+def varlen_block_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, step: int, group_name: str,
+    window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """This rank's packed Q against one step's K/V (``step=-1``: every rank's, gathered)."""
+    mask = step_mask(q, k, cu_seqlens, step, group_name, window_left, window_right)
+    out, lse = masked_attn(q, k, v, mask, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_block_attn.register_fake
+def _(q, k, v, cu_seqlens, step, group_name, window_left, window_right, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::varlen_block_attn_backward", mutates_args=())
+def varlen_block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    cu_seqlens: Tensor, step: int, group_name: str, window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    mask = step_mask(q, k, cu_seqlens, step, group_name, window_left, window_right)
+    return masked_attn_backward(dout, q, k, v, out, lse, dlse, mask, scale)
+
+
+@varlen_block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, step, group_name, window_left, window_right, scale):
+    dt = acc_dtype(q.dtype)
+    return tuple(t.new_empty(t.shape, dtype=dt) for t in (q, k, v))
+
+
+# ----------------------------------------------------------------------------
+# The schedules (one definition each, eager and compiled).
+# ----------------------------------------------------------------------------
+
+
+def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"packed q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible packed q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+@torch.library.custom_op("cp::agree_cu_seqlens", mutates_args=())
+def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
+    """All-gather a digest of cu_seqlens; raise on every rank if the ranks passed different ones.
+
+    Validation comes after the exchange: a rank that raised first would leave
+    the others waiting in the collective.
+    """
+    group = resolve_group(group_name)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
+    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(group.size(), 3).tolist()
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
+        raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")
+    check_cu_seqlens(cu)
+
+
+@agree_cu_seqlens.register_fake
+def _(cu_seqlens, group_name):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
+
+
+def _start(q, k, v, cu_seqlens, group_name, world_size, schedule, left, right, scale, enable_gqa):
+    if world_size > 1:
+        torch.ops.cp.agree(q, k, v, group_name, f"packed {schedule} window=({left},{right}) scale={scale!r} "
+                           f"gqa={enable_gqa}")
+        torch.ops.cp.agree_cu_seqlens(cu_seqlens, group_name)
+    check_packed_args(q, k, v, enable_gqa)
+
+
+def packed_allgather_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
+    _start(q, k, v, cu_seqlens, group_name, world_size, "allgather", *window, scale, enable_gqa)
+    k_all, v_all = gather_dim0(k, group_name, world_size), gather_dim0(v, group_name, world_size)
+    return torch.ops.cp.varlen_block_attn(q, k_all, v_all, cu_seqlens, GATHERED, group_name, *window, scale)
+
+
+def packed_allgather_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
+    k_all, v_all = gather_dim0(k, group_name, world_size), gather_dim0(v, group_name, world_size)
+    dq, dk_all, dv_all = torch.ops.cp.varlen_block_attn_backward(
+        dout, q, k_all, v_all, out, lse, dlse, cu_seqlens, GATHERED, group_name, *window, scale
+    )
+    del k_all, v_all
+    dk = reduce_scatter_dim0(dk_all, group_name, world_size)
+    dv = reduce_scatter_dim0(dv_all, group_name, world_size)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def packed_ring_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
+    ops = torch.ops.cp
+    _start(q, k, v, cu_seqlens, group_name, world_size, "ring", *window, scale, enable_gqa)
+    kv, acc = [k, v], None
+    for step in range(world_size):
+        incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
+        part_out, part_lse = ops.varlen_block_attn(q, kv[0], kv[1], cu_seqlens, step, group_name, *window, scale)
+        acc = start_accumulator(part_out, part_lse) if acc is None else ops.merge(*acc, part_out, part_lse)
+        del part_out, part_lse
+        if incoming is not None:
+            kv = wait(incoming, sent=kv)
+    out, lse = acc
+    return out.to(q.dtype), lse
+
+
+def packed_ring_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
+    """As ``ring_backward``: K/V travel again, each block's dK/dV so far riding along."""
+    ops = torch.ops.cp
+    kv = [k, v]
+    dq = dkv = dkv_incoming = None
+    dkv_sent: list[Tensor] = []
+    for step in range(world_size):
+        kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
+        dq_i, dk_i, dv_i = ops.varlen_block_attn_backward(
+            dout, q, kv[0], kv[1], out, lse, dlse, cu_seqlens, step, group_name, *window, scale
+        )
+        dq = dq_i if dq is None else dq.add_(dq_i)
+        if dkv_incoming is None:
+            dkv = [dk_i, dv_i]
+        else:
+            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
+            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
+        del dq_i, dk_i, dv_i
+        if world_size > 1:
+            dkv_incoming, dkv_sent = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv
+        if kv_incoming is not None:
+            kv = wait(kv_incoming, sent=kv)
+    dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_FORWARD = {"allgather": packed_allgather_forward, "ring": packed_ring_forward}
+_BACKWARD = {"allgather": packed_allgather_backward, "ring": packed_ring_backward}
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in PACKED_SCHEDULES:
+        raise ValueError(f"unknown packed schedule {schedule!r}; expected one of {PACKED_SCHEDULES}")
+
+
+# ----------------------------------------------------------------------------
+# One differentiable op for both schedules.
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cp::varlen_attention", mutates_args=())
+def varlen_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, schedule: str,
+    window_left: int, window_right: int, scale: float, enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """Packed attention of this rank's slots over every document's whole length: (out, lse [T, H])."""
+    _check_schedule(schedule)
+    out, lse = _FORWARD[schedule](
+        q, k, v, cu_seqlens, group_name=group_name, world_size=resolve_group(group_name).size(),
+        window=(window_left, window_right), scale=scale, enable_gqa=enable_gqa,
+    )
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_attention_op.register_fake
+def _(q, k, v, cu_seqlens, group_name, schedule, window_left, window_right, scale, enable_gqa):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    cu_seqlens: Tensor, group_name: str, schedule: str, window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_schedule(schedule)
+    dq, dk, dv = _BACKWARD[schedule](
+        dout, q, k, v, out, lse, dlse, cu_seqlens, group_name=group_name,
+        world_size=resolve_group(group_name).size(), window=(window_left, window_right), scale=scale,
+    )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@varlen_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, group_name, schedule, window_left, window_right, scale):
+    return dense_like(q), dense_like(k), dense_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, group_name, schedule, left, right, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.options = (group_name, schedule, left, right, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cp.varlen_attention_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+varlen_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _expand_forward(args) -> Traceable:
+    q, k, v, cu_seqlens, group_name, schedule, left, right, scale, enable_gqa = args
+    world_size = resolve_group(group_name).size()
+
+    def fn(q, k, v, cu_seqlens):
+        return _FORWARD[schedule](q, k, v, cu_seqlens, group_name=group_name, world_size=world_size,
+                                  window=(left, right), scale=scale, enable_gqa=enable_gqa)
+
+    return Traceable("forward", world_size, fn, [q, k, v, cu_seqlens])
+
+
+def _expand_backward(args) -> Traceable:
+    dout, q, k, v, out, lse, dlse, cu_seqlens, group_name, schedule, left, right, scale = args
+    world_size = resolve_group(group_name).size()
+
+    def fn(*tensors):  # a fixed arity for tracing: dlse is there or not
+        dout, q, k, v, out, lse, cu = tensors[:7]
+        dlse = tensors[7] if len(tensors) > 7 else None
+        return _BACKWARD[schedule](dout, q, k, v, out, lse, dlse, cu, group_name=group_name,
+                                   world_size=world_size, window=(left, right), scale=scale)
+
+    tensors = [dout, q, k, v, out, lse, cu_seqlens] + ([dlse] if dlse is not None else [])
+    return Traceable("backward", world_size, fn, tensors)
+
+
+# listing names starting with "attend" carry the step number, the first int argument
+register_schedule(
+    torch.ops.cp.varlen_attention.default, _expand_forward,
+    torch.ops.cp.varlen_attention_backward.default, _expand_backward,
+    {torch.ops.cp.varlen_block_attn.default: "packed attend",
+     torch.ops.cp.varlen_block_attn_backward.default: "packed attend_backward"},
+)
+
+
+# ----------------------------------------------------------------------------
+# Eager API.
+# ----------------------------------------------------------------------------
+
+
+def window_of(window_size, is_causal: bool) -> tuple[int, int]:
+    """(left, right) as ``varlen_attn`` takes it; ``is_causal`` means right = 0."""
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be (left, right); got {window_size}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size}")
+    if is_causal:
+        if right > 0:
+            raise ValueError(f"is_causal=True with window_size={tuple(window_size)}: a causal window has right = 0")
+        right = 0
+    return left, right
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group=None, *, is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), scale: Optional[float] = None, enable_gqa: bool = False,
+    schedule: str = "auto",
+) -> Tensor:
+    """CP attention over packed documents. Differentiable.
+
+    ``q, k, v`` are this rank's ``[T_local, H, D]`` slots (``ContextParallel.shard(x, 0,
+    cu_seqlens=cu)``); ``cu_seqlens`` is the global int32 tensor of document
+    boundaries, as on one device. ``window_size=(left, right)`` as in torch's
+    ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
+    ``schedule`` is ``"allgather"``, ``"ring"`` or ``"auto"`` (``passes.cost``).
+    """
+    from ..passes.cost import choose_packed_schedule
+
+    left, right = window_of(window_size, is_causal)
+    group_name = group_name_of(group)
+    if schedule == "auto":
+        world_size = resolve_group(group_name).size()
+        schedule, _ = choose_packed_schedule(q.shape[1], k.shape[1], q.shape[0], (left, right), world_size)
+    _check_schedule(schedule)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, _ = varlen_attention_op(q, k, v, cu_seqlens, group_name, schedule, left, right, scale, bool(enable_gqa))
+    return out

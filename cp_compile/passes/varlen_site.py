@@ -1,0 +1,95 @@
+"""Attention site kind "varlen": torch's ``varlen_attn`` over packed documents.
+
+In a Dynamo graph ``torch.nn.attention.varlen.varlen_attn`` appears as its
+custom op ``torch.ops.torch_attn._varlen_attn`` (the Python wrapper is traced
+through; the op has a fake implementation, so this works on CPU, where the op
+itself has no kernel). It returns (out, lse [H, T], rng_state). The wrapper
+passes ``is_causal = window_size == (-1, 0)`` and the window as a list.
+
+The rewrite inserts one ``cp::varlen_attention`` with the schedule chosen for
+the site; its ``cu_seqlens`` is the model's own global ``cu_seq_q``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
+
+from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, replace_node
+
+VARLEN_OP = torch.ops.torch_attn._varlen_attn
+_SCHEMA = VARLEN_OP.default._schema
+
+
+def _match_varlen(node: fx.Node) -> Optional[dict[str, Any]]:
+    if node.target not in (VARLEN_OP, VARLEN_OP.default):
+        return None
+    args = {a.name: a.default_value if a.has_default_value() else None for a in _SCHEMA.arguments}
+    args.update(zip([a.name for a in _SCHEMA.arguments], node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _check_varlen(site: AttentionSite) -> None:
+    args, where = site.args, f"at {site.source}"
+    if args["cu_seq_k"] is not args["cu_seq_q"]:
+        raise UnsupportedAttention(
+            f"varlen_attn(cu_seq_k=...) {where}: CP needs self-attention over the same documents "
+            "(pass the same cu_seqlens tensor as cu_seq_q and cu_seq_k)"
+        )
+    for name in ("seqused_k", "block_table", "num_splits"):
+        if args[name] is not None:
+            raise UnsupportedAttention(f"varlen_attn({name}=...) {where}: not supported under context parallelism")
+    for name in ("is_causal", "scale", "window_size", "enable_gqa"):
+        value = args[name]
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, fx.Node) for v in items):
+            raise UnsupportedAttention(f"varlen_attn({name}=<traced value>) {where}: must be a constant")
+    if site.shape("query") is None or len(site.shape("query")) != 3:
+        raise UnsupportedAttention(f"varlen_attn {where}: CP needs packed [tokens, heads, dim] inputs")
+    for user in site.node.users:
+        if user.target != operator.getitem or user.args[1] == 2:
+            raise UnsupportedAttention(f"varlen_attn {where}: only its output and lse may be used")
+    from ..ops.varlen import window_of
+
+    window = list(args["window_size"] or (-1, -1))
+    args["window_left"], args["window_right"] = window_of(window, bool(args["is_causal"]))
+
+
+def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
+    from ..ops.varlen import PACKED_SCHEDULES
+    from .cost import choose_schedule
+
+    args = site.args
+    schedule, why = choose_schedule(site, options)
+    if schedule not in PACKED_SCHEDULES:
+        raise UnsupportedAttention(
+            f"schedule {schedule!r} is not available for varlen_attn at {site.source}; available: {PACKED_SCHEDULES}"
+        )
+    head_dim = site.shape("query")[-1]
+    scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
+    left, right = args["window_left"], args["window_right"]
+    op, out, lse = replace_node(site, torch.ops.cp.varlen_attention.default, (
+        args["query"], args["key"], args["value"], args["cu_seq_q"], options.group_name, schedule,
+        left, right, scale, bool(args["enable_gqa"]),
+    ), n_outputs_used=2)
+    graph = site.owner.graph
+    for user in list(site.node.users):
+        if user.args[1] == 0:
+            user.replace_all_uses_with(out)
+        else:  # varlen_attn's lse is [H, T] fp32; ours is [T, H] in the accumulator dtype
+            with graph.inserting_before(user):
+                lse_ht = graph.call_function(torch.Tensor.float, (graph.call_function(torch.t, (lse,)),))
+            user.replace_all_uses_with(lse_ht)
+        graph.erase_node(user)
+    graph.erase_node(site.node)
+    site.decision = {"schedule": schedule, "why": why, "is_causal": right == 0, "scale": scale,
+                     "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)}
+
+
+SITE_KINDS.append(SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen))

@@ -1,0 +1,406 @@
+"""Packed documents (THD, cu_seqlens) under CP: layout, eager schedules, the compiled varlen_attn rewrite."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_compile import layout
+from helpers import max_err
+
+# Lengths that do not divide by 2C, a length-1 document, documents shorter than
+# 2C (some ranks hold only their padding), a zero-length document.
+LENGTHS = [13, 1, 0, 3, 22, 5]
+WINDOWS = [(-1, -1), (-1, 0), (3, 0), (2, 1)]
+
+
+def packed_inputs(lengths, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
+    do = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return q, k, v, do, cu
+
+
+def window_mask(n, left, right):
+    i = torch.arange(n)
+    behind = i[:, None] - i[None, :]
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        mask &= behind <= left
+    if right >= 0:
+        mask &= -behind <= right
+    return mask
+
+
+def per_document_reference(q, k, v, do, cu, window):
+    """Single-device attention of each document on its own, with input gradients."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
+        tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
+                                           enable_gqa=tq.shape[1] != tk.shape[1])
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+# ----------------------------------------------------------------------------
+# Layout (no ranks needed).
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_packed_layout_edge_cases(world_size):
+    cu = torch.tensor([0, 13, 14, 14, 17, 39, 44], dtype=torch.int32)
+    x = torch.arange(44 * 2).view(44, 2) + 1  # no zeros: padding is recognisable
+    shards = [layout.shard_packed(x, 0, cu, r, world_size) for r in range(world_size)]
+    assert len({s.shape[0] for s in shards}) == 1  # every rank holds as many slots
+    assert shards[0].shape[0] == layout.packed_local_len(cu, world_size)
+    assert torch.equal(layout.unshard_packed(shards, 0, cu), x)
+    real = torch.cat([layout.packed_slots(cu, r, world_size)["real"] for r in range(world_size)])
+    assert real.sum().item() == 44  # every real token exactly once
+    for r, s in enumerate(shards):
+        slots = layout.packed_slots(cu, r, world_size)
+        assert (s[~slots["real"]] == 0).all()
+        # positions inside each document: exact, not rounded by 2C
+        real = slots["real"]
+        assert torch.equal(s[real][:, 0] - 1, 2 * (cu[slots["doc"][real]].long() + slots["pos"][real]))
+
+
+def test_per_document_zigzag_chunks():
+    # a 5-token document over C=2: 4 chunks of 2 slots (3 pad slots at the tail);
+    # rank 0 holds chunks 0 and 3 (positions 0,1 and 6,7: padding), rank 1 chunks 1 and 2
+    cu = [0, 5, 6]  # then a length-1 document: only rank 0 holds its token
+    zero, one = (layout.packed_slots(cu, r, 2) for r in (0, 1))
+    assert zero["pos"].tolist() == [0, 1, 6, 7, 0, 3] and zero["real"].tolist() == [1, 1, 0, 0, 1, 0]
+    assert one["pos"].tolist() == [2, 3, 4, 5, 1, 2] and one["real"].tolist() == [1, 1, 1, 0, 0, 0]
+    assert zero["index"].tolist() == [0, 1, -1, -1, 5, -1]
+
+
+def test_bad_cu_seqlens_named():
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layout.shard_packed(torch.zeros(5), 0, [0, 3, 2], 0, 2)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 4"):
+        layout.shard_packed(torch.zeros(5), 0, [0, 4], 0, 2)
+
+
+# ----------------------------------------------------------------------------
+# Eager schedules on gloo ranks.
+# ----------------------------------------------------------------------------
+
+
+def run_packed(lengths, hq, hkv, d):
+    """Every schedule and window on this rank: fp64 errors against per-document attention."""
+    import cp_compile
+    from cp_compile.ops import varlen as varlen_ops
+
+    plan = cp_compile.ContextParallel()
+    q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
+    slots = layout.packed_slots(cu, plan.rank, plan.world_size)
+    pad = ~slots["real"]
+    results = []
+    for schedule in ("allgather", "ring"):
+        for window in WINDOWS:
+            reference = per_document_reference(q, k, v, do, cu, window)
+            leaves = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+            # gradients arriving at padding rows must not leak anywhere
+            local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
+            computed = []
+            real_scores = varlen_ops._scores
+            varlen_ops._scores = lambda *a: computed.append(1) or real_scores(*a)
+            try:
+                out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
+                                                  schedule=schedule)
+                n_forward = len(computed)
+                out.backward(local_do)
+            finally:
+                varlen_ops._scores = real_scores
+            got = [out.detach()] + [t.grad for t in leaves]
+            results.append({
+                "case": (schedule, window),
+                "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
+                "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
+                "nan": any(not torch.isfinite(g).all().item() for g in got),
+                "padding_zero": all((g[pad] == 0).all().item() for g in got[:2]),
+                "forward_blocks_computed": n_forward,
+            })
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_packed_fp64_equals_per_document_attention(ranks, world_size):
+    for per_rank in ranks(world_size, run_packed, LENGTHS, 4, 2, 8, timeout=300):
+        for result in per_rank:
+            case = result["case"]
+            assert not result["nan"], case
+            assert result["padding_zero"], case  # padding rows: out = 0, dq = 0
+            assert max(result["errors"]) < 1e-10, (case, result["errors"])
+            assert result["unshard_err"] < 1e-10, case
+
+
+def test_ring_skips_blocks_outside_every_window(ranks):
+    # long documents, a window of 2: each query sees only its own and neighbouring chunks
+    for per_rank in ranks(4, run_packed, [64, 40], 2, 2, 4, timeout=300):
+        by_case = {r["case"]: r for r in per_rank}
+        assert max(max(r["errors"]) for r in per_rank) < 1e-10
+        assert by_case[("ring", (-1, -1))]["forward_blocks_computed"] == 4
+        assert by_case[("ring", (2, 1))]["forward_blocks_computed"] < 4
+
+
+def opcheck_packed_ops():
+    import torch.distributed as dist
+
+    import cp_compile  # noqa: F401
+
+    name = dist.group.WORLD.group_name
+    c = dist.get_world_size()
+    q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
+    q, k, v, do = (layout.shard_packed(t, 0, cu, dist.get_rank(), c) for t in (q, k, v, do))
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    cases = []
+    for schedule in ("allgather", "ring"):
+        out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 2, 0, 0.4, True)
+        cases += [
+            (torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, schedule, 2, 0, 0.4, True)),
+            (torch.ops.cp.varlen_attention_backward.default,
+             (do, q, k, v, out, lse, lse.clone(), cu, name, schedule, 2, 0, 0.4)),
+        ]
+    k_all, v_all = (torch.cat([t] * c) for t in (k, v))
+    cases += [
+        (torch.ops.cp.varlen_block_attn.default, (q, k_all, v_all, cu, -1, name, -1, 0, 0.4)),
+        (torch.ops.cp.varlen_block_attn.default, (q, k, v, cu, 1, name, -1, -1, 0.4)),
+        (torch.ops.cp.varlen_block_attn_backward.default, (do, q, k, v, out, lse, None, cu, 1, name, 2, 0, 0.4)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return True
+
+
+def test_opcheck_packed_ops(ranks):
+    assert ranks(2, opcheck_packed_ops) == [True, True]
+
+
+# ----------------------------------------------------------------------------
+# torch's varlen_attn in a compiled model.
+# ----------------------------------------------------------------------------
+
+
+def compiled_varlen(inner: str):
+    """Two varlen_attn sites (a short causal window with GQA; full causal), compiled for one device."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    lengths = [13, 1, 0, 3, 22, 5]
+    q, k, v, do, cu = packed_inputs(lengths, 4, 1, 8)
+    max_len = max(lengths)
+
+    def model(q, k, v, cu):
+        kk = k.repeat_interleave(4, 1)
+        a, lse = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True,
+                             return_aux=AuxRequest(lse=True))
+        b = varlen_attn(q, kk, v.repeat_interleave(4, 1), cu, cu, max_len, max_len, window_size=(-1, 0))
+        return a * b, lse.detach()
+
+    def reference_model(q, k, v):
+        a = per_document_reference_out(q, k, v, cu, (2, 0))
+        b = per_document_reference_out(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu, (-1, 0))
+        return a * b
+
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_model(*ref_inputs)
+    ref_out.backward(do)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = plan.backend(inner)
+    local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+    out, lse = torch.compile(model, backend=backend, fullgraph=True)(*local, cu)
+    out.backward(plan.shard(do, 0, cu_seqlens=cu))
+    errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
+    # varlen_attn's lse is [H, T]; padding slots see nothing (-inf)
+    real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    ref_lse = plan.shard(per_document_lse(q, k, cu, (2, 0)), 0, cu_seqlens=cu)
+    lse_ok = (lse.dtype == torch.float32 and lse.shape == (4, len(real))  # fp32, as varlen_attn returns it
+              and bool(torch.isneginf(lse.t()[~real]).all()) and max_err(lse.t()[real], ref_lse[real]) < 1e-5)
+    errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
+    decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
+    from cp_compile.inspect import site_report
+
+    reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
+    return errs, decisions, sum(counters["graph_break"].values()), reports, lse_ok
+
+
+def per_document_reference_out(q, k, v, cu, window):
+    outs = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
+                                               enable_gqa=tq.shape[1] != tk.shape[1])
+            outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def per_document_lse(q, k, cu, window):
+    """[T, Hq] log-sum-exp of each token's visible scores (GQA: K repeated)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype)
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) / q.shape[-1] ** 0.5
+            lse[a:b] = s.masked_fill(~window_mask(b - a, *window), float("-inf")).logsumexp(-1).t()
+    return lse
+
+
+# aot_eager keeps this test cheap; the same graphs also pass through Inductor
+# (inner="inductor"), which the SDPA all-gather test exercises on every run.
+@pytest.mark.parametrize("inner", ["aot_eager"])
+def test_compiled_varlen_attn_rewrite(ranks, inner):
+    for errs, decisions, breaks, reports, lse_ok in ranks(3, compiled_varlen, inner, timeout=600):
+        assert breaks == 0
+        assert lse_ok
+        assert "schedule: allgather over C=3 (window (2, 0)" in reports[0] and "causal" in reports[0]
+        assert "schedule: ring over C=3" in reports[1]
+        assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
+        assert "window" in decisions[0][2]
+        assert max(errs) < 1e-10, errs
+
+
+def packed_low_precision(dtype_name: str):
+    """bf16 CP error against fp64, next to the same-dtype single-device error, per schedule."""
+    import cp_compile
+
+    dtype = getattr(torch, dtype_name)
+    plan = cp_compile.ContextParallel()
+    q, k, v, do, cu = packed_inputs([50, 7, 1, 33], 4, 2, 32, seed=1)
+    window = (-1, 0)
+    reference = per_document_reference(q, k, v, do, cu, window)
+    single = per_document_reference(*(t.to(dtype) for t in (q, k, v, do)), cu, window)
+    shard = lambda t: plan.shard(t, 0, cu_seqlens=cu)  # noqa: E731
+    errors = {}
+    for schedule in ("allgather", "ring"):
+        leaves = [shard(t.to(dtype)).requires_grad_() for t in (q, k, v)]
+        out = cp_compile.varlen_attention(*leaves, cu, is_causal=True, enable_gqa=True, schedule=schedule)
+        out.backward(shard(do.to(dtype)))
+        got = [out.detach()] + [t.grad for t in leaves]
+        errors[schedule] = [(str(g.dtype), max_err(g, shard(r)), max_err(shard(s), shard(r)))
+                            for g, s, r in zip(got, single, reference)]
+    return errors
+
+
+def test_packed_bfloat16_within_twice_single_device_error(ranks):
+    for errors in ranks(3, packed_low_precision, "bfloat16"):
+        for schedule, per_tensor in errors.items():
+            for name, (dtype, cp, single) in zip(("out", "dq", "dk", "dv"), per_tensor):
+                assert dtype == "torch.bfloat16"
+                assert cp <= 2 * single, f"{schedule} {name}: CP error {cp:.3g} vs single-device {single:.3g}"
+
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["allgather", "ring"])
+def test_packed_expansion_graph(fake_group, schedule):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cp_compile.passes.expand import expand_cp_ops
+    from cp_compile.passes.order import pin_overlap_order
+
+    name, fc = fake_group, torch.ops._c10d_functional
+
+    def fwd(q, k, v, cu):
+        return torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 4, 0, 0.25, True)
+
+    def bwd(do, q, k, v, out, lse, cu):
+        return torch.ops.cp.varlen_attention_backward(do, q, k, v, out, lse, None, cu, name, schedule, 4, 0, 0.25)
+
+    with FakeTensorMode():
+        q, k, v, do = (torch.empty(s) for s in [(12, 4, 8), (12, 2, 8), (12, 2, 8), (12, 4, 8)])
+        cu, lse = torch.empty(4, dtype=torch.int32), torch.empty(12, 4)
+        graphs = [make_fx(fwd, tracing_mode="fake")(q, k, v, cu),
+                  make_fx(bwd, tracing_mode="fake")(do, q, k, v, do, lse, cu)]
+    (forward,), (backward,) = (expand_cp_ops(gm.graph) for gm in graphs)
+    gathers = sum(e.count(fc.all_gather_into_tensor.default) for e in (forward, backward))
+    shifts = sum(e.count(torch.ops.cp.ring_shift.default) for e in (forward, backward))
+    if schedule == "allgather":
+        assert (gathers, shifts, backward.count(fc.reduce_scatter_tensor.default)) == (4, 0, 2)
+    else:  # forward C-1 K/V shifts; backward C-1 K/V and C dK/dV shifts, each but the last overlapped
+        assert (gathers, shifts) == (0, 2 + 2 + 3)
+        assert [pin_overlap_order(gm.graph) for gm in graphs] == [5 * 2, 10 * 2]
+    steps = [n.args[4] for n in forward.nodes if n.target == torch.ops.cp.varlen_block_attn.default]
+    assert steps == ([-1] if schedule == "allgather" else [0, 1, 2])  # step numbers, never a rank
+
+
+def mismatched_cu_seqlens():
+    import torch.distributed as dist
+
+    import cp_compile
+
+    lengths = [5, 3] if dist.get_rank() == 0 else [6, 2]  # same total, same local slots: only cu differs
+    q, k, v, _, cu = packed_inputs(lengths, 2, 2, 4)
+    q, k, v = (layout.shard_packed(t, 0, cu, dist.get_rank(), 2) for t in (q, k, v))
+    try:
+        cp_compile.varlen_attention(q, k, v, cu, is_causal=True, schedule="ring")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_cu_seqlens_all_raise(ranks):
+    for message in ranks(2, mismatched_cu_seqlens, timeout=60):
+        assert message is not None and "cu_seqlens differs across ranks" in message
+
+
+def test_packed_schedule_choice():
+    from cp_compile.passes.cost import choose_packed_schedule
+
+    schedule, why = choose_packed_schedule(8, 8, 1024, (128, 0), 4)
+    assert schedule == "allgather" and "window (128, 0)" in why
+    schedule, why = choose_packed_schedule(8, 2, 1024, (-1, 0), 4)
+    assert schedule == "allgather" and "few K/V heads" in why
+    assert choose_packed_schedule(8, 8, 1024, (-1, 0), 4)[0] == "ring"
+    assert choose_packed_schedule(8, 8, 1024, (4096, 0), 4)[0] == "ring"  # window wider than a rank's share
+
+
+def test_varlen_with_other_key_documents_is_rejected_at_compile_time():
+    from torch.nn.attention.varlen import varlen_attn
+
+    from cp_compile.passes.rewrite import UnsupportedAttention, check_site, find_sites
+
+    def checking_backend(gm, example_inputs):
+        for site in find_sites(gm):
+            check_site(site)
+        return gm.forward
+
+    def cross(q, cu_q, cu_k):
+        return varlen_attn(q, q, q, cu_q, cu_k, 4, 4)
+
+    q = torch.randn(8, 2, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(cross, backend=checking_backend, fullgraph=True)(q, cu, cu.clone())
+    cause = info.value
+    while cause is not None and not isinstance(cause, UnsupportedAttention):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    assert cause is not None and "cu_seq_k" in str(cause)
