@@ -45,8 +45,23 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
 
-    def shard(self, x: Tensor, seq_dim: int) -> Tensor:
-        """This rank's shard of ``x`` (the full tensor, the same on every rank)."""
+    def shard(self, x: Tensor, seq_dim: Optional[int] = None) -> Tensor:
+        """This rank's shard of ``x`` (the full tensor, the same on every rank).
+
+        A FlexAttention ``BlockMask`` built for the global sequence gives this
+        rank's BlockMask: valid for the local q/k, meaning the global mask.
+        """
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if isinstance(x, BlockMask):
+            from .flex_mask import layout_chunk, layout_perm, shard_block_mask
+
+            seq_len = x.seq_lengths[0]
+            perm = layout_perm(seq_len, self.world_size, self.load_balance)
+            chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
+            return shard_block_mask(x, self.rank, self.world_size, perm, chunk)
+        if seq_dim is None:
+            raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
 
     def unshard(self, x_local: Tensor, seq_dim: int) -> Tensor:

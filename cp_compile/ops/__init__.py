@@ -1,6 +1,6 @@
 """The ``cp`` torch.library namespace. Importing this package registers every op."""
 
-from . import block, comm, ring, triton_merge  # noqa: F401  (registration; .merge below)
+from . import block, comm, flex, ring, triton_merge  # noqa: F401  (registration; .merge below)
 from .block import block_attn, block_attn_backward
 from .comm import count_traffic, ring_shift
 from .merge import merge
