@@ -5,6 +5,7 @@ from .inspect import explain
 from .ops.comm import count_traffic
 from .ops.flex import count_blocks, flex_attention
 from .ops.ring import ring_attention
+from .passes import flex_site  # noqa: F401  (registers the flex site kind)
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel
 from .sac import sac_context, sac_policy

@@ -145,17 +145,36 @@ def _resolve(q: Tensor, buffers: list, key: str, group_name: str, layout: str, m
     return _Call(mods, list(buffers), perm, local, chunk, mask_b, mask_h, scale), rank, size
 
 
+def _bhqk(b: int, h: int, q: Tensor, k: Tensor) -> tuple[Tensor, ...]:
+    dev = q.device
+    return (torch.arange(b, device=dev).view(-1, 1, 1, 1), torch.arange(h, device=dev).view(1, -1, 1, 1),
+            q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))
+
+
+def _evaluate(fn: Callable, prefix: tuple, b: int, h: int, q: Tensor, k: Tensor) -> Tensor:
+    """A mod over every (b, h, q, k): elementwise on broadcast index tensors when it allows that,
+    else vmapped as FlexAttention does. (Broadcasting first: vmap cannot run inside an op that a
+    dispatch mode is watching, as on a compiled graph's first run.)"""
+    shape = (b, h, q.numel(), k.numel())
+    try:
+        out = fn(*prefix, *_bhqk(b, h, q, k))
+        if out.dim() == 4:
+            return out.expand(shape)
+    except (RuntimeError, IndexError, TypeError):
+        pass
+    idx = (torch.arange(b, device=q.device), torch.arange(h, device=q.device), q, k)
+    with TransformGetItemToIndex():
+        return _vmap_for_bhqkv(fn, prefix=(0,) * len(prefix))(*prefix, *idx)
+
+
 def _dense_mask(call: _Call, rows: Tensor, cols: Tensor) -> Tensor:
     """[Bm, Hm, len(rows), len(cols)] visibility of perm-indexed rows/cols."""
     if not call.has_table:
         return torch.ones(1, 1, rows.numel(), cols.numel(), dtype=torch.bool, device=rows.device)
     mask, bufs = call.mods.mask, call.buffers[: call.mods.n_mask_buffers]
-    b = torch.arange(call.mask_b, device=rows.device)
-    h = torch.arange(call.mask_h, device=rows.device)
-    fn = _vmap_for_bhqkv(lambda b_, h_, i, j: mask(b_, h_, i, j, *bufs), prefix=())
-    with TransformGetItemToIndex():
-        # S_local + t reaches the all-ranks region of the table: global position perm[t]
-        return fn(b, h, rows + call.local, cols + call.local).to(torch.bool)
+    # S_local + t reaches the all-ranks region of the table: global position perm[t]
+    fn = lambda b_, h_, i, j: mask(b_, h_, i, j, *bufs)  # noqa: E731
+    return _evaluate(fn, (), call.mask_b, call.mask_h, rows + call.local, cols + call.local).to(torch.bool)
 
 
 def _scores(call: _Call, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, mask: Tensor, vjp: bool = False):
@@ -168,13 +187,11 @@ def _scores(call: _Call, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, mask:
     pullback = None
     if call.mods.score is not None:
         bufs = call.buffers[call.mods.n_mask_buffers:]
-        fn = _vmap_for_bhqkv(lambda s_, b_, h_, i, j: call.mods.score(s_, b_, h_, i, j, *bufs), prefix=(0,))
-        index = (torch.arange(q.shape[0], device=q.device), torch.arange(q.shape[1], device=q.device),
-                 call.perm[rows], call.perm[cols])
+        score, q_pos, k_pos = call.mods.score, call.perm[rows], call.perm[cols]
 
         def modded(x):
-            with TransformGetItemToIndex():
-                return fn(x, *index)
+            fn = lambda s_, b_, h_, i, j: score(s_, b_, h_, i, j, *bufs)  # noqa: E731
+            return _evaluate(fn, (x,), q.shape[0], q.shape[1], q_pos, k_pos)
 
         # torch.func, not autograd: an op's implementation runs below the autograd dispatch key
         raw, pullback = torch.func.vjp(modded, raw) if vjp else (modded(raw), None)

@@ -7,7 +7,7 @@ graph.
 
 from __future__ import annotations
 
-SCHEDULES = ("ring",)
+SCHEDULES = ("ring", "allgather")
 
 
 def check_schedule(schedule: str) -> None:
@@ -20,6 +20,10 @@ def choose_schedule(site, options) -> tuple[str, str]:
     check_schedule(options.schedule)
     if options.schedule != "auto":
         return options.schedule, "chosen by the plan (schedule=...)"
+    if site.kind == "flex":
+        from .flex_site import choose_flex_site_schedule
+
+        return choose_flex_site_schedule(site, options)
     causal = bool(site.args.get("is_causal"))
     if causal and options.layout == "zigzag":
         return "ring", "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
