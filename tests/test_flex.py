@@ -8,7 +8,7 @@ from helpers import make_qkv, max_err
 CHUNK = 4  # tokens per zigzag chunk: S = 2 * C * CHUNK
 
 
-def mask_case(name: str, seq: int):
+def mask_case(name: str, seq: int, chunk: int = CHUNK):
     """(mask_mod, score_mod) over global indices for a named case, the same on every rank."""
     from cp_compile import masks
 
@@ -23,9 +23,9 @@ def mask_case(name: str, seq: int):
                     break
         return masks.and_(masks.causal(), masks.document(doc)), None
     if name == "window-small":
-        return masks.sliding_window(CHUNK - 1), None
+        return masks.sliding_window(chunk - 1), None
     if name == "window-large":
-        return masks.sliding_window(3 * CHUNK + 1), None
+        return masks.sliding_window(3 * chunk + 1), None
     if name == "prefix-lm":
         return masks.prefix_lm(seq // 3 + 1), None
     if name == "bias-score":
@@ -61,43 +61,77 @@ def reference(q, k, v, do, mask_mod, score_mod, scale):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def run_flex_eager(case: str, schedule: str, hq: int = 2, hkv: int = 2, backward: bool = True):
+def run_flex_eager(case: str, schedule: str, chunk: int = CHUNK, hq: int = 2, hkv: int = 2):
+    """On every rank: the eager op's out, lse and gradients against the dense single-device reference."""
     import cp_compile
     from torch.nn.attention.flex_attention import create_block_mask
 
     plan = cp_compile.ContextParallel()
-    seq = 2 * plan.world_size * CHUNK
-    mask_mod, score_mod = mask_case(case, seq)
+    seq = 2 * plan.world_size * chunk
+    mask_mod, score_mod = mask_case(case, seq, chunk)
     q, k, v, do = make_qkv(1, hq, hkv, seq, 8, seed=plan.world_size)
     scale = 0.3
     ref = reference(q, k, v, do, mask_mod, score_mod, scale)
-    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK)
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk)
     local_mask = plan.shard(block_mask)
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
     with cp_compile.count_blocks() as blocks, cp_compile.count_traffic() as traffic:
         out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=local_mask, scale=scale,
                                              enable_gqa=hq != hkv, return_lse=True, schedule=schedule)
-        if backward:
-            out.backward(plan.shard(do, 2))
-    got = [out.detach(), lse] + ([t.grad for t in leaves] if backward else [])
-    want = [ref[0], ref[1]] + (list(ref[2:]) if backward else [])
+        out.backward(plan.shard(do, 2))
+    got = [out.detach(), lse] + [t.grad for t in leaves]
     return {
-        "err": [max_err(g, plan.shard(w, 2)) for g, w in zip(got, want)],
+        "err": [max_err(g, plan.shard(w, 2)) for g, w in zip(got, [ref[0], ref[1], *ref[2:]])],
         "nan": any(torch.isnan(g).any().item() for g in got[:1] + got[2:]),
         "blocks": (blocks.computed, blocks.skipped),
         "shifts": dict(traffic.by_tag),
+        "visible_pairs": visible_chunk_pairs(mask_mod, seq, chunk, plan.positions(seq)),
     }
+
+
+def visible_chunk_pairs(mask_mod, seq: int, chunk: int, positions) -> int:
+    """(local query chunk, any key chunk) pairs with a visible token pair: the work that must be done."""
+    qi, ki = positions.view(-1, 1), torch.arange(seq).view(1, -1)
+    dense = mask_mod(0, 0, qi, ki)
+    return int(dense.view(-1, chunk, seq // chunk, chunk).any(3).any(1).sum())
+
+
+def run_all_cases(cases):
+    return {f"{case} {schedule}": run_flex_eager(case, schedule, *more) for case, schedule, *more in cases}
 
 
 CASES = ["document-causal", "window-small", "window-large", "prefix-lm", "bias-score"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", CASES)
-def test_eager_ring_fp64_forward_backward(ranks, world_size, case):
-    for result in ranks(world_size, run_flex_eager, case, "ring"):
-        assert not result["nan"]
+def test_eager_fp64_forward_backward(ranks, world_size):
+    """Every mask, both schedules, against single-device attention with the same mask (out, lse, dq, dk, dv).
+    Odd C uses 3-token chunks: lengths divide by 2C and nothing more."""
+    chunk = 3 if world_size % 2 else CHUNK
+    cases = [(case, schedule, chunk) for case in CASES for schedule in ("ring", "allgather")]
+    cases.append(("bias-score", "ring", chunk, 4, 2))  # GQA
+    for per_rank in ranks(world_size, run_all_cases, cases, timeout=600):
+        for name, result in per_rank.items():
+            assert not result["nan"], name
+            assert max(result["err"]) < 1e-10, (name, result["err"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_empty_blocks_skipped_with_identical_collectives(ranks, world_size):
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+
+    results = ranks(world_size, run_flex_eager, "empty-blocks", "ring")
+    for result in results:
         assert max(result["err"]) < 1e-10, result["err"]
+        computed, skipped = result["blocks"]
+        total = 2 * 2 * world_size  # 2 local chunks x 2C key chunks, per direction
+        # exactly the visible chunk pairs are computed (half of them here), forward and backward
+        assert computed == {"forward": result["visible_pairs"], "backward": result["visible_pairs"]}
+        assert result["visible_pairs"] == total // 2
+        assert skipped == {"forward": total // 2, "backward": total // 2}
+        # the full ring still runs on every rank: forward C-1 K/V, backward C-1 K/V and C dK/dV
+        assert result["shifts"] == {TAG_KV: 2 * (world_size - 1), TAG_DKV: world_size}
+    assert all(r["shifts"] == results[0]["shifts"] for r in results)
 
 
 def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkpoint: bool = False):
@@ -107,6 +141,7 @@ def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkp
     from torch.utils.checkpoint import checkpoint as ckpt
 
     import cp_compile
+    from cp_compile.inspect import site_report
 
     torch._dynamo.reset()
     counters.clear()
@@ -136,13 +171,28 @@ def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkp
         "graph_breaks": sum(counters["graph_break"].values()),
         "sites": [(s.kind, s.location, s.decision["schedule"]) for r in backend.records for s in r.sites],
         "listing": [x for r in backend.records for x in r.schedules],
+        "explained": [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites],
     }
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_compiled_fp64_aot_eager(ranks, world_size):
-    # fp64: Inductor's CPU flex lowering takes fp32/fp16/bf16 only, so aot_eager here
-    for result in ranks(world_size, run_flex_compiled, "aot_eager", "document-causal", timeout=600):
+def run_compiled_cases(cases):
+    return [run_flex_compiled(*case) for case in cases]
+
+
+def test_compiled_fp64_aot_eager(ranks):
+    """fp64 runs with inner="aot_eager": Inductor's CPU flex lowering takes fp32/fp16/bf16 only."""
+    cases = [("aot_eager", "document-causal"), ("aot_eager", "bias-score", "float64", True)]
+    for plain, checkpointed in ranks(3, run_compiled_cases, cases, timeout=600):
+        for result in (plain, checkpointed):
+            assert result["graph_breaks"] == 0
+            assert max(result["err"]) < 1e-10, result
+        assert [s[:2] for s in plain["sites"]] == [("flex", "top-level graph")]
+        assert [s[0] for s in checkpointed["sites"]] == ["flex"] and "inside" in checkpointed["sites"][0][1]
+        assert "schedule:" in checkpointed["explained"][0]
+
+
+def test_compiled_fp32_inductor(ranks):
+    for (result,) in ranks(2, run_compiled_cases, [("inductor", "window-large", "float32")], timeout=600):
         assert result["graph_breaks"] == 0
-        assert result["sites"] and result["sites"][0][0] == "flex"
-        assert max(result["err"]) < 1e-10, result
+        for cp, single in zip(result["err"], result["single_err"]):
+            assert cp <= 2 * single, result

@@ -52,10 +52,6 @@ def _is_noop_mask(gm: fx.GraphModule) -> bool:
     return all(not p.users for p in _placeholders(gm))
 
 
-def _used_outputs(site: AttentionSite) -> set[int]:
-    return {u.args[1] for u in site.node.users if u.target == operator.getitem}
-
-
 def _check_flex(site: AttentionSite) -> None:
     where = f"at {site.source}"
     q, k = site.shape("query"), site.shape("key")
@@ -65,7 +61,7 @@ def _check_flex(site: AttentionSite) -> None:
         raise UnsupportedAttention(
             f"flex_attention {where}: local query and key lengths differ ({q[2]} vs {k[2]}); CP shards them alike"
         )
-    if 2 in _used_outputs(site):
+    if (site.args["kernel_options"] or {}).get("OUTPUT_MAX"):
         raise UnsupportedAttention(f"flex_attention(return_aux=AuxRequest(max_scores=True)) {where}: not supported under CP")
     block_mask = site.args["block_mask"]
     if tuple(block_mask[:2]) != (q[2], q[2]):
@@ -124,6 +120,8 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     if example is not None:
         out.meta["example_value"] = example[0]
     for user in list(site.node.users):
+        # output 2 (max scores) is only computed on request (OUTPUT_MAX, refused above), but a
+        # checkpoint body may still pass it along: lse stands in, with the same shape and dtype
         user.replace_all_uses_with(out if user.args[1] == 0 else lse2)
         graph.erase_node(user)
     graph.erase_node(site.node)
