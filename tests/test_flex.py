@@ -108,8 +108,9 @@ def test_eager_fp64_forward_backward(ranks, world_size):
     """Every mask, both schedules, against single-device attention with the same mask (out, lse, dq, dk, dv).
     Odd C uses 3-token chunks: lengths divide by 2C and nothing more."""
     chunk = 3 if world_size % 2 else CHUNK
-    cases = [(case, schedule, chunk) for case in CASES for schedule in ("ring", "allgather")]
-    cases.append(("bias-score", "ring", chunk, 4, 2))  # GQA
+    cases = [(case, "ring", chunk) for case in CASES]
+    cases += [("document-causal", "allgather", chunk), ("bias-score", "allgather", chunk, 4, 2)]  # + GQA
+    cases.append(("bias-score", "ring", chunk, 4, 2))
     for per_rank in ranks(world_size, run_all_cases, cases, timeout=600):
         for name, result in per_rank.items():
             assert not result["nan"], name
@@ -196,3 +197,58 @@ def test_compiled_fp32_inductor(ranks):
         assert result["graph_breaks"] == 0
         for cp, single in zip(result["err"], result["single_err"]):
             assert cp <= 2 * single, result
+
+
+def opcheck_flex_ops():
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+    from cp_compile.ops.flex import eager_mods
+
+    plan = cp_compile.ContextParallel()
+    seq = 2 * plan.world_size * CHUNK
+    # mask-only: a score_mod's gradient is taken with torch.func, which cannot run under opcheck's dispatch modes
+    mask_mod, _ = mask_case("document-causal", seq)
+    local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
+    key, buffers, mb, mh = eager_mods(local_mask, None)
+    name = dist.group.WORLD.group_name
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
+    opts = (key, "zigzag", mb, mh, 0.3)
+    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, name, "ring", *opts)
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    k_all, v_all = (torch.cat([t] * plan.world_size, 2) for t in (k, v))
+    cases = [
+        (torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, name, "ring", *opts)),
+        (torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, name, "allgather", *opts)),
+        (torch.ops.cp.flex_attention_backward.default, (do, q, k, v, out, lse, None, buffers, name, "ring", *opts)),
+        (torch.ops.cp.flex_block_attn.default, (q, k, v, buffers, 1, name, *opts)),
+        (torch.ops.cp.flex_block_attn_backward.default, (do, q, k, v, out, lse, lse, buffers, 1, name, *opts)),
+        (torch.ops.cp.flex_gathered_attn.default, (q, k_all, v_all, buffers, name, *opts)),
+        (torch.ops.cp.flex_gathered_attn_backward.default, (do, q, k_all, v_all, out, lse, None, buffers, name, *opts)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return len(cases)
+
+
+def test_opcheck_flex_ops(ranks):
+    assert ranks(2, opcheck_flex_ops) == [7, 7]
+
+
+def test_schedule_choice_from_global_block_counts():
+    """Short documents leave most remote tiles empty (all-gather); a prefix-LM mask fills them (ring)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cp_compile import masks
+    from cp_compile.flex_mask import choose_flex_schedule, layout_perm, rank_tiles
+
+    c, seq = 4, 32
+    perm = layout_perm(seq, c, "zigzag")
+    docs = masks.document(torch.arange(seq) // (2 * CHUNK))  # each document is two adjacent chunks
+    chosen = {}
+    for name, mod in {"documents": docs, "prefix-lm": masks.prefix_lm(seq // 2)}.items():
+        bm = create_block_mask(mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK)
+        chosen[name] = choose_flex_schedule(rank_tiles(bm, perm, c))
+    assert chosen["documents"][0] == "allgather" and "4 of 12" in chosen["documents"][1]
+    assert chosen["prefix-lm"][0] == "ring"
