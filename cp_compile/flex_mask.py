@@ -123,3 +123,59 @@ def _remember(local_len: int, world_size: int, info: ShardInfo) -> None:
 
 def last_shard_info(local_len: int, world_size: int) -> ShardInfo | None:
     return _LAST.get((local_len, world_size))
+
+
+# ----------------------------------------------------------------------------
+# Load balance for a given mask: deal its query blocks to ranks by visible work.
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BalancedLayout:
+    """Rank r holds ``perm[r * S_local:(r + 1) * S_local]`` (global positions, ascending)."""
+
+    perm: Tensor
+    world_size: int
+    chunk: int
+    loads: list  # visible blocks per rank
+
+    def positions(self, rank: int) -> Tensor:
+        local = self.perm.numel() // self.world_size
+        return self.perm[rank * local:(rank + 1) * local]
+
+
+def balance_blocks(block_mask: BlockMask, world_size: int) -> BalancedLayout:
+    """Give every rank the same number of query blocks and about the same number of visible blocks.
+
+    A query block's work is its visible key blocks (full + partial, over batch
+    and heads) in the global BlockMask. Heaviest blocks go first, each to the
+    least loaded rank with room left. Under a causal document mask this pairs
+    the late (heavy) blocks of each document with early (light) ones, as a
+    per-document zigzag does, whatever the document lengths.
+    """
+    bq, bkv = block_mask.BLOCK_SIZE
+    q_len = block_mask.seq_lengths[0]
+    if bq != bkv or q_len % bq:
+        raise ValueError(
+            f"block_mask: balancing needs square blocks that tile the sequence; got BLOCK_SIZE={block_mask.BLOCK_SIZE} "
+            f"for {q_len} tokens"
+        )
+    n_blocks = q_len // bq
+    if n_blocks % world_size:
+        raise ValueError(
+            f"block_mask: {n_blocks} query blocks of {bq} tokens do not split evenly over C={world_size} ranks; "
+            "choose a BLOCK_SIZE so that the block count divides by C"
+        )
+    work = block_mask.kv_num_blocks.sum((0, 1))
+    if block_mask.full_kv_num_blocks is not None:
+        work = work + block_mask.full_kv_num_blocks.sum((0, 1))
+    work = work.tolist()
+    per_rank = n_blocks // world_size
+    loads, owned = [0] * world_size, [[] for _ in range(world_size)]
+    for block in sorted(range(n_blocks), key=lambda i: (-work[i], i)):
+        rank = min((r for r in range(world_size) if len(owned[r]) < per_rank), key=lambda r: (loads[r], r))
+        owned[rank].append(block)
+        loads[rank] += work[block]
+    starts = torch.tensor([b for blocks in owned for b in sorted(blocks)]) * bq
+    perm = (starts.view(-1, 1) + torch.arange(bq)).flatten()
+    return BalancedLayout(perm, world_size, bq, loads)

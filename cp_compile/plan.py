@@ -16,7 +16,9 @@ class ContextParallel:
     """A context-parallel plan over a process group or a 1-D DeviceMesh.
 
     ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
-    of 2C, balancing causal work) or ``"contiguous"``. ``schedule`` is
+    of 2C, balancing causal work), ``"contiguous"``, or a global FlexAttention
+    ``BlockMask``: its query blocks are dealt to ranks so that each holds the
+    same number of visible blocks (FlexAttention only). ``schedule`` is
     ``"auto"`` (default: chosen per attention site; ``explain`` says which and
     why) or a schedule name to use for every site.
     """
@@ -27,11 +29,19 @@ class ContextParallel:
 
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
-        _layout.check_layout(load_balance)
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.balanced = None
         check_schedule(schedule)
         self.schedule = schedule
         self.group_name = group_name_of(group_or_mesh)
         self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
+        if isinstance(load_balance, BlockMask):
+            from .flex_mask import balance_blocks
+
+            self.balanced, load_balance = balance_blocks(load_balance, self.world_size), "balanced"
+        else:
+            _layout.check_layout(load_balance)
         self.load_balance = load_balance
 
     @property
@@ -57,22 +67,37 @@ class ContextParallel:
             from .flex_mask import layout_chunk, layout_perm, shard_block_mask
 
             seq_len = x.seq_lengths[0]
-            perm = layout_perm(seq_len, self.world_size, self.load_balance)
-            chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
+            if self.balanced is not None:
+                perm, chunk = self.balanced.perm, self.balanced.chunk
+            else:
+                perm = layout_perm(seq_len, self.world_size, self.load_balance)
+                chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
             return shard_block_mask(x, self.rank, self.world_size, perm, chunk)
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
+        if self.balanced is not None:
+            return x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
 
     def unshard(self, x_local: Tensor, seq_dim: int) -> Tensor:
         """The full tensor, on every rank, from each rank's shard."""
         parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
+        if self.balanced is not None:
+            gathered = torch.cat(parts, dim=seq_dim)
+            return torch.empty_like(gathered).index_copy_(seq_dim, self.balanced.perm.to(x_local.device), gathered)
         return _layout.unshard(parts, seq_dim, self.load_balance)
 
     def positions(self, seq_len: int, device=None) -> Tensor:
         """Global positions (LongTensor) of this rank's tokens."""
+        if self.balanced is not None:
+            return self._balanced_positions(seq_len, device)
         return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
+
+    def _balanced_positions(self, seq_len: int, device) -> Tensor:
+        if seq_len != self.balanced.perm.numel():
+            raise ValueError(f"the plan balances a {self.balanced.perm.numel()}-token mask; got {seq_len} tokens")
+        return self.balanced.positions(self.rank).to(device)
 
     def backend(self, inner: str = "inductor"):
         """A ``torch.compile`` backend that rewrites attention into CP schedules.

@@ -252,3 +252,42 @@ def test_schedule_choice_from_global_block_counts():
         chosen[name] = choose_flex_schedule(rank_tiles(bm, perm, c))
     assert chosen["documents"][0] == "allgather" and "4 of 12" in chosen["documents"][1]
     assert chosen["prefix-lm"][0] == "ring"
+
+
+def run_balanced(seq: int = 48, block: int = 4):
+    """Per-rank visible blocks under zigzag and under the mask-balanced layout; the balanced run's accuracy."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+    from cp_compile import masks
+
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate([28, 8, 12])])
+    mask_mod = masks.and_(masks.causal(), masks.document(doc))
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=block)
+    zigzag = cp_compile.ContextParallel()
+    plan = cp_compile.ContextParallel(load_balance=block_mask)
+    q, k, v, do = make_qkv(1, 2, 2, seq, 8, seed=5)
+    ref = reference(q, k, v, do, mask_mod, None, 0.3)
+    leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    with cp_compile.count_blocks() as blocks:
+        out = cp_compile.flex_attention(*leaves, block_mask=plan.shard(block_mask), scale=0.3)
+        out.backward(plan.shard(do, 2))
+    got = [out.detach()] + [t.grad for t in leaves]
+    return {
+        "zigzag": visible_chunk_pairs(mask_mod, seq, block, zigzag.positions(seq)),
+        "balanced": visible_chunk_pairs(mask_mod, seq, block, plan.positions(seq)),
+        "computed": blocks.computed["forward"],
+        "err": [max_err(g, plan.shard(w, 2)) for g, w in zip(got, [ref[0], *ref[2:]])],
+        "roundtrip": bool(torch.equal(plan.unshard(plan.shard(q, 2), 2), q)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mask_balanced_layout(ranks, world_size):
+    results = ranks(world_size, run_balanced)
+    zigzag, balanced = [r["zigzag"] for r in results], [r["balanced"] for r in results]
+    assert max(balanced) - min(balanced) <= 2, balanced  # visible blocks per rank, nearly equal
+    assert max(balanced) < max(zigzag), (balanced, zigzag)
+    for r in results:
+        assert r["computed"] == r["balanced"]  # exactly the visible blocks are computed
+        assert max(r["err"]) < 1e-10 and r["roundtrip"]
