@@ -182,9 +182,10 @@ def run_compiled_cases(cases):
 
 def test_compiled_fp64_aot_eager(ranks):
     """fp64 runs with inner="aot_eager": Inductor's CPU flex lowering takes fp32/fp16/bf16 only."""
-    cases = [("aot_eager", "document-causal"), ("aot_eager", "bias-score", "float64", True)]
-    for plain, checkpointed in ranks(3, run_compiled_cases, cases, timeout=600):
-        for result in (plain, checkpointed):
+    cases = [("aot_eager", "document-causal"), ("aot_eager", "bias-score", "float64", True),
+             ("aot_eager", "window-small"), ("aot_eager", "prefix-lm")]
+    for plain, checkpointed, *more in ranks(3, run_compiled_cases, cases, timeout=600):
+        for result in (plain, checkpointed, *more):
             assert result["graph_breaks"] == 0
             assert max(result["err"]) < 1e-10, result
         assert [s[:2] for s in plain["sites"]] == [("flex", "top-level graph")]
@@ -291,3 +292,47 @@ def test_mask_balanced_layout(ranks, world_size):
     for r in results:
         assert r["computed"] == r["balanced"]  # exactly the visible blocks are computed
         assert max(r["err"]) < 1e-10 and r["roundtrip"]
+
+
+@pytest.fixture
+def fake_group(request):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param, dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_group", [3], indirect=True)
+def test_expanded_flex_schedules(fake_group):
+    """Stage 2 traces the same schedules: the ring as in SDPA (also its backward, which CPU compile
+    cannot reach), the all-gather as one gathered tile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cp_compile.ops.flex import Mods, register_mods
+    from cp_compile.passes.expand import expand_cp_ops
+    from cp_compile.passes.order import schedule_listing
+    from test_graph import expected_backward, expected_forward
+
+    c, name = fake_group
+    key = register_mods("test:none", Mods(None, None, 0))
+    opts = (key, "zigzag", 1, 1, 0.25)
+
+    def traced(fn, *shapes):
+        with FakeTensorMode():
+            gm = make_fx(fn, tracing_mode="fake")(*[torch.empty(s) for s in shapes])
+        expand_cp_ops(gm.graph)
+        return schedule_listing(gm.graph)
+
+    qkv = [(1, 2, 8, 4)] * 3
+    def forward(schedule):
+        return lambda q, k, v: torch.ops.cp.flex_attention(q, k, v, [], name, schedule, *opts)[0]
+
+    fwd = {s: traced(forward(s), *qkv) for s in ("ring", "allgather")}
+    assert fwd["ring"] == expected_forward(c)
+    assert fwd["allgather"] == ["agree", "wait", "wait", "gathered"]  # K and V all-gathers, then one tile
+    bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.flex_attention_backward(
+        do, q, k, v, o, lse, None, [], name, "ring", *opts), *qkv, (1, 2, 8, 4), (1, 2, 8))
+    assert bwd == expected_backward(c)

@@ -545,7 +545,8 @@ def _expand_backward(args) -> Traceable:
         dl = tensors[6] if has_dlse else None
         return BACKWARD[schedule](dout, q, k, v, out, lse, dl, list(tensors[6 + has_dlse:]), o)
 
-    return Traceable("backward", o.world_size, fn, [dout, q, k, v, out, lse] + ([dlse] if has_dlse else []) + list(buffers))
+    tensors = [dout, q, k, v, out, lse] + ([dlse] if has_dlse else []) + list(buffers)
+    return Traceable("backward", o.world_size, fn, tensors)
 
 
 register_schedule(

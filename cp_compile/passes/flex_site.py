@@ -62,7 +62,9 @@ def _check_flex(site: AttentionSite) -> None:
             f"flex_attention {where}: local query and key lengths differ ({q[2]} vs {k[2]}); CP shards them alike"
         )
     if (site.args["kernel_options"] or {}).get("OUTPUT_MAX"):
-        raise UnsupportedAttention(f"flex_attention(return_aux=AuxRequest(max_scores=True)) {where}: not supported under CP")
+        raise UnsupportedAttention(
+            f"flex_attention(return_aux=AuxRequest(max_scores=True)) {where}: max scores are not supported under CP"
+        )
     block_mask = site.args["block_mask"]
     if tuple(block_mask[:2]) != (q[2], q[2]):
         raise UnsupportedAttention(
