@@ -334,5 +334,5 @@ def test_expanded_flex_schedules(fake_group):
     assert fwd["ring"] == expected_forward(c)
     assert fwd["allgather"] == ["agree", "wait", "wait", "gathered"]  # K and V all-gathers, then one tile
     bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.flex_attention_backward(
-        do, q, k, v, o, lse, None, [], name, "ring", *opts), *qkv, (1, 2, 8, 4), (1, 2, 8))
+        do, q, k, v, o, lse, None, [], name, "ring", *opts), *qkv, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8))
     assert bwd == expected_backward(c)
