@@ -35,6 +35,8 @@ def mask_case(name: str, seq: int, chunk: int = CHUNK):
             return score + bias[q_idx] - 0.5 * bias[kv_idx] + 0.1 * (q_idx - kv_idx)
 
         return masks.causal(), score_mod
+    if name == "full":  # no block_mask at all
+        return None, None
     if name == "empty-blocks":
         # two halves that never see each other: whole chunk pairs are empty
         return masks.document((torch.arange(seq) >= seq // 2).long()), None
@@ -53,7 +55,8 @@ def reference(q, k, v, do, mask_mod, score_mod, scale):
         b = torch.arange(q.shape[0]).view(-1, 1, 1, 1)
         h = torch.arange(q.shape[1]).view(1, -1, 1, 1)
         s = score_mod(s, b, h, qi, ki)
-    s = s.masked_fill(~mask_mod(0, 0, qi, ki), float("-inf"))
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(0, 0, qi, ki), float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = p @ vv
@@ -72,8 +75,9 @@ def run_flex_eager(case: str, schedule: str, chunk: int = CHUNK, hq: int = 2, hk
     q, k, v, do = make_qkv(1, hq, hkv, seq, 8, seed=plan.world_size)
     scale = 0.3
     ref = reference(q, k, v, do, mask_mod, score_mod, scale)
-    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk)
-    local_mask = plan.shard(block_mask)
+    local_mask = None
+    if mask_mod is not None:
+        local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk))
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
     with cp_compile.count_blocks() as blocks, cp_compile.count_traffic() as traffic:
         out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=local_mask, scale=scale,
@@ -85,7 +89,7 @@ def run_flex_eager(case: str, schedule: str, chunk: int = CHUNK, hq: int = 2, hk
         "nan": any(torch.isnan(g).any().item() for g in got[:1] + got[2:]),
         "blocks": (blocks.computed, blocks.skipped),
         "shifts": dict(traffic.by_tag),
-        "visible_pairs": visible_chunk_pairs(mask_mod, seq, chunk, plan.positions(seq)),
+        "visible_pairs": visible_chunk_pairs(mask_mod, seq, chunk, plan.positions(seq)) if mask_mod else None,
     }
 
 
@@ -110,6 +114,7 @@ def test_eager_fp64_forward_backward(ranks, world_size):
     chunk = 3 if world_size % 2 else CHUNK
     cases = [(case, "ring", chunk) for case in CASES]
     cases += [("document-causal", "allgather", chunk), ("bias-score", "allgather", chunk, 4, 2)]  # + GQA
+    cases += [("full", "ring", chunk), ("full", "allgather", chunk)]
     cases.append(("bias-score", "ring", chunk, 4, 2))
     for per_rank in ranks(world_size, run_all_cases, cases, timeout=600):
         for name, result in per_rank.items():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -57,7 +58,10 @@ class Mods:
 
 
 MODS: dict[str, Mods] = {}
-_KEEP_ALIVE: dict[str, tuple] = {}
+# Eager keys hold the ids of the user's mods, so the objects are kept alive while their key is
+# registered; only the most recent ones are, so fresh masks per batch do not pile up.
+_EAGER_KEYS: "OrderedDict[str, tuple]" = OrderedDict()
+MAX_EAGER_KEYS = 1024
 
 
 def register_mods(key: str, mods: Mods) -> str:
@@ -585,8 +589,11 @@ def eager_mods(block_mask, score_mod) -> tuple[str, list[Tensor], int, int]:
     score = None if score_mod is None else (lambda s, b, h, i, j, *bufs: score_mod(s, b, h, i, j))
     key = f"eager:{id(block_mask.mask_mod) if block_mask is not None else 0}:{id(score_mod)}"
     register_mods(key, Mods(mask, score, len(buffers)))
-    # keep the callables alive as long as the key: ids are not reused while registered
-    _KEEP_ALIVE[key] = (block_mask, score_mod)
+    _EAGER_KEYS[key] = (block_mask, score_mod)
+    _EAGER_KEYS.move_to_end(key)
+    while len(_EAGER_KEYS) > MAX_EAGER_KEYS:
+        old, _ = _EAGER_KEYS.popitem(last=False)
+        MODS.pop(old, None)
     return key, buffers, int(mask_b), int(mask_h)
 
 
