@@ -235,11 +235,37 @@ def opcheck_flex_ops():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
-    return len(cases)
+    return len(cases), score_grad_error_under_a_dispatch_mode(plan, seq, name)
+
+
+def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cp_compile.ops.flex import eager_mods
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    mask_mod, score_mod = mask_case("bias-score", seq)
+    local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
+    key, buffers, mb, mh = eager_mods(local_mask, score_mod)
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
+    opts = (name, "ring", key, "zigzag", mb, mh, 0.3)
+    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, *opts)
+    try:
+        with PassThrough():
+            torch.ops.cp.flex_attention_backward(do, q, k, v, out, lse, None, buffers, *opts)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
 
 
 def test_opcheck_flex_ops(ranks):
-    assert ranks(2, opcheck_flex_ops) == [7, 7]
+    for checked, score_grad_error in ranks(2, opcheck_flex_ops):
+        assert checked == 7
+        assert "score_mod" in score_grad_error and "dispatch mode" in score_grad_error
 
 
 def test_schedule_choice_from_global_block_counts():

@@ -198,7 +198,16 @@ def _scores(call: _Call, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, mask:
             return _evaluate(fn, (x,), q.shape[0], q.shape[1], q_pos, k_pos)
 
         # torch.func, not autograd: an op's implementation runs below the autograd dispatch key
-        raw, pullback = torch.func.vjp(modded, raw) if vjp else (modded(raw), None)
+        if not vjp:
+            return modded(raw).masked_fill(~mask, float("-inf")), None
+        try:
+            raw, pullback = torch.func.vjp(modded, raw)
+        except (RuntimeError, NotImplementedError) as e:
+            raise NotImplementedError(
+                "flex_attention(score_mod=...): the score_mod gradient is taken with torch.func.vjp, which "
+                "cannot run under an active dispatch mode (e.g. opcheck, or the custom-op aliasing check on a "
+                "compiled graph's first run: torch._functorch.config.check_custom_op_aliasing = False skips it)"
+            ) from e
     return raw.masked_fill(~mask, float("-inf")), pullback
 
 
