@@ -16,7 +16,9 @@ class ContextParallel:
     """A context-parallel plan over a process group or a 1-D DeviceMesh.
 
     ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
-    of 2C, balancing causal work) or ``"contiguous"``. ``schedule`` is
+    of 2C, balancing causal work), ``"contiguous"``, or a global FlexAttention
+    ``BlockMask``: its query blocks are dealt to ranks so that each holds the
+    same number of visible blocks (FlexAttention only). ``schedule`` is
     ``"auto"`` (default: chosen per attention site; ``explain`` says which and
     why) or a schedule name to use for every site.
     """
@@ -27,11 +29,19 @@ class ContextParallel:
 
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
-        _layout.check_layout(load_balance)
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.balanced = None
         check_schedule(schedule)
         self.schedule = schedule
         self.group_name = group_name_of(group_or_mesh)
         self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
+        if isinstance(load_balance, BlockMask):
+            from .flex_mask import balance_blocks
+
+            self.balanced, load_balance = balance_blocks(load_balance, self.world_size), "balanced"
+        else:
+            _layout.check_layout(load_balance)
         self.load_balance = load_balance
 
     @property
@@ -45,15 +55,34 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
 
-    def shard(self, x: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    def shard(self, x: Tensor, seq_dim: Optional[int] = None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """This rank's shard of ``x`` (the full tensor, the same on every rank).
 
         With ``cu_seqlens`` (packed documents), every document is split into 2C
         chunks on its own and this rank gets chunks r and 2C-1-r of each, padding
         slots zero (``layout.packed_slots``).
+
+        A FlexAttention ``BlockMask`` built for the global sequence gives this
+        rank's BlockMask: valid for the local q/k, meaning the global mask.
         """
+        from torch.nn.attention.flex_attention import BlockMask
+
+        if isinstance(x, BlockMask):
+            from .flex_mask import layout_chunk, layout_perm, shard_block_mask
+
+            seq_len = x.seq_lengths[0]
+            if self.balanced is not None:
+                perm, chunk = self.balanced.perm, self.balanced.chunk
+            else:
+                perm = layout_perm(seq_len, self.world_size, self.load_balance)
+                chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
+            return shard_block_mask(x, self.rank, self.world_size, perm, chunk)
+        if seq_dim is None:
+            raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         if cu_seqlens is not None:
             return _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size)
+        if self.balanced is not None:
+            return x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
 
     def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
@@ -62,6 +91,9 @@ class ContextParallel:
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
         if cu_seqlens is not None:
             return _layout.unshard_packed(parts, seq_dim, cu_seqlens)
+        if self.balanced is not None:
+            gathered = torch.cat(parts, dim=seq_dim)
+            return torch.empty_like(gathered).index_copy_(seq_dim, self.balanced.perm.to(x_local.device), gathered)
         return _layout.unshard(parts, seq_dim, self.load_balance)
 
     def positions(self, seq_len: Optional[int] = None, device=None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
@@ -71,7 +103,14 @@ class ContextParallel:
             return _layout.packed_slots(cu_seqlens, self.rank, self.world_size)["pos"].to(device)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
+        if self.balanced is not None:
+            return self._balanced_positions(seq_len, device)
         return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
+
+    def _balanced_positions(self, seq_len: int, device) -> Tensor:
+        if seq_len != self.balanced.perm.numel():
+            raise ValueError(f"the plan balances a {self.balanced.perm.numel()}-token mask; got {seq_len} tokens")
+        return self.balanced.positions(self.rank).to(device)
 
     def backend(self, inner: str = "inductor"):
         """A ``torch.compile`` backend that rewrites attention into CP schedules.

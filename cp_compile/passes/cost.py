@@ -27,6 +27,10 @@ def choose_schedule(site, options) -> tuple[str, str]:
         window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
         return choose_packed_schedule(q_shape[1], k_shape[1], q_shape[0], window,
                                       resolve_group(options.group_name).size())
+    if site.kind == "flex":
+        from .flex_site import choose_flex_site_schedule
+
+        return choose_flex_site_schedule(site, options)
     causal = bool(site.args.get("is_causal"))
     if causal and options.layout == "zigzag":
         return "ring", "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"

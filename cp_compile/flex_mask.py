@@ -1,0 +1,181 @@
+"""Sharding a global FlexAttention BlockMask for one rank, and the facts every rank shares about it.
+
+``shard_block_mask`` returns an ordinary ``BlockMask`` for this rank's local
+q/k (so ``flex_attention`` accepts it inside the model) whose ``mask_mod`` is
+the global one read through an index table:
+
+    table = [MAGIC, chunk, positions of my tokens (S_local), positions of every rank's tokens (S)]
+    local_mod(b, h, i, j) = global_mod(b, h, table[2 + i], table[2 + j])
+
+Local indices ``i < S_local`` thus mean this rank's tokens, exactly as the
+local BlockMask says, and the CP ops evaluate the global mask at any global
+pair by passing ``S_local + t`` (t indexes the all-ranks region). The table is
+an ordinary tensor: the traced graph holds no rank, and everything CP reads
+from it beyond the first ``S_local`` entries is the same on every rank.
+
+The shard also records, from the global BlockMask's block counts (identical on
+every rank), which (rank, K/V source) tiles have any visible pair: the input
+to the ring vs all-gather choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from . import layout as _layout
+
+MAGIC = 0x43504D4B  # marks a table made here ("CPMK")
+HEADER = 2
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a sharded BlockMask carries besides the local mask (on its mask_mod)."""
+
+    table: Tensor
+    world_size: int
+    chunk: int  # tokens per layout chunk: the granularity of skipped work
+    tiles: list  # tiles[r][j]: rank r's queries see some key of rank j (global block counts)
+    schedule: str  # "ring" | "allgather"
+    why: str
+
+
+def layout_perm(seq_len: int, world_size: int, layout: str) -> Tensor:
+    """Global positions of every rank's tokens, in rank order then local order."""
+    return torch.cat([_layout.positions(seq_len, r, world_size, layout) for r in range(world_size)])
+
+
+def layout_chunk(seq_len: int, world_size: int, layout: str) -> int:
+    return _layout.chunk_length(seq_len, world_size, layout)
+
+
+def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> list[list[bool]]:
+    """tiles[r][j]: some block holding a query of rank r and a key of rank j is visible (full or partial)."""
+    dense = block_mask.to_dense().flatten(0, 1).any(0)  # [q blocks, kv blocks], any batch/head
+    bq, bkv = block_mask.BLOCK_SIZE
+    local = perm.numel() // world_size
+    q_blocks = [torch.unique(perm[r * local:(r + 1) * local] // bq) for r in range(world_size)]
+    kv_blocks = [torch.unique(perm[r * local:(r + 1) * local] // bkv) for r in range(world_size)]
+    return [[bool(dense[q_blocks[r]][:, kv_blocks[j]].any()) for j in range(world_size)] for r in range(world_size)]
+
+
+def choose_flex_schedule(tiles: list[list[bool]]) -> tuple[str, str]:
+    """Ring when most off-diagonal (rank, source) tiles have work to hide a transfer behind; else all-gather."""
+    c = len(tiles)
+    if c == 1:
+        return "ring", "one rank: local attention"
+    busy = sum(tiles[r][j] for r in range(c) for j in range(c) if r != j)
+    total = c * (c - 1)
+    if 2 * busy >= total:
+        return "ring", f"{busy} of {total} remote tiles have visible pairs: transfers overlap with compute"
+    return "allgather", (
+        f"only {busy} of {total} remote tiles have visible pairs: a ring would wait on transfers with little "
+        "to compute, one all-gather of K/V moves the same bytes in one step"
+    )
+
+
+def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Tensor, chunk: int) -> BlockMask:
+    """This rank's BlockMask for a global ``block_mask`` under the layout given by ``perm``."""
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len != kv_len:
+        raise ValueError(
+            f"block_mask: CP shards self-attention, but the mask is {q_len} queries x {kv_len} keys"
+        )
+    if perm.numel() != q_len:
+        raise ValueError(f"block_mask covers {q_len} tokens but the layout covers {perm.numel()}")
+    if getattr(block_mask.mask_mod, "cp_shard", None) is not None:
+        raise ValueError("block_mask is already sharded; pass the global BlockMask to plan.shard")
+    local = q_len // world_size
+    device = block_mask.kv_num_blocks.device
+    perm = perm.to(device=device, dtype=torch.int64)
+    header = torch.tensor([MAGIC, chunk], dtype=torch.int64, device=device)
+    table = torch.cat([header, perm[rank * local:(rank + 1) * local], perm])
+    global_mod = block_mask.mask_mod
+
+    def local_mod(b, h, q_idx, kv_idx):
+        return global_mod(b, h, table[HEADER + q_idx], table[HEADER + kv_idx])
+
+    batch, heads = block_mask.kv_num_blocks.shape[:2]
+    sharded = create_block_mask(local_mod, batch, heads, local, local, device=device, BLOCK_SIZE=block_mask.BLOCK_SIZE)
+    tiles = rank_tiles(block_mask, perm, world_size)
+    schedule, why = choose_flex_schedule(tiles)
+    local_mod.cp_shard = ShardInfo(table, world_size, chunk, tiles, schedule, why)
+    _remember(local, world_size, local_mod.cp_shard)
+    return sharded
+
+
+def shard_info(block_mask) -> ShardInfo | None:
+    return None if block_mask is None else getattr(block_mask.mask_mod, "cp_shard", None)
+
+
+# The compiled rewrite sees only fake tensors; the choice for a site comes from
+# the last mask sharded for the same local length and C (identical on every rank).
+_LAST: dict[tuple[int, int], ShardInfo] = {}
+
+
+def _remember(local_len: int, world_size: int, info: ShardInfo) -> None:
+    _LAST[(local_len, world_size)] = info
+
+
+def last_shard_info(local_len: int, world_size: int) -> ShardInfo | None:
+    return _LAST.get((local_len, world_size))
+
+
+# ----------------------------------------------------------------------------
+# Load balance for a given mask: deal its query blocks to ranks by visible work.
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BalancedLayout:
+    """Rank r holds ``perm[r * S_local:(r + 1) * S_local]`` (global positions, ascending)."""
+
+    perm: Tensor
+    world_size: int
+    chunk: int
+    loads: list  # visible blocks per rank
+
+    def positions(self, rank: int) -> Tensor:
+        local = self.perm.numel() // self.world_size
+        return self.perm[rank * local:(rank + 1) * local]
+
+
+def balance_blocks(block_mask: BlockMask, world_size: int) -> BalancedLayout:
+    """Give every rank the same number of query blocks and about the same number of visible blocks.
+
+    A query block's work is its visible key blocks (full + partial, over batch
+    and heads) in the global BlockMask. Heaviest blocks go first, each to the
+    least loaded rank with room left. Under a causal document mask this pairs
+    the late (heavy) blocks of each document with early (light) ones, as a
+    per-document zigzag does, whatever the document lengths.
+    """
+    bq, bkv = block_mask.BLOCK_SIZE
+    q_len = block_mask.seq_lengths[0]
+    if bq != bkv or q_len % bq:
+        raise ValueError(
+            f"block_mask: balancing needs square blocks that tile the sequence; got BLOCK_SIZE={block_mask.BLOCK_SIZE} "
+            f"for {q_len} tokens"
+        )
+    n_blocks = q_len // bq
+    if n_blocks % world_size:
+        raise ValueError(
+            f"block_mask: {n_blocks} query blocks of {bq} tokens do not split evenly over C={world_size} ranks; "
+            "choose a BLOCK_SIZE so that the block count divides by C"
+        )
+    work = block_mask.kv_num_blocks.sum((0, 1))
+    if block_mask.full_kv_num_blocks is not None:
+        work = work + block_mask.full_kv_num_blocks.sum((0, 1))
+    work = work.tolist()
+    per_rank = n_blocks // world_size
+    loads, owned = [0] * world_size, [[] for _ in range(world_size)]
+    for block in sorted(range(n_blocks), key=lambda i: (-work[i], i)):
+        rank = min((r for r in range(world_size) if len(owned[r]) < per_rank), key=lambda r: (loads[r], r))
+        owned[rank].append(block)
+        loads[rank] += work[block]
+    starts = torch.tensor([b for blocks in owned for b in sorted(blocks)]) * bq
+    perm = (starts.view(-1, 1) + torch.arange(bq)).flatten()
+    return BalancedLayout(perm, world_size, bq, loads)

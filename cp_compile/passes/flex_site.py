@@ -1,0 +1,154 @@
+"""Stage 1 for FlexAttention: the ``flex_attention`` higher-order op becomes ``cp::flex_attention``.
+
+The HOP carries its mods as subgraphs (``get_attr`` submodules) and the
+tensors they read as explicit buffers. The rewrite registers the subgraphs
+under a key made from their code (the same text on every rank, so the graph
+and its cache key are too) and passes the buffers as op arguments; the
+BlockMask must come from ``ContextParallel.shard``, whose index table is the
+mask's first buffer. The HOP's lse is base 2 (the traced ``flex_attention``
+scales it by ln 2 afterwards), so the rewrite returns ours divided by ln 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..flex_mask import HEADER
+from ..ops.flex import Mods, register_mods
+from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example
+
+FLEX_HOP = torch.ops.higher_order.flex_attention
+_NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_buffers",
+          "mask_mod_buffers")
+
+
+def _match_flex(node: fx.Node) -> Optional[dict[str, Any]]:
+    if node.target is not FLEX_HOP:
+        return None
+    return dict(zip(_NAMES, node.args))
+
+
+def _submodule(site: AttentionSite, node: fx.Node) -> fx.GraphModule:
+    return getattr(site.owner, node.target)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_identity_score(gm: fx.GraphModule) -> bool:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return output.args[0] is _placeholders(gm)[0]
+
+
+def _is_noop_mask(gm: fx.GraphModule) -> bool:
+    """A mask that reads no index (e.g. the default when block_mask=None): every pair visible."""
+    return all(not p.users for p in _placeholders(gm))
+
+
+def _check_flex(site: AttentionSite) -> None:
+    where = f"at {site.source}"
+    q, k = site.shape("query"), site.shape("key")
+    if q is None or k is None or len(q) != 4:
+        raise UnsupportedAttention(f"flex_attention {where}: CP needs [B, H, S, D] inputs with example shapes")
+    if q[2] != k[2]:
+        raise UnsupportedAttention(
+            f"flex_attention {where}: local query and key lengths differ ({q[2]} vs {k[2]}); CP shards them alike"
+        )
+    if (site.args["kernel_options"] or {}).get("OUTPUT_MAX"):
+        raise UnsupportedAttention(
+            f"flex_attention(return_aux=AuxRequest(max_scores=True)) {where}: max scores are not supported under CP"
+        )
+    block_mask = site.args["block_mask"]
+    if tuple(block_mask[:2]) != (q[2], q[2]):
+        raise UnsupportedAttention(
+            f"flex_attention(block_mask=...) {where}: the mask covers {block_mask[1]} x {block_mask[0]} tokens, "
+            f"the local q/k {q[2]}; pass plan.shard(block_mask)"
+        )
+    mask_gm = _submodule(site, block_mask[-1])
+    buffers = site.args["mask_mod_buffers"]
+    if not buffers:
+        if not _is_noop_mask(mask_gm):
+            raise UnsupportedAttention(
+                f"flex_attention(block_mask=...) {where}: the mask was not sharded for CP; build the BlockMask "
+                "for the global sequence and pass it through plan.shard(block_mask)"
+            )
+        return
+    table = _example(buffers[0])
+    if table is None or table.dim() != 1 or table.dtype != torch.int64 or (table.numel() - HEADER) % q[2]:
+        raise UnsupportedAttention(
+            f"flex_attention(block_mask=...) {where}: the mask's first buffer is not a CP index table; "
+            "pass plan.shard(block_mask)"
+        )
+
+
+def _key(*graphs: fx.GraphModule) -> str:
+    return "graph:" + hashlib.sha256("\n".join(g.code for g in graphs).encode()).hexdigest()[:20]
+
+
+def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
+    from .cost import choose_schedule
+
+    args = site.args
+    block_mask = args["block_mask"]
+    mask_gm, score_gm = _submodule(site, block_mask[-1]), _submodule(site, args["score_mod"])
+    mask_buffers, score_buffers = list(args["mask_mod_buffers"]), list(args["score_mod_buffers"])
+    mask = None if _is_noop_mask(mask_gm) and not mask_buffers else mask_gm
+    score = None if _is_identity_score(score_gm) else score_gm
+    key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
+    mask_b, mask_h = _example(block_mask[2]).shape[:2]
+    schedule, why = choose_schedule(site, options)
+    if schedule not in ("ring", "allgather"):
+        raise UnsupportedAttention(f"schedule {schedule!r} is not available for flex_attention at {site.source}")
+    scale = float(args["scale"])
+    graph = site.owner.graph
+    with graph.inserting_before(site.node):
+        op = graph.call_function(torch.ops.cp.flex_attention.default, (
+            args["query"], args["key"], args["value"], mask_buffers + score_buffers, options.group_name, schedule,
+            key, options.layout, int(mask_b), int(mask_h), scale,
+        ))
+        out = graph.call_function(operator.getitem, (op, 0))
+        lse = graph.call_function(operator.getitem, (op, 1))
+        lse2 = graph.call_function(torch.mul, (lse, 1.0 / math.log(2.0)))  # the HOP's lse is base 2
+    for new in (op, out, lse, lse2):
+        new.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    example = site.node.meta.get("example_value")
+    if example is not None:
+        out.meta["example_value"] = example[0]
+    for user in list(site.node.users):
+        # output 2 (max scores) is only computed on request (OUTPUT_MAX, refused above), but a
+        # checkpoint body may still pass it along: lse stands in, with the same shape and dtype
+        user.replace_all_uses_with(out if user.args[1] == 0 else lse2)
+        graph.erase_node(user)
+    graph.erase_node(site.node)
+    for attr in (block_mask[-1], args["score_mod"]):
+        if not attr.users:
+            graph.erase_node(attr)
+    q = site.shape("query")
+    site.args = {**args, "is_causal": False, "enable_gqa": q[1] != site.shape("key")[1]}
+    site.decision = {"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key}
+
+
+FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex)
+if all(kind.name != "flex" for kind in SITE_KINDS):
+    SITE_KINDS.append(FLEX_KIND)
+
+
+def choose_flex_site_schedule(site: AttentionSite, options: CPOptions) -> tuple[str, str]:
+    """For ``passes.cost``: the choice ``plan.shard`` made from the global mask's block counts."""
+    from ..flex_mask import last_shard_info
+    from ..ops.comm import resolve_group
+
+    if not site.args["mask_mod_buffers"]:
+        return "ring", "no block_mask: every pair visible, K/V transfers overlap with compute"
+    world_size = resolve_group(options.group_name).size()
+    info = last_shard_info(site.shape("query")[2], world_size)
+    if info is None:
+        return "ring", "no sharded mask recorded for this length: ring"
+    return info.schedule, info.why
