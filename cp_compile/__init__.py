@@ -4,12 +4,13 @@ from . import ops  # noqa: F401  (registers torch.ops.cp.*)
 from .inspect import explain
 from .ops.comm import count_traffic
 from .ops.ring import ring_attention
+from .ops.ulysses import ulysses_attention
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel
 from .sac import sac_context, sac_policy
 
 __all__ = [
     "ContextParallel", "UnsupportedAttention", "count_traffic", "explain", "ring_attention", "sac_context",
-    "sac_policy",
+    "sac_policy", "ulysses_attention",
 ]
 __version__ = "0.1.0"
