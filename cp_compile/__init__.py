@@ -1,16 +1,19 @@
 """cp_compile: context parallelism for PyTorch as custom ops and compiler passes."""
 
 from . import ops  # noqa: F401  (registers torch.ops.cp.*)
+from .calibrate import calibrate
 from .inspect import explain
 from .ops.comm import count_traffic
 from .ops.ring import ring_attention
+from .ops.hybrid import hybrid_attention
 from .ops.ulysses import ulysses_attention
+from .passes.cost import Machine
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel
 from .sac import sac_context, sac_policy
 
 __all__ = [
-    "ContextParallel", "UnsupportedAttention", "count_traffic", "explain", "ring_attention", "sac_context",
-    "sac_policy", "ulysses_attention",
+    "ContextParallel", "Machine", "UnsupportedAttention", "calibrate", "count_traffic", "explain",
+    "hybrid_attention", "ring_attention", "sac_context", "sac_policy", "ulysses_attention",
 ]
 __version__ = "0.1.0"

@@ -38,8 +38,20 @@ class SiteReport:
     backward_bytes_per_step: int  # K/V again plus the fp32 dK/dV accumulator
     forward_memory_q_units: float  # what the forward schedule holds, in local-q units
     backward_memory_q_units: float
+    candidates: list = field(default_factory=list)  # passes.cost.Estimate per schedule considered
+    machine: Any = None  # the passes.cost.Machine the estimates assume
 
     def __str__(self) -> str:
+        c = self.world_size
+        text = self._ring_text() if self.schedule == "ring" else (
+            f"{self.source}\n    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
+            f"{'causal' if self.is_causal else 'non-causal'}\n    schedule: {self.schedule} over C={c} ({self.why})")
+        if self.candidates:
+            text += f"\n    candidates ({self.machine}):" + "".join(
+                f"\n      {'*' if e.schedule == self.schedule else ' '} {e.row()}" for e in self.candidates)
+        return text
+
+    def _ring_text(self) -> str:
         c = self.world_size
         return (
             f"{self.source}\n"
@@ -121,6 +133,7 @@ def site_report(site, world_size: int) -> SiteReport:
         q_shape=q_shape, kv_shape=k_shape, dtype=str(dtype).replace("torch.", ""), world_size=world_size,
         forward_bytes_per_step=kv_bytes, backward_bytes_per_step=kv_bytes + dkv_bytes,
         forward_memory_q_units=forward / q_bytes, backward_memory_q_units=backward / q_bytes,
+        candidates=list(site.decision.get("estimates", [])), machine=site.decision.get("machine"),
     )
 
 

@@ -1,4 +1,4 @@
-"""Ulysses (all-to-all) attention on real gloo ranks against single-device SDPA."""
+"""Ulysses (all-to-all) and hybrid attention on real gloo ranks against single-device SDPA."""
 
 import pytest
 import torch
@@ -15,18 +15,26 @@ CONFIGS = {
 }
 
 
-def run_ulysses(b, hq, hkv, s_local, d, causal, layout, dtype_name="float64", seed=0, lse_grad=False):
+def run_cp(schedule, b, hq, hkv, s_local, d, causal, layout, dtype_name="float64", seed=0, mesh=None):
+    """On every rank: CP forward/backward with ``schedule`` vs single-device SDPA, sharded alike."""
     import cp_compile
-    from cp_compile.ops.ulysses import ulysses_attention_op
 
     dtype = DTYPES[dtype_name]
-    plan = cp_compile.ContextParallel(load_balance=layout)
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a"))
+    plan = cp_compile.ContextParallel(mesh, load_balance=layout)
     q, k, v, do = make_qkv(b, hq, hkv, s_local * plan.world_size, d, dtype=torch.float64, seed=seed)
     low = [t.to(dtype) for t in (q, k, v, do)]
     reference = sdpa_with_grads(q, k, v, do, is_causal=causal)
     single = sdpa_with_grads(*low, is_causal=causal)
     leaves = [plan.shard(t, 2).requires_grad_() for t in low[:3]]
-    out = cp_compile.ulysses_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv, layout=layout)
+    kwargs = dict(is_causal=causal, enable_gqa=hq != hkv, layout=layout)
+    if schedule == "ulysses":
+        out = cp_compile.ulysses_attention(*leaves, group=plan.group_name, **kwargs)
+    else:
+        out = cp_compile.hybrid_attention(*leaves, mesh, **kwargs)
     out.backward(plan.shard(low[3], 2))
     got = [out.detach()] + [t.grad for t in leaves]
     return {
@@ -36,8 +44,73 @@ def run_ulysses(b, hq, hkv, s_local, d, causal, layout, dtype_name="float64", se
     }
 
 
+def run_configs(schedule, configs, **kwargs):
+    return {name: run_cp(schedule, *CONFIGS[name], **kwargs) for name in configs}
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_fp64_equals_single_device(ranks, world_size, config):
-    for result in ranks(world_size, run_ulysses, *CONFIGS[config]):
-        assert max(result["cp_err"]) < 1e-10, result["cp_err"]
+def test_ulysses_fp64_equals_single_device(ranks, world_size):
+    for per_config in ranks(world_size, run_configs, "ulysses", list(CONFIGS)):
+        for name, result in per_config.items():
+            assert max(result["cp_err"]) < 1e-10, (name, result["cp_err"])
+
+
+def test_hybrid_2x2_fp64_equals_single_device(ranks):
+    for per_config in ranks(4, run_configs, "hybrid", list(CONFIGS), mesh=(2, 2)):
+        for name, result in per_config.items():
+            assert max(result["cp_err"]) < 1e-10, (name, result["cp_err"])
+
+
+@pytest.mark.parametrize("schedule,world_size,mesh", [("ulysses", 2, None), ("ulysses", 3, None), ("hybrid", 4, (2, 2))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_low_precision_within_twice_single_device_error(ranks, schedule, world_size, mesh, dtype):
+    for result in ranks(world_size, run_cp, schedule, 1, 6, 2, 96 // world_size, 32, True, "zigzag", dtype,
+                        seed=1, mesh=mesh):
+        assert result["dtypes"] == [f"torch.{dtype}"] * 4
+        for name, cp, single in zip(("out", "dq", "dk", "dv"), result["cp_err"], result["single_err"]):
+            assert cp <= 2 * single, f"{name}: CP error {cp:.3g} vs single-device {single:.3g}"
+
+
+def heads_error(schedule):
+    """Query heads that do not split over C: every rank raises the same clear error."""
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    q = torch.randn(1, 6, 8, 4)
+    try:
+        cp_compile.ulysses_attention(q, q, q, is_causal=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_heads_not_divisible_by_c_raise(ranks):
+    for message in ranks(4, heads_error, "ulysses"):
+        assert message is not None and "6 heads" in message and "C=4" in message and "schedule='ring'" in message
+
+
+def opcheck_ops():
+    import torch.distributed as dist
+
+    import cp_compile  # noqa: F401
+
+    name = dist.group.WORLD.group_name
+    q, k, v, do = make_qkv(1, 4, 2, 8, 6)
+    res = torch.ops.cp.ulysses_attention(q, k, v, name, True, "zigzag", 0.4, True)
+    qh, kh, vh, out_h, lse_h = res[2:]
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]
+    cases = [
+        (torch.ops.cp.ulysses_attention.default, (*req(q, k, v), name, True, "zigzag", 0.4, True)),
+        (torch.ops.cp.ulysses_attention_backward.default,
+         (do, None, qh, kh, vh, out_h, lse_h, name, True, "zigzag", 0.4, 2)),
+        (torch.ops.cp.heads_attn.default, (qh, kh, vh, "sdpa", True, 0.4)),
+        (torch.ops.cp.heads_attn_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, "sdpa", True, 0.4)),
+        (torch.ops.cp.hybrid_attention.default, (*req(q, k, v), name, name, name, False, "zigzag", 0.4, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return True
+
+
+def test_opcheck(ranks):
+    assert ranks(2, opcheck_ops) == [True, True]

@@ -101,23 +101,47 @@ def kv_copies(q_heads: int, kv_heads: int, world_size: int) -> int:
     return replicate_kv_heads(kv_heads, q_heads, world_size)
 
 
+def exchange_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, world_size: int, layout: str,
+                     attend: Callable) -> tuple[Tensor, ...]:
+    """Head-shard q, k, v over the group, ``attend(qh, kh, vh) -> (out_h, lse_h)``, sequence-shard back.
+
+    Returns (out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs.
+    """
+    copies = kv_copies(q.shape[1], k.shape[1], world_size)
+    if copies > 1:
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    qh, kh, vh = (seq_to_heads(t, group_name, world_size, layout) for t in (q, k, v))
+    out_h, lse_h = attend(qh, kh, vh)
+    out = heads_to_seq(out_h, group_name, world_size, layout)
+    lse = heads_to_seq(lse_h, group_name, world_size, layout)
+    return out, lse, qh, kh, vh, out_h, lse_h
+
+
+def exchange_backward(dout: Tensor, dlse: Optional[Tensor], group_name: str, world_size: int, layout: str,
+                      kv_heads: int, attend_backward: Callable) -> tuple[Tensor, Tensor, Tensor]:
+    """The mirror: dout (and dlse) to head sharding, ``attend_backward(dout_h, dlse_h)``, gradients back."""
+    dout_h = seq_to_heads(dout, group_name, world_size, layout)
+    dlse_h = None if dlse is None else seq_to_heads(dlse, group_name, world_size, layout)
+    grads = attend_backward(dout_h, dlse_h)
+    dq, dk, dv = (heads_to_seq(t, group_name, world_size, layout) for t in grads)
+    copies = dk.shape[1] // kv_heads
+    if copies > 1:  # the replicated heads' gradients, summed back onto each original head
+        b, _, s, _ = dk.shape
+        dk = dk.view(b, kv_heads, copies, s, dk.shape[-1]).sum(2)
+        dv = dv.view(b, kv_heads, copies, s, dv.shape[-1]).sum(2)
+    return dq, dk, dv
+
+
 def ulysses_forward(
     q: Tensor, k: Tensor, v: Tensor, *, group_name: str, world_size: int, is_causal: bool, layout: str,
     scale: float, enable_gqa: bool, inner: str = "sdpa",
 ) -> tuple[Tensor, ...]:
     """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs."""
-    c = world_size
-    if c > 1:
+    if world_size > 1:
         torch.ops.cp.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa))
-    check_ulysses_args(q, k, v, c, is_causal, layout, enable_gqa)
-    copies = kv_copies(q.shape[1], k.shape[1], c)
-    if copies > 1:
-        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-    qh, kh, vh = (seq_to_heads(t, group_name, c, layout) for t in (q, k, v))
-    out_h, lse_h = torch.ops.cp.heads_attn(qh, kh, vh, inner, is_causal, scale)
-    out = heads_to_seq(out_h, group_name, c, layout)
-    lse = heads_to_seq(lse_h, group_name, c, layout)
-    return out, lse, qh, kh, vh, out_h, lse_h
+    check_ulysses_args(q, k, v, world_size, is_causal, layout, enable_gqa)
+    return exchange_forward(q, k, v, group_name, world_size, layout,
+                            lambda qh, kh, vh: torch.ops.cp.heads_attn(qh, kh, vh, inner, is_causal, scale))
 
 
 def ulysses_backward(
@@ -125,18 +149,10 @@ def ulysses_backward(
     group_name: str, world_size: int, is_causal: bool, layout: str, scale: float, kv_heads: int,
     inner: str = "sdpa",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    c = world_size
-    dout_h = seq_to_heads(dout, group_name, c, layout)
-    dlse_h = None if dlse is None else seq_to_heads(dlse, group_name, c, layout)
-    dq_h, dk_h, dv_h = torch.ops.cp.heads_attn_backward(
-        dout_h, qh, kh, vh, out_h, lse_h, dlse_h, inner, is_causal, scale)
-    dq, dk, dv = (heads_to_seq(t, group_name, c, layout) for t in (dq_h, dk_h, dv_h))
-    copies = dk.shape[1] // kv_heads
-    if copies > 1:  # the replicated heads' gradients, summed back onto each original head
-        b, _, s, _ = dk.shape
-        dk = dk.view(b, kv_heads, copies, s, dk.shape[-1]).sum(2)
-        dv = dv.view(b, kv_heads, copies, s, dv.shape[-1]).sum(2)
-    return dq, dk, dv
+    def attend_backward(dout_h, dlse_h):
+        return torch.ops.cp.heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, inner, is_causal, scale)
+
+    return exchange_backward(dout, dlse, group_name, world_size, layout, kv_heads, attend_backward)
 
 
 # ----------------------------------------------------------------------------
