@@ -114,3 +114,62 @@ def opcheck_ops():
 
 def test_opcheck(ranks):
     assert ranks(2, opcheck_ops) == [True, True]
+
+
+def compiled_parity(inner, schedule, mesh=None):
+    """Two SDPA calls (causal GQA; non-causal with a scale), compiled with ``schedule``, vs one device."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    import cp_compile
+
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a"))
+    plan = cp_compile.ContextParallel(mesh, schedule=schedule)
+    q, k, v, do = make_qkv(2, 4, 2, 8 * plan.world_size, 8)
+
+    def attention(q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), scale=0.3)
+        return a * b
+
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    attention(*ref_inputs).backward(do)
+    torch._dynamo.reset()
+    counters.clear()
+    local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    backend = plan.backend(inner)
+    out = torch.compile(attention, backend=backend, fullgraph=True)(*local)
+    out.backward(plan.shard(do, 2))
+    errs = [max_err(out, plan.shard(attention(q, k, v), 2))]
+    errs += [max_err(a.grad, plan.shard(b.grad, 2)) for a, b in zip(local, ref_inputs)]
+    sites = [s for r in backend.records for s in r.sites]
+    return {
+        "errs": errs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "choices": [(s.decision["schedule"], s.decision["why"]) for s in sites],
+        "estimates": [[e.row() for e in s.decision["estimates"]] for s in sites],
+        "listings": [listing for r in backend.records for listing in r.schedules],
+    }
+
+
+@pytest.mark.parametrize("inner,schedule,world_size,mesh", [
+    ("inductor", "ulysses", 2, None), ("aot_eager", "hybrid", 4, (2, 2)), ("aot_eager", "auto", 2, None),
+])
+def test_compiled_fp64_equals_single_device(ranks, inner, schedule, world_size, mesh):
+    per_rank = ranks(world_size, compiled_parity, inner, schedule, mesh, timeout=600)
+    for result in per_rank:
+        assert max(result["errs"]) < 1e-10, result["errs"]
+        assert result["graph_breaks"] == 0
+        # the same choice, reasons, estimates and graphs on every rank
+        for key in ("choices", "estimates", "listings"):
+            assert result[key] == per_rank[0][key]
+    choices = [c for c, _ in per_rank[0]["choices"]]
+    if schedule != "auto":
+        assert choices == [schedule] * 2
+        assert any("all_to_all" in listing for listing in per_rank[0]["listings"])
+    else:
+        assert all(why.startswith("auto: ") and "estimated" in why for _, why in per_rank[0]["choices"])
+        assert all(len(rows) == 4 for rows in per_rank[0]["estimates"])

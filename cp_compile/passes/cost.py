@@ -13,7 +13,8 @@ Model (per rank, forward plus backward when any input requires grad):
   (``4 * B * Hq * S^2 * D * visible / C`` forward, 2.5x that backward) at the
   machine's FLOP rate, plus a fixed overhead per kernel call;
 - a transfer of n bytes costs ``latency + n / bandwidth``; an all-to-all or
-  all-gather over g ranks sends (g-1)/g of its buffer in g-1 messages;
+  all-gather over g ranks sends (g-1)/g of its buffer, its g-1 messages in
+  flight together (latency counted log2(g) times);
 - overlap: ring transfers run under the previous step's compute, so only what
   exceeds a step's compute is exposed; all-to-all and all-gather transfers
   are exposed in full (the compute needs their result);
@@ -183,7 +184,8 @@ def _exchange(m: Machine, nbytes: float, group: int) -> tuple[float, float]:
     if group <= 1:
         return 0.0, 0.0
     sent = nbytes * (group - 1) / group
-    return m.transfer(sent, group - 1), sent
+    # the messages to the g-1 peers are in flight together: latency grows slowly with g
+    return m.transfer(sent, max(1, math.ceil(math.log2(group)))), sent
 
 
 # ----------------------------------------------------------------------------
