@@ -44,6 +44,8 @@ class ContextParallel:
             self.mesh_groups = tuple(groups)
         else:
             self.group_name = group_name_of(group_or_mesh)
+            if schedule == "hybrid":
+                raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as group_or_mesh")
         self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
         self.load_balance = load_balance
         self.machine = machine
@@ -88,5 +90,14 @@ class ContextParallel:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
-        """Eager CP attention over this plan's group and layout."""
+        """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
+        if self.schedule == "ulysses":
+            from .ops.ulysses import ulysses_attention
+
+            return ulysses_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
+        if self.schedule == "hybrid":
+            from .ops.hybrid import hybrid_attention
+
+            return hybrid_attention(q, k, v, (self.group_name, *self.mesh_groups), is_causal, scale, enable_gqa,
+                                    self.load_balance)
         return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
