@@ -86,3 +86,17 @@ def test_ulysses_graph_holds_no_rank(fake_group):
     for node in gm.graph.nodes:
         if node.target == torch.ops._c10d_functional.all_to_all_single.default:
             assert node.args[1] == node.args[2] == [1] * c and node.args[3] == name
+
+
+def calibrated_machine():
+    import cp_compile
+
+    plan = cp_compile.ContextParallel(calibrate=True)
+    return plan.machine
+
+
+def test_calibration_gives_every_rank_the_same_profile(ranks):
+    machines = ranks(2, calibrated_machine)
+    assert machines[0] == machines[1]  # max-reduced over the group: the choice cannot differ by rank
+    m = machines[0]
+    assert m.source == "calibrated" and m.flops > 0 and m.bandwidth > 0 and m.latency > 0
