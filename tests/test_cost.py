@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import cp_compile  # noqa: F401
+import cp_compile
 from cp_compile.passes.cost import (
     ESTIMATORS, MACHINES, SCHEDULES, Machine, Workload, estimate_all, pick,
 )
@@ -89,8 +89,6 @@ def test_ulysses_graph_holds_no_rank(fake_group):
 
 
 def calibrated_machine():
-    import cp_compile
-
     plan = cp_compile.ContextParallel(calibrate=True)
     return plan.machine
 
