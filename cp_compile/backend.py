@@ -102,13 +102,14 @@ class _PinPass(CustomGraphPass):
 class CPBackend:
     """A ``torch.compile`` backend that turns attention into CP schedules."""
 
-    def __init__(self, group_name: str, layout: str, inner: str = "inductor", schedule: str = "auto"):
+    def __init__(self, group_name: str, layout: str, inner: str = "inductor", schedule: str = "auto",
+                 mesh_groups: tuple = (), machine=None):
         from .passes.cost import check_schedule
 
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
         check_schedule(schedule)
-        self.options = CPOptions(group_name, layout, schedule)
+        self.options = CPOptions(group_name, layout, schedule, tuple(mesh_groups), machine)
         self.inner = inner
         self.records: list[CompileRecord] = []
 

@@ -124,7 +124,11 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
-PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled", "cp_compile.bench_allgather"]
+PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled", "cp_compile.bench_allgather", "cp_compile.bench_schedules"]
+
+# name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
+# printed under it (e.g. the cost model's choice against the measured times)
+CONFIG_HOOKS: dict[str, Callable] = {}
 
 
 # ----------------------------------------------------------------------------
@@ -818,8 +822,12 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
         rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep,
                       opts.trace_repeats)
         res = summarise(p, variants, rows)
-        configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res})
+        extras = {name: hook(p, res, runner) for name, hook in CONFIG_HOOKS.items()}
+        configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res, "extras": extras})
         log(_progress_line(i, len(problems), p, res, time.perf_counter() - start))
+        for name, extra in extras.items():
+            if extra and extra.get("line"):
+                log(f"    {name}: {extra['line']}")
     return {
         "meta": {
             "torch": torch.__version__, "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
@@ -870,6 +878,9 @@ def table(results: dict) -> str:
                 f"{fmt(None if mib is None else mib / 2**20, '9.1f')} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
                 f"{fmt(e.get('gflops_per_rank'), '7.1f')}"
             )
+        for name, extra in cfg.get("extras", {}).items():
+            if extra and extra.get("line"):
+                lines.append(f"{p.label():<22} {name}: {extra['line']}")
     return "\n".join(lines)
 
 

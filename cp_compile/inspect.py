@@ -38,26 +38,41 @@ class SiteReport:
     backward_bytes_per_step: int  # K/V again plus the fp32 dK/dV accumulator
     forward_memory_q_units: float  # what the forward schedule holds, in local-q units
     backward_memory_q_units: float
+    candidates: list = field(default_factory=list)  # passes.cost.Estimate per schedule considered
+    machine: Any = None  # the passes.cost.Machine the estimates assume
 
     def __str__(self) -> str:
-        c = self.world_size
-        if self.schedule == "allgather":
-            return (
-                f"{self.source}\n"
-                f"    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
+        if self.schedule == "ring":
+            text = self._ring_text()
+        elif self.schedule == "allgather":
+            text = self._allgather_text()
+        else:
+            text = self._header()
+        if self.candidates:
+            text += f"\n    candidates ({self.machine}):" + "".join(
+                f"\n      {'*' if e.schedule == self.schedule else ' '} {e.row()}" for e in self.candidates)
+        return text
+
+    def _header(self) -> str:
+        return (f"{self.source}\n    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
                 f"{'causal' if self.is_causal else 'non-causal'}\n"
-                f"    schedule: {self.schedule} over C={c} ({self.why})\n"
-                f"    receives per rank: forward K/V of {c - 1} ranks ({c - 1} x "
-                f"{_fmt_bytes(self.forward_bytes_per_step)}) in one all-gather, backward the same again + a "
-                f"reduce-scatter of fp32 dK/dV\n"
-                f"    holds: forward {self.forward_memory_q_units:.1f}, backward {self.backward_memory_q_units:.1f} "
-                f"local-q units at this C (grows with C: the gathered K/V)"
-            )
+                f"    schedule: {self.schedule} over C={self.world_size} ({self.why})")
+
+    def _allgather_text(self) -> str:
+        c = self.world_size
         return (
-            f"{self.source}\n"
-            f"    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
-            f"{'causal' if self.is_causal else 'non-causal'}\n"
-            f"    schedule: {self.schedule} over C={c} ({self.why})\n"
+            f"{self._header()}\n"
+            f"    receives per rank: forward K/V of {c - 1} ranks ({c - 1} x "
+            f"{_fmt_bytes(self.forward_bytes_per_step)}) in one all-gather, backward the same again + a "
+            f"reduce-scatter of fp32 dK/dV\n"
+            f"    holds: forward {self.forward_memory_q_units:.1f}, backward {self.backward_memory_q_units:.1f} "
+            f"local-q units at this C (grows with C: the gathered K/V)"
+        )
+
+    def _ring_text(self) -> str:
+        c = self.world_size
+        return (
+            f"{self._header()}\n"
             f"    sends per rank: forward {c - 1} x {_fmt_bytes(self.forward_bytes_per_step)}, "
             f"backward {c - 1} x {_fmt_bytes(self.forward_bytes_per_step)} K/V + "
             f"{c if c > 1 else 0} x {_fmt_bytes(self.backward_bytes_per_step - self.forward_bytes_per_step)} dK/dV\n"
@@ -137,6 +152,7 @@ def site_report(site, world_size: int) -> SiteReport:
         q_shape=q_shape, kv_shape=k_shape, dtype=str(dtype).replace("torch.", ""), world_size=world_size,
         forward_bytes_per_step=kv_bytes, backward_bytes_per_step=kv_bytes + dkv_bytes,
         forward_memory_q_units=forward / q_bytes, backward_memory_q_units=backward / q_bytes,
+        candidates=list(site.decision.get("estimates", [])), machine=site.decision.get("machine"),
     )
 
 

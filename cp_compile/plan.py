@@ -13,18 +13,24 @@ from .ops.ring import group_name_of, ring_attention
 
 
 class ContextParallel:
-    """A context-parallel plan over a process group or a 1-D DeviceMesh.
+    """A context-parallel plan over a process group, a 1-D DeviceMesh or a 2-D ``(ring, a2a)`` DeviceMesh.
 
     ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
     of 2C, balancing causal work), ``"contiguous"``, or a global FlexAttention
     ``BlockMask``: its query blocks are dealt to ranks so that each holds the
     same number of visible blocks (FlexAttention only). ``schedule`` is
     ``"auto"`` (default: chosen per attention site; ``explain`` says which and
-    why) or a schedule name to use for every site.
+    why) or a schedule name to use for every site: ``"ring"``, ``"allgather"``, ``"ulysses"``,
+    ``"hybrid"`` (2-D mesh: all-to-all along dim 1, ring along dim 0; the
+    sequence is sharded over the flattened mesh).
+
+    ``machine`` (a ``cp_compile.Machine``) is what the cost model assumes;
+    by default the profile of the device type, or with ``calibrate=True`` one
+    measured now on this group (every rank must construct the plan).
     """
 
     def __init__(self, group_or_mesh: Union[dist.ProcessGroup, "torch.distributed.DeviceMesh", None] = None,
-                 load_balance: str = "zigzag", schedule: str = "auto"):
+                 load_balance: str = "zigzag", schedule: str = "auto", machine=None, calibrate: bool = False):
         from .passes.cost import check_schedule
 
         if not dist.is_initialized():
@@ -34,7 +40,16 @@ class ContextParallel:
         self.balanced = None
         check_schedule(schedule)
         self.schedule = schedule
-        self.group_name = group_name_of(group_or_mesh)
+        self.mesh_groups: tuple = ()
+        if getattr(group_or_mesh, "ndim", 1) == 2:
+            from .ops.hybrid import mesh_groups
+
+            self.group_name, *groups = mesh_groups(group_or_mesh)
+            self.mesh_groups = tuple(groups)
+        else:
+            self.group_name = group_name_of(group_or_mesh)
+            if schedule == "hybrid":
+                raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as group_or_mesh")
         self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
         if isinstance(load_balance, BlockMask):
             from .flex_mask import balance_blocks
@@ -43,6 +58,11 @@ class ContextParallel:
         else:
             _layout.check_layout(load_balance)
         self.load_balance = load_balance
+        self.machine = machine
+        if calibrate:
+            from .calibrate import calibrate as _calibrate
+
+            self.machine = _calibrate(self)
 
     @property
     def world_size(self) -> int:
@@ -119,13 +139,22 @@ class ContextParallel:
         """
         from .backend import CPBackend
 
-        return CPBackend(self.group_name, self.load_balance, inner, self.schedule)
+        return CPBackend(self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
-        """Eager CP attention over this plan's group and layout (all-gather if the plan says so, else the ring)."""
+        """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
         if self.schedule == "allgather":
             from .ops.allgather import allgather_attention
 
             return allgather_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
+        if self.schedule == "ulysses":
+            from .ops.ulysses import ulysses_attention
+
+            return ulysses_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
+        if self.schedule == "hybrid":
+            from .ops.hybrid import hybrid_attention
+
+            return hybrid_attention(q, k, v, (self.group_name, *self.mesh_groups), is_causal, scale, enable_gqa,
+                                    self.load_balance)
         return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)

@@ -1,6 +1,6 @@
 """The ``cp`` torch.library namespace. Importing this package registers every op."""
 
-from . import allgather, block, comm, flex, ring, triton_merge, varlen  # noqa: F401  (registration; .merge below)
+from . import allgather, block, comm, flex, hybrid, ring, triton_merge, ulysses, varlen  # noqa: F401  (registration)
 from .allgather import allgather_attention
 from .block import block_attn, block_attn_backward
 from .comm import count_traffic, ring_shift

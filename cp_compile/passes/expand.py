@@ -41,9 +41,12 @@ class Expansion:
 
 def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
     """make_fx of a schedule function over the graph's own fake tensors."""
+    from torch._inductor.decomposition import select_decomp_table
+
     vals = [n.meta["val"] for n in inputs]
+    # post-grad graphs hold decomposed aten only (Inductor rejects e.g. aten.transpose.int there)
     with detect_fake_mode(vals):
-        return make_fx(fn, tracing_mode="real")(*vals)
+        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
 
 
 def _inline(graph: fx.Graph, node: fx.Node, schedule: fx.GraphModule, inputs: list[fx.Node]) -> list[fx.Node]:

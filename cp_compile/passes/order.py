@@ -76,6 +76,7 @@ _COMM_NAMES = {
     cp.merge.default: "merge",
     cp.merge_.default: "merge",
     cp.agree.default: "agree",
+    torch.ops._c10d_functional.all_to_all_single.default: "all_to_all",
     WAIT: "wait",
     torch.ops._c10d_functional.all_gather_into_tensor.default: "gather",
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",

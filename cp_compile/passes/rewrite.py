@@ -51,6 +51,14 @@ class CPOptions:
     group_name: str
     layout: str
     schedule: str = "auto"  # "auto" or a schedule name forced for every site
+    mesh_groups: tuple = ()  # (ring group, all-to-all group) of a 2-D plan, for the hybrid schedule
+    machine: Any = None  # passes.cost.Machine the cost model assumes; None: defaults for the device
+
+    @property
+    def mesh_sizes(self) -> tuple:
+        from ..ops.comm import resolve_group
+
+        return tuple(resolve_group(g).size() for g in self.mesh_groups)
 
 
 @dataclass
@@ -172,8 +180,24 @@ def _ring_sdpa(site: AttentionSite, options: CPOptions, scale: float):
     )
 
 
+def _ulysses_sdpa(site: AttentionSite, options: CPOptions, scale: float):
+    args = site.args
+    return torch.ops.cp.ulysses_attention.default, (
+        args["query"], args["key"], args["value"], options.group_name, bool(args["is_causal"]), options.layout,
+        scale, bool(args["enable_gqa"]),
+    )
+
+
+def _hybrid_sdpa(site: AttentionSite, options: CPOptions, scale: float):
+    args = site.args
+    return torch.ops.cp.hybrid_attention.default, (
+        args["query"], args["key"], args["value"], options.group_name, *options.mesh_groups,
+        bool(args["is_causal"]), options.layout, scale, bool(args["enable_gqa"]),
+    )
+
+
 # schedule name -> (site, options, scale) -> (whole forward op, its args); its output 0 is SDPA's output
-SDPA_SCHEDULES: dict[str, Callable] = {"ring": _ring_sdpa}
+SDPA_SCHEDULES: dict[str, Callable] = {"ring": _ring_sdpa, "ulysses": _ulysses_sdpa, "hybrid": _hybrid_sdpa}
 
 
 def _allgather_sdpa(site: AttentionSite, options: CPOptions, scale: float):
@@ -199,10 +223,10 @@ def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
     _, out = replace_node(site, *SDPA_SCHEDULES[schedule](site, options, scale))
     site.node.replace_all_uses_with(out)
     site.owner.graph.erase_node(site.node)
-    site.decision = {
+    site.decision.update({  # keeps the cost model's estimates
         "schedule": schedule, "why": why, "is_causal": bool(args["is_causal"]), "scale": scale,
         "enable_gqa": bool(args["enable_gqa"]),
-    }
+    })
 
 
 @dataclass(frozen=True)
@@ -213,6 +237,7 @@ class SiteKind:
     match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None
     check: Callable[[AttentionSite], None]
     rewrite: Callable[[AttentionSite, CPOptions], None]
+    schedules: Optional[dict] = None  # schedule name -> builder; the cost model considers only these
 
 
 def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:
@@ -223,7 +248,7 @@ def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:
     return dict(bound.arguments)
 
 
-SITE_KINDS: list[SiteKind] = [SiteKind("sdpa", _match_sdpa, _check_sdpa, _rewrite_sdpa)]
+SITE_KINDS: list[SiteKind] = [SiteKind("sdpa", _match_sdpa, _check_sdpa, _rewrite_sdpa, SDPA_SCHEDULES)]
 
 
 def check_site(site: AttentionSite) -> None:
