@@ -363,7 +363,7 @@ def test_expanded_flex_schedules(fake_group):
 
     fwd = {s: traced(forward(s), *qkv) for s in ("ring", "allgather")}
     assert fwd["ring"] == expected_forward(c)
-    assert fwd["allgather"] == ["agree", "gather", "gather", "wait", "wait", "gathered"]  # K and V gathered, then one tile
+    assert fwd["allgather"] == ["agree", "gather", "wait", "gather", "wait", "gathered"]  # K and V gathered, then one tile
     bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.flex_attention_backward(
         do, q, k, v, o, lse, None, [], name, "ring", *opts), *qkv, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8))
     assert bwd == expected_backward(c)
