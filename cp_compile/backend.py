@@ -56,11 +56,12 @@ def _plan_key(options: CPOptions) -> tuple:
 
     The graph holds the group's name but not its size, and the same local
     shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
-    steps) differs. Every cache key of ours therefore carries C.
+    steps) differs. Every cache key of ours therefore carries C (and the mesh's sizes).
     """
     from .ops.comm import resolve_group
 
-    return (*dataclasses.astuple(options), resolve_group(options.group_name).size(), _source_hash())
+    size = resolve_group(options.group_name).size()
+    return (*dataclasses.astuple(options), size, options.mesh_sizes, _source_hash())
 
 
 class _ExpandPass(CustomGraphPass):
