@@ -165,7 +165,8 @@ def compiled_parity(inner, schedule, mesh=None, heads=(4, 2), bandwidth_bound=Fa
 @pytest.mark.parametrize("inner,schedule,world_size,mesh,heads", [
     ("inductor", "ulysses", 2, None, (4, 2)),
     # 2 query heads do not split over C=4, so Ulysses is out; on a bandwidth-bound machine the
-    # hybrid sends fewer bytes than the ring (estimates 24.7 vs 41.0 ms), so auto must pick it
+    # hybrid sends fewer bytes than the ring and the all-gather (estimates 24.7 vs 41.0 and 36.9 ms),
+    # so auto must pick it
     ("aot_eager", "auto", 4, (2, 2), (2, 2)),
 ])
 def test_compiled_fp64_equals_single_device(ranks, inner, schedule, world_size, mesh, heads):
@@ -182,6 +183,6 @@ def test_compiled_fp64_equals_single_device(ranks, inner, schedule, world_size, 
         assert [c for c, _ in choices] == [schedule] * 2
     else:
         assert [c for c, _ in choices] == ["hybrid"] * 2
-        assert all(why.startswith("auto: ") and "faster than ring" in why for _, why in choices)
+        assert all(why.startswith("auto: ") and "faster than allgather" in why for _, why in choices)
         assert all(any("ulysses   not possible: 2 query heads" in row for row in rows)
                    for rows in per_rank[0]["estimates"])
