@@ -38,9 +38,9 @@ from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
 from ..flex_mask import HEADER, MAGIC, layout_chunk, layout_perm, shard_info
 from .block import acc_dtype, dense_like, result_like
-from .comm import TAG_DKV, TAG_KV, resolve_group, wait
-from .merge import start_accumulator
+from .comm import resolve_group
 from .registry import Traceable, register_schedule
+from .ring import ring_pass_backward, ring_pass_forward
 
 funcol = torch.ops._c10d_functional
 FLEX_SCHEDULES = ("ring", "allgather")
@@ -393,41 +393,22 @@ def flex_ring_forward(q, k, v, buffers, o: FlexOptions) -> tuple[Tensor, Tensor]
     ops, c = torch.ops.cp, o.world_size
     if c > 1:
         ops.agree(q, k, v, o.group_name, o.agreed("ring"))
-    kv, acc = [k, v], None
-    for step in range(c):
-        incoming = ops.ring_shift(kv, o.group_name, 1, TAG_KV) if step + 1 < c else None
-        part_out, part_lse = ops.flex_block_attn(q, kv[0], kv[1], buffers, step, o.group_name, *o.step_args)
-        if acc is None:
-            acc = start_accumulator(part_out, part_lse)
-        else:
-            ops.merge_(acc[0], acc[1], part_out, part_lse, 0)
-        del part_out, part_lse
-        if incoming is not None:
-            kv = wait(incoming, sent=kv)
-    return acc[0].to(q.dtype), acc[1]
+
+    def attend(step, k_block, v_block):
+        return ops.flex_block_attn(q, k_block, v_block, buffers, step, o.group_name, *o.step_args)
+
+    out, lse = ring_pass_forward(q, k, v, attend, group_name=o.group_name, world_size=c)
+    return out.to(q.dtype), lse
 
 
 def flex_ring_backward(dout, q, k, v, out, lse, dlse, buffers, o: FlexOptions):
     """As the SDPA ring's backward: dK/dV accumulated so far ride home with the K/V."""
-    ops, c = torch.ops.cp, o.world_size
-    kv, dq, dkv, dkv_incoming, dkv_sent = [k, v], None, None, None, []
-    for step in range(c):
-        kv_incoming = ops.ring_shift(kv, o.group_name, 1, TAG_KV) if step + 1 < c else None
-        dq_i, dk_i, dv_i = ops.flex_block_attn_backward(
-            dout, q, kv[0], kv[1], out, lse, dlse, buffers, step, o.group_name, *o.step_args
+    def attend_backward(step, k_block, v_block):
+        return torch.ops.cp.flex_block_attn_backward(
+            dout, q, k_block, v_block, out, lse, dlse, buffers, step, o.group_name, *o.step_args
         )
-        dq = dq_i if dq is None else dq.add_(dq_i)
-        if dkv_incoming is None:
-            dkv = [dk_i, dv_i]
-        else:
-            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
-            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
-        del dq_i, dk_i, dv_i
-        if c > 1:
-            dkv_incoming, dkv_sent = ops.ring_shift(dkv, o.group_name, 1, TAG_DKV), dkv
-        if kv_incoming is not None:
-            kv = wait(kv_incoming, sent=kv)
-    dk, dv = wait(dkv_incoming, sent=dkv_sent) if c > 1 else dkv
+
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=o.group_name, world_size=o.world_size)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -161,20 +161,19 @@ def check_ring_args(q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal:
         )
 
 
-def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group_name: str, world_size: int,
-    is_causal: bool, layout: str, scale: float, enable_gqa: bool,
-) -> tuple[Tensor, Tensor]:
+def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, group_name: str, world_size: int):
+    """The ring's forward over any per-step compute (SDPA, packed, flex sections alike).
+
+    ``attend(step, k_block, v_block)`` returns the step's partial (out, lse),
+    full-size for the local queries. Returns the fp32 (fp64) accumulator.
+    """
     ops = torch.ops.cp
-    if world_size > 1:
-        ops.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa))
-    check_ring_args(q, k, v, world_size, is_causal, layout, enable_gqa)
     kv = [k, v]
     acc = None
     for step in range(world_size):
         # next step's K/V is on the wire while this step computes
         incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        part_out, part_lse = ops.ring_block_attn(q, kv[0], kv[1], step, group_name, is_causal, layout, scale)
+        part_out, part_lse = attend(step, kv[0], kv[1])
         if acc is None:
             acc = start_accumulator(part_out, part_lse)
         else:
@@ -183,16 +182,17 @@ def ring_forward(
         del part_out, part_lse
         if incoming is not None:
             kv = wait(incoming, sent=kv)
-    out, lse = acc
-    return out.to(q.dtype), lse
+    return acc
 
 
-def ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], *,
-    group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """K/V go around the ring again; each block's dK/dV accumulated so far rides
-    along with it and, after C steps, arrives back at its owner."""
+def ring_pass_backward(q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int):
+    """The ring's backward over any per-step gradient compute.
+
+    K/V go around the ring again; each block's dK/dV accumulated so far rides
+    along with it and, after C steps, arrives back at its owner.
+    ``attend_backward(step, k_block, v_block)`` returns the step's (dq, dk, dv);
+    the sums come back in the accumulation dtype.
+    """
     ops = torch.ops.cp
     dt = acc_dtype(q.dtype)
     kv = [k, v]
@@ -200,9 +200,7 @@ def ring_backward(
     dkv_sent: list[Tensor] = []
     for step in range(world_size):
         kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        dq_i, dk_i, dv_i = ops.ring_block_attn_backward(
-            dout, q, kv[0], kv[1], out, lse, dlse, step, group_name, is_causal, layout, scale
-        )
+        dq_i, dk_i, dv_i = attend_backward(step, kv[0], kv[1])
         # accumulate in place: dq is ours, and so are received dK/dV (never the ones in flight)
         dq = dq_i.to(dt) if dq is None else dq.add_(dq_i)
         if dkv_incoming is None:
@@ -216,6 +214,35 @@ def ring_backward(
         if kv_incoming is not None:
             kv = wait(kv_incoming, sent=kv)
     dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
+    return dq, dk, dv
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, group_name: str, world_size: int,
+    is_causal: bool, layout: str, scale: float, enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    ops = torch.ops.cp
+    if world_size > 1:
+        ops.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa))
+    check_ring_args(q, k, v, world_size, is_causal, layout, enable_gqa)
+
+    def attend(step, k_block, v_block):
+        return ops.ring_block_attn(q, k_block, v_block, step, group_name, is_causal, layout, scale)
+
+    out, lse = ring_pass_forward(q, k, v, attend, group_name=group_name, world_size=world_size)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], *,
+    group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    def attend_backward(step, k_block, v_block):
+        return torch.ops.cp.ring_block_attn_backward(
+            dout, q, k_block, v_block, out, lse, dlse, step, group_name, is_causal, layout, scale
+        )
+
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=group_name, world_size=world_size)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -42,10 +42,9 @@ from torch import Tensor
 from ..layout import check_cu_seqlens, packed_local_len, packed_slots
 from .allgather import gather_dim0, reduce_scatter_dim0
 from .block import acc_dtype, dense_like
-from .comm import TAG_DKV, TAG_KV, resolve_group, wait
-from .merge import start_accumulator
+from .comm import resolve_group
 from .registry import Traceable, register_schedule
-from .ring import group_name_of
+from .ring import group_name_of, ring_pass_backward, ring_pass_forward
 
 PACKED_SCHEDULES = ("allgather", "ring")
 GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in rank order
@@ -269,43 +268,24 @@ def packed_allgather_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, grou
 
 
 def packed_ring_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
-    ops = torch.ops.cp
     _start(q, k, v, cu_seqlens, group_name, world_size, "ring", *window, scale, enable_gqa)
-    kv, acc = [k, v], None
-    for step in range(world_size):
-        incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        part_out, part_lse = ops.varlen_block_attn(q, kv[0], kv[1], cu_seqlens, step, group_name, *window, scale)
-        acc = start_accumulator(part_out, part_lse) if acc is None else ops.merge(*acc, part_out, part_lse)
-        del part_out, part_lse
-        if incoming is not None:
-            kv = wait(incoming, sent=kv)
-    out, lse = acc
-    return out.to(q.dtype), lse
+
+    def attend(step, k_block, v_block):
+        out, lse = torch.ops.cp.varlen_block_attn(q, k_block, v_block, cu_seqlens, step, group_name, *window, scale)
+        return out.unsqueeze(0), lse.unsqueeze(0)  # [T, H, D] as a batch of one for the merge
+
+    out, lse = ring_pass_forward(q, k, v, attend, group_name=group_name, world_size=world_size)
+    return out.squeeze(0).to(q.dtype), lse.squeeze(0)
 
 
 def packed_ring_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
     """As ``ring_backward``: K/V travel again, each block's dK/dV so far riding along."""
-    ops = torch.ops.cp
-    kv = [k, v]
-    dq = dkv = dkv_incoming = None
-    dkv_sent: list[Tensor] = []
-    for step in range(world_size):
-        kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        dq_i, dk_i, dv_i = ops.varlen_block_attn_backward(
-            dout, q, kv[0], kv[1], out, lse, dlse, cu_seqlens, step, group_name, *window, scale
+    def attend_backward(step, k_block, v_block):
+        return torch.ops.cp.varlen_block_attn_backward(
+            dout, q, k_block, v_block, out, lse, dlse, cu_seqlens, step, group_name, *window, scale
         )
-        dq = dq_i if dq is None else dq.add_(dq_i)
-        if dkv_incoming is None:
-            dkv = [dk_i, dv_i]
-        else:
-            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
-            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
-        del dq_i, dk_i, dv_i
-        if world_size > 1:
-            dkv_incoming, dkv_sent = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv
-        if kv_incoming is not None:
-            kv = wait(kv_incoming, sent=kv)
-    dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
+
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=group_name, world_size=world_size)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
