@@ -43,7 +43,7 @@ from .merge import start_accumulator
 from .registry import Traceable, register_schedule
 
 funcol = torch.ops._c10d_functional
-FLEX_SCHEDULES = ("ring", "allgather")
+FLEX_SCHEDULES = ("ring", "allgather", "ulysses")  # ulysses: ops.ulysses_masks
 
 # ----------------------------------------------------------------------------
 # The mods a key names.
@@ -615,8 +615,9 @@ def flex_attention(
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
     comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
-    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``
-    or ``"allgather"``; ``layout`` matters only without a block_mask.
+    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``,
+    ``"allgather"`` or ``"ulysses"`` (query heads must divide by C); ``layout``
+    matters only without a block_mask.
     Differentiable (mask and score mods; tensors the mods capture get no gradient).
     """
     from .ring import group_name_of

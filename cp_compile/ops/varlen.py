@@ -47,7 +47,7 @@ from .merge import start_accumulator
 from .registry import Traceable, register_schedule
 from .ring import group_name_of
 
-PACKED_SCHEDULES = ("allgather", "ring")
+PACKED_SCHEDULES = ("allgather", "ring", "ulysses")  # ulysses: ops.ulysses_masks
 GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in rank order
 
 
@@ -442,7 +442,8 @@ def varlen_attention(
     cu_seqlens=cu)``); ``cu_seqlens`` is the global int32 tensor of document
     boundaries, as on one device. ``window_size=(left, right)`` as in torch's
     ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
-    ``schedule`` is ``"allgather"``, ``"ring"`` or ``"auto"`` (``passes.cost``).
+    ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
+    must divide by C) or ``"auto"`` (``passes.cost``).
     """
     from ..passes.cost import choose_packed_schedule
 

@@ -1,0 +1,228 @@
+"""Ulysses (all-to-all) for FlexAttention masks and packed documents.
+
+After the exchange every rank holds every token of the group for H/C heads.
+A dense mask kernel does not care in which order those tokens sit, so the
+exchange here skips the zigzag reorder of ``heads.seq_to_heads`` and keeps
+the plain rank-order concatenation of every rank's shard (the
+``"contiguous"`` exchange). Two reasons: for a BlockMask sharded by the plan
+the index table's all-ranks region is already in that order (whatever the
+layout, a mask-balanced one included), and for packed input the per-document
+zigzag has no sequence order to restore at all. The mask is then evaluated
+at those slots:
+
+- flex: global positions from the sharded BlockMask's index table (or the
+  layout's positions when there is no mask), the same on every rank. The
+  mask_mod and score_mod see global head indices: the rank's first head is
+  ``rank * H/C``, read at run time inside the op.
+- packed: (document, position, real) of every rank's slots in rank order,
+  computed from ``cu_seqlens`` alone; identical on every rank, no rank needed.
+
+The schedule ops (``cp::flex_attention``, ``cp::varlen_attention``) keep the
+sequence-sharded q, k, v, out and lse for their backward, so the Ulysses
+backward exchanges them again (five all-to-alls more than the SDPA Ulysses op,
+which keeps the head-sharded copies instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..layout import check_cu_seqlens, packed_local_len
+from . import flex, varlen
+from .block import acc_dtype, result_like
+from .comm import resolve_group
+from .heads import check_heads, seq_to_heads
+from .ulysses import exchange_backward, exchange_forward, kv_copies
+
+# the exchange without the zigzag reorder: every rank's shard in rank order
+RANK_ORDER = "contiguous"
+
+
+def _head_sharded(q, k, v, out, lse, group_name: str, world_size: int) -> tuple[Tensor, ...]:
+    """The forward's head-sharded q, k, v, out, lse again (K/V heads replicated as the forward did)."""
+    copies = kv_copies(q.shape[1], k.shape[1], world_size)
+    if copies > 1:
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    return tuple(seq_to_heads(t, group_name, world_size, RANK_ORDER) for t in (q, k, v, out, lse))
+
+
+# ----------------------------------------------------------------------------
+# FlexAttention.
+# ----------------------------------------------------------------------------
+
+
+def _flex_call(q: Tensor, buffers, key, group_name, layout, mask_b, mask_h, scale):
+    """The tile description for all of the group's tokens and this rank's heads."""
+    size = resolve_group(group_name).size()
+    # _resolve validates the index table against the local length, which is S / C here
+    call, rank, _ = flex._resolve(q.narrow(2, 0, q.shape[2] // size), buffers, key, group_name, layout,
+                                  mask_b, mask_h, scale)
+    heads = q.shape[1]
+    if mask_h not in (1, heads * size):
+        raise ValueError(f"block_mask has {mask_h} heads; expected 1 or the {heads * size} query heads")
+    first = rank * heads
+    mods = call.mods
+    mask = mods.mask
+    if mask is not None and mask_h > 1:
+        mask = lambda b, h, i, j, *bufs: mods.mask(b, h + first, i, j, *bufs)  # noqa: E731
+    score = mods.score
+    if score is not None:
+        score = lambda s, b, h, i, j, *bufs: mods.score(s, b, h + first, i, j, *bufs)  # noqa: E731
+    call = dataclasses.replace(call, mods=flex.Mods(mask, score, mods.n_mask_buffers),
+                               mask_h=heads if mask_h > 1 else 1)
+    every = torch.arange(q.shape[2], device=q.device)
+    return call, every
+
+
+@torch.library.custom_op("cp::flex_heads_attn", mutates_args=())
+def flex_heads_attn(
+    q: Tensor, k: Tensor, v: Tensor, buffers: list[Tensor], group_name: str, mods: str, layout: str,
+    mask_b: int, mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """All of the group's tokens (rank order) for this rank's heads: the final (out, lse)."""
+    call, every = _flex_call(q, buffers, mods, group_name, layout, mask_b, mask_h, scale)
+    out, lse = flex.tile_forward(call, q, k, v, every, every)
+    return out.contiguous(), lse.contiguous()
+
+
+@flex_heads_attn.register_fake
+def _(q, k, v, buffers, group_name, mods, layout, mask_b, mask_h, scale):
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::flex_heads_attn_backward", mutates_args=())
+def flex_heads_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    buffers: list[Tensor], group_name: str, mods: str, layout: str, mask_b: int, mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    call, every = _flex_call(q, buffers, mods, group_name, layout, mask_b, mask_h, scale)
+    grads = flex.tile_backward(call, dout, q, k, v, out, lse, dlse, every, every)
+    return tuple(g.contiguous() for g in grads)
+
+
+@flex_heads_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, buffers, group_name, mods, layout, mask_b, mask_h, scale):
+    dt = acc_dtype(q.dtype)
+    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+
+
+def flex_ulysses_forward(q, k, v, buffers, o: flex.FlexOptions) -> tuple[Tensor, Tensor]:
+    ops, c = torch.ops.cp, o.world_size
+    if c > 1:
+        ops.agree(q, k, v, o.group_name, o.agreed("ulysses"))
+    check_heads(q.shape[1], c, "the query")
+
+    def attend(qh, kh, vh):
+        return ops.flex_heads_attn(qh, kh, vh, buffers, o.group_name, *o.step_args)
+
+    out, lse = exchange_forward(q, k, v, o.group_name, c, RANK_ORDER, attend)[:2]
+    return out, lse
+
+
+def flex_ulysses_backward(dout, q, k, v, out, lse, dlse, buffers, o: flex.FlexOptions):
+    c = o.world_size
+    qh, kh, vh, out_h, lse_h = _head_sharded(q, k, v, out, lse, o.group_name, c)
+
+    def attend_backward(dout_h, dlse_h):
+        return torch.ops.cp.flex_heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, buffers,
+                                                     o.group_name, *o.step_args)
+
+    dq, dk, dv = exchange_backward(dout, dlse, o.group_name, c, RANK_ORDER, k.shape[1], attend_backward)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+flex.FORWARD["ulysses"] = flex_ulysses_forward
+flex.BACKWARD["ulysses"] = flex_ulysses_backward
+
+
+# ----------------------------------------------------------------------------
+# Packed documents: [T, H, D] travels as [1, H, T, D].
+# ----------------------------------------------------------------------------
+
+
+def _bhsd(t: Tensor) -> Tensor:
+    """[T, H, ...] -> [1, H, T, ...]"""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _thd(t: Tensor) -> Tensor:
+    """[1, H, T, ...] -> [T, H, ...]"""
+    return t.squeeze(0).transpose(0, 1)
+
+
+def group_mask(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right: int) -> Tensor:
+    """Visibility between every rank's slots, rank order: from cu_seqlens alone, the same on every rank."""
+    size = resolve_group(group_name).size()
+    cu = check_cu_seqlens(cu_seqlens)
+    expected = packed_local_len(cu, size) * size
+    if q.shape[2] != expected:
+        raise ValueError(
+            f"head-sharded q has {q.shape[2]} slots but cu_seqlens={cu} gives {expected} over C={size}; "
+            "shard packed inputs with ContextParallel.shard(x, 0, cu_seqlens=...)"
+        )
+    slots = varlen._slots(cu, list(range(size)), size)
+    return varlen.visible_mask(slots, slots, left, right).to(q.device)
+
+
+@torch.library.custom_op("cp::varlen_heads_attn", mutates_args=())
+def varlen_heads_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, window_left: int, window_right: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Every rank's slots ([1, H/C, C*T_local, D], rank order) for this rank's heads: (out, lse [1, H/C, T])."""
+    mask = group_mask(q, cu_seqlens, group_name, window_left, window_right)
+    out, lse = varlen.masked_attn(_thd(q), _thd(k), _thd(v), mask, scale)
+    return _bhsd(out).contiguous(), _bhsd(lse).contiguous()
+
+
+@varlen_heads_attn.register_fake
+def _(q, k, v, cu_seqlens, group_name, window_left, window_right, scale):
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::varlen_heads_attn_backward", mutates_args=())
+def varlen_heads_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    cu_seqlens: Tensor, group_name: str, window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    mask = group_mask(q, cu_seqlens, group_name, window_left, window_right)
+    grads = varlen.masked_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
+                                        None if dlse is None else _thd(dlse), mask, scale)
+    return tuple(_bhsd(g).contiguous() for g in grads)
+
+
+@varlen_heads_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, group_name, window_left, window_right, scale):
+    dt = acc_dtype(q.dtype)
+    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+
+
+def packed_ulysses_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
+    varlen._start(q, k, v, cu_seqlens, group_name, world_size, "ulysses", *window, scale, enable_gqa)
+    check_heads(q.shape[1], world_size, "the query")
+
+    def attend(qh, kh, vh):
+        return torch.ops.cp.varlen_heads_attn(qh, kh, vh, cu_seqlens, group_name, *window, scale)
+
+    out, lse = exchange_forward(_bhsd(q), _bhsd(k), _bhsd(v), group_name, world_size, RANK_ORDER, attend)[:2]
+    return _thd(out), _thd(lse)
+
+
+def packed_ulysses_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
+    qh, kh, vh, out_h, lse_h = _head_sharded(*(_bhsd(t) for t in (q, k, v, out, lse)), group_name, world_size)
+
+    def attend_backward(dout_h, dlse_h):
+        return torch.ops.cp.varlen_heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens,
+                                                       group_name, *window, scale)
+
+    grads = exchange_backward(_bhsd(dout), None if dlse is None else _bhsd(dlse), group_name, world_size,
+                              RANK_ORDER, k.shape[1], attend_backward)
+    return tuple(_thd(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+varlen._FORWARD["ulysses"] = packed_ulysses_forward
+varlen._BACKWARD["ulysses"] = packed_ulysses_backward

@@ -1,0 +1,196 @@
+"""Ulysses (all-to-all) with FlexAttention masks and packed documents, on real gloo ranks, fp64."""
+
+import pytest
+import torch
+
+from cp_compile import layout
+from helpers import make_qkv, max_err
+from test_flex import run_flex_eager
+from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference
+
+# ----------------------------------------------------------------------------
+# FlexAttention masks.
+# ----------------------------------------------------------------------------
+
+
+def run_flex_cases(cases):
+    return {f"{case} hq={hq} hkv={hkv}": run_flex_eager(case, "ulysses", 3, hq, hkv) for case, hq, hkv in cases}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_flex_fp64_forward_backward(ranks, world_size):
+    """Document + causal mask (odd document lengths straddling ranks), a score_mod, no mask; GQA with
+    K/V heads that divide by C and (C=4) ones that are replicated: out, lse, dq, dk, dv."""
+    cases = [("document-causal", 4, 4), ("document-causal", 4, 2), ("bias-score", 4, 1), ("full", 4, 2)]
+    for per_rank in ranks(world_size, run_flex_cases, cases, timeout=300):
+        assert set(per_rank) == {f"{c} hq={hq} hkv={hkv}" for c, hq, hkv in cases}
+        for name, result in per_rank.items():
+            assert not result["nan"], name
+            assert max(result["err"]) < 1e-10, (name, result["err"])
+            assert result["shifts"] == {}, name  # no ring traffic: all-to-alls only
+
+
+def run_flex_head_mask(chunk: int = 3, heads: int = 4):
+    """A mask that differs per head: each rank's heads must see their global head index."""
+    import cp_compile
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    plan = cp_compile.ContextParallel()
+    seq = 2 * plan.world_size * chunk
+
+    def mask_mod(b, h, q_idx, kv_idx):  # head h sees h + 1 keys back, causal
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= h + 1)
+
+    q, k, v, do = make_qkv(1, heads, heads, seq, 8, seed=7)
+    scale = 0.3
+    ref = head_mask_reference(q, k, v, do, mask_mod, scale)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, heads, seq, seq, device="cpu", BLOCK_SIZE=chunk))
+    leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    out, lse = cp_compile.flex_attention(*leaves, block_mask=block_mask, scale=scale, return_lse=True,
+                                         schedule="ulysses")
+    out.backward(plan.shard(do, 2))
+    got = [out.detach(), lse] + [t.grad for t in leaves]
+    return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, ref)]
+
+
+def head_mask_reference(q, k, v, do, mask_mod, scale):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    seq = q.shape[2]
+    h = torch.arange(q.shape[1]).view(1, -1, 1, 1)
+    visible = mask_mod(0, h, torch.arange(seq).view(1, 1, -1, 1), torch.arange(seq).view(1, 1, 1, -1))
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ v
+    out.backward(do)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def test_flex_head_dependent_mask(ranks):
+    for errors in ranks(2, run_flex_head_mask):
+        assert max(errors) < 1e-10, errors
+
+
+# ----------------------------------------------------------------------------
+# Packed documents.
+# ----------------------------------------------------------------------------
+
+
+def run_packed_ulysses(lengths, hq, hkv, d):
+    """Every window on this rank: fp64 errors against per-document attention, padding rows zero."""
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
+    pad = ~layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    results = []
+    for window in WINDOWS:
+        reference = per_document_reference(q, k, v, do, cu, window)
+        leaves = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+        # gradients arriving at padding rows must not leak anywhere
+        local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
+        with cp_compile.count_traffic() as traffic:
+            out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
+                                              schedule="ulysses")
+            out.backward(local_do)
+        got = [out.detach()] + [t.grad for t in leaves]
+        results.append({
+            "window": window,
+            "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
+            "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
+            "nan": any(not torch.isfinite(g).all().item() for g in got),
+            "padding_zero": all((g[pad] == 0).all().item() for g in got),
+            "shifts": dict(traffic.by_tag),
+            "has_padding": bool(pad.any()),
+        })
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_packed_fp64_equals_per_document_attention(ranks, world_size, hkv):
+    """Lengths that do not divide by 2C, a zero-length and a length-1 document; every window kind.
+    hkv=2 at C=4 replicates the K/V heads before the exchange."""
+    for per_rank in ranks(world_size, run_packed_ulysses, LENGTHS, 4, hkv, 6, timeout=300):
+        assert len(per_rank) == len(WINDOWS)
+        for result in per_rank:
+            case = result["window"]
+            assert result["has_padding"], case
+            assert not result["nan"], case
+            assert result["padding_zero"], case  # padding rows: out = 0, dq = dk = dv = 0
+            assert max(result["errors"]) < 1e-10, (case, result["errors"])
+            assert result["unshard_err"] < 1e-10, case
+            assert result["shifts"] == {}, case
+
+
+def test_heads_not_dividing_by_c_named(ranks):
+    for message in ranks(4, packed_with_too_few_heads):
+        assert "heads" in message and "C=4" in message
+
+
+def packed_with_too_few_heads():
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    q, k, v, _, cu = packed_inputs([5, 3], 2, 2, 4)
+    q, k, v = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v))
+    try:
+        cp_compile.varlen_attention(q, k, v, cu, schedule="ulysses")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+# ----------------------------------------------------------------------------
+# opcheck.
+# ----------------------------------------------------------------------------
+
+
+def opcheck_ulysses_mask_ops():
+    import torch.distributed as dist
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+    from cp_compile.ops.flex import eager_mods
+    from test_flex import mask_case
+
+    plan = cp_compile.ContextParallel()
+    name, c = dist.group.WORLD.group_name, plan.world_size
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    cases = []
+
+    q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
+    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
+    out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, "ulysses", 2, 0, 0.4, True)
+    cases.append((torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, "ulysses", 2, 0, 0.4, True)))
+    cases.append((torch.ops.cp.varlen_attention_backward.default,
+                  (do, q, k, v, out, lse, lse, cu, name, "ulysses", 2, 0, 0.4)))
+    # head-sharded operands: [1, H/C, C*T_local, D], rank order
+    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
+    out_h, lse_h = torch.ops.cp.varlen_heads_attn(qh, kh, vh, cu, name, 2, 0, 0.4)
+    cases.append((torch.ops.cp.varlen_heads_attn.default, (qh, kh, vh, cu, name, 2, 0, 0.4)))
+    cases.append((torch.ops.cp.varlen_heads_attn_backward.default,
+                  (doh, qh, kh, vh, out_h, lse_h, lse_h, cu, name, 2, 0, 0.4)))
+
+    seq = 2 * c * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    key, buffers, mb, mh = eager_mods(block_mask, None)
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
+    opts = (name, "ulysses", key, "zigzag", mb, mh, 0.3)
+    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, *opts)
+    cases.append((torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, *opts)))
+    cases.append((torch.ops.cp.flex_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)))
+    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
+    head_opts = (name, key, "zigzag", mb, mh, 0.3)
+    out_h, lse_h = torch.ops.cp.flex_heads_attn(qh, kh, vh, buffers, *head_opts)
+    cases.append((torch.ops.cp.flex_heads_attn.default, (qh, kh, vh, buffers, *head_opts)))
+    cases.append((torch.ops.cp.flex_heads_attn_backward.default,
+                  (doh, qh, kh, vh, out_h, lse_h, None, buffers, *head_opts)))
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return len(cases)
+
+
+def test_opcheck(ranks):
+    assert ranks(2, opcheck_ulysses_mask_ops) == [8, 8]
+
