@@ -75,11 +75,17 @@ def test_flex_head_dependent_mask(ranks):
 # ----------------------------------------------------------------------------
 
 
-def run_packed_ulysses(lengths, hq, hkv, d):
-    """Every window on this rank: fp64 errors against per-document attention, padding rows zero."""
+def run_packed_ulysses(lengths, hq, hkv, d, mesh=None):
+    """Every window on this rank: fp64 errors against per-document attention, padding rows zero.
+    With ``mesh`` (ring, a2a): the hybrid schedule on that 2-D mesh."""
     import cp_compile
 
-    plan = cp_compile.ContextParallel()
+    group, schedule = None, "ulysses"
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group, schedule = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), "hybrid"
+    plan = cp_compile.ContextParallel(group)
     q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
     pad = ~layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
     results = []
@@ -89,8 +95,8 @@ def run_packed_ulysses(lengths, hq, hkv, d):
         # gradients arriving at padding rows must not leak anywhere
         local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
         with cp_compile.count_traffic() as traffic:
-            out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
-                                              schedule="ulysses")
+            out = cp_compile.varlen_attention(*leaves, cu, group=group, window_size=window, enable_gqa=hq != hkv,
+                                              schedule=schedule)
             out.backward(local_do)
         got = [out.detach()] + [t.grad for t in leaves]
         results.append({
@@ -120,6 +126,20 @@ def test_packed_fp64_equals_per_document_attention(ranks, world_size, hkv):
             assert max(result["errors"]) < 1e-10, (case, result["errors"])
             assert result["unshard_err"] < 1e-10, case
             assert result["shifts"] == {}, case
+
+
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_packed_hybrid_2x2(ranks, hkv):
+    """Ring of 2 all-to-all groups of 2; hkv=1 replicates the K/V head inside each group."""
+    for per_rank in ranks(4, run_packed_ulysses, LENGTHS, 4, hkv, 6, (2, 2), timeout=300):
+        assert len(per_rank) == len(WINDOWS)
+        for result in per_rank:
+            case = result["window"]
+            assert not result["nan"], case
+            assert result["padding_zero"], case
+            assert max(result["errors"]) < 1e-10, (case, result["errors"])
+            assert result["unshard_err"] < 1e-10, case
+            assert result["shifts"], case  # K/V (and dK/dV) travel the ring across groups
 
 
 def test_heads_not_dividing_by_c_named(ranks):

@@ -33,9 +33,10 @@ from torch import Tensor
 
 from ..layout import check_cu_seqlens, packed_local_len
 from . import flex, varlen
-from .block import acc_dtype, result_like
-from .comm import resolve_group
+from .block import acc_dtype, dense_like, result_like
+from .comm import TAG_DKV, TAG_KV, resolve_group, wait
 from .heads import check_heads, seq_to_heads
+from .merge import start_accumulator
 from .ulysses import exchange_backward, exchange_forward, kv_copies
 
 # the exchange without the zigzag reorder: every rank's shard in rank order
@@ -226,3 +227,195 @@ def packed_ulysses_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_
 
 varlen._FORWARD["ulysses"] = packed_ulysses_forward
 varlen._BACKWARD["ulysses"] = packed_ulysses_backward
+
+
+# ----------------------------------------------------------------------------
+# Packed documents on a 2-D (ring, a2a) mesh: all-to-all inside a group, ring across groups.
+#
+# Flattened rank f = j * A + a (ring rank j, all-to-all rank a) holds the
+# packed slots of rank f of C = R * A. After the rank-order exchange inside
+# group j a rank holds the slots of ranks jA .. jA+A-1 for H/A heads; at ring
+# step i the K/V block is group (j - i) mod R's. Both slot lists come from
+# cu_seqlens and the ring rank, read at run time.
+# ----------------------------------------------------------------------------
+
+
+def _group_slots(cu: list[int], group: int, a2a: int, world_size: int) -> dict:
+    return varlen._slots(cu, list(range(group * a2a, (group + 1) * a2a)), world_size)
+
+
+def hybrid_step_mask(q: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str,
+                     left: int, right: int) -> Tensor:
+    ring = resolve_group(ring_group)
+    j, rings, a2a = ring.rank(), ring.size(), resolve_group(a2a_group).size()
+    cu = check_cu_seqlens(cu_seqlens)
+    expected = packed_local_len(cu, rings * a2a) * a2a
+    if q.shape[2] != expected:
+        raise ValueError(
+            f"head-sharded q has {q.shape[2]} slots but cu_seqlens={cu} gives {expected} per all-to-all group "
+            f"of {a2a} over C={rings * a2a}; shard packed inputs with ContextParallel(mesh).shard(x, 0, cu_seqlens=...)"
+        )
+    source = (j - step) % rings
+    mine = _group_slots(cu, j, a2a, rings * a2a)
+    theirs = _group_slots(cu, source, a2a, rings * a2a)
+    return varlen.visible_mask(mine, theirs, left, right).to(q.device)
+
+
+@torch.library.custom_op("cp::varlen_hybrid_block_attn", mutates_args=())
+def varlen_hybrid_block_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str,
+    window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """This group's slots against the K/V of group (ring rank - step) mod R, for this rank's heads."""
+    mask = hybrid_step_mask(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
+    out, lse = varlen.masked_attn(_thd(q), _thd(k), _thd(v), mask, scale)
+    return _bhsd(out).contiguous(), _bhsd(lse).contiguous()
+
+
+@varlen_hybrid_block_attn.register_fake
+def _(q, k, v, cu_seqlens, step, ring_group, a2a_group, window_left, window_right, scale):
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::varlen_hybrid_block_attn_backward", mutates_args=())
+def varlen_hybrid_block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str, window_left: int, window_right: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    mask = hybrid_step_mask(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
+    grads = varlen.masked_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
+                                        None if dlse is None else _thd(dlse), mask, scale)
+    return tuple(_bhsd(g).contiguous() for g in grads)
+
+
+@varlen_hybrid_block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, step, ring_group, a2a_group, window_left, window_right, scale):
+    dt = acc_dtype(q.dtype)
+    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+
+
+def _hybrid_ring_forward(qh, kh, vh, cu_seqlens, ring_group, a2a_group, window, scale):
+    """The K/V ring over the R groups, partial results merged online (as ``varlen.packed_ring_forward``)."""
+    ops, rings = torch.ops.cp, resolve_group(ring_group).size()
+    kv, acc = [kh, vh], None
+    for step in range(rings):
+        incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
+        part = ops.varlen_hybrid_block_attn(qh, kv[0], kv[1], cu_seqlens, step, ring_group, a2a_group, *window, scale)
+        acc = start_accumulator(*part) if acc is None else ops.merge(*acc, *part)
+        del part
+        if incoming is not None:
+            kv = wait(incoming, sent=kv)
+    return acc[0].to(qh.dtype), acc[1]
+
+
+def _hybrid_ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens, ring_group, a2a_group, window,
+                          scale):
+    """K/V travel the ring again, each block's dK/dV so far riding along (as ``varlen.packed_ring_backward``)."""
+    ops, rings = torch.ops.cp, resolve_group(ring_group).size()
+    kv, dq, dkv, dkv_incoming, dkv_sent = [kh, vh], None, None, None, []
+    for step in range(rings):
+        kv_incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
+        dq_i, dk_i, dv_i = ops.varlen_hybrid_block_attn_backward(
+            dout_h, qh, kv[0], kv[1], out_h, lse_h, dlse_h, cu_seqlens, step, ring_group, a2a_group, *window, scale
+        )
+        dq = dq_i if dq is None else dq.add_(dq_i)
+        if dkv_incoming is None:
+            dkv = [dk_i, dv_i]
+        else:
+            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
+            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
+        del dq_i, dk_i, dv_i
+        if rings > 1:
+            dkv_incoming, dkv_sent = ops.ring_shift(dkv, ring_group, 1, TAG_DKV), dkv
+        if kv_incoming is not None:
+            kv = wait(kv_incoming, sent=kv)
+    dk, dv = wait(dkv_incoming, sent=dkv_sent) if rings > 1 else dkv
+    return dq, dk, dv
+
+
+def packed_hybrid_forward(q, k, v, cu_seqlens, *, group_name, ring_group, a2a_group, window, scale, enable_gqa):
+    a2a = resolve_group(a2a_group).size()
+    world_size = resolve_group(ring_group).size() * a2a
+    varlen._start(q, k, v, cu_seqlens, group_name, world_size, f"hybrid a2a={a2a}", *window, scale, enable_gqa)
+    check_heads(q.shape[1], a2a, "the query")
+
+    def attend(qh, kh, vh):
+        return _hybrid_ring_forward(qh, kh, vh, cu_seqlens, ring_group, a2a_group, window, scale)
+
+    out, lse = exchange_forward(_bhsd(q), _bhsd(k), _bhsd(v), a2a_group, a2a, RANK_ORDER, attend)[:2]
+    return _thd(out), _thd(lse)
+
+
+def packed_hybrid_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, ring_group, a2a_group, window, scale):
+    a2a = resolve_group(a2a_group).size()
+    qh, kh, vh, out_h, lse_h = _head_sharded(*(_bhsd(t) for t in (q, k, v, out, lse)), a2a_group, a2a)
+
+    def attend_backward(dout_h, dlse_h):
+        return _hybrid_ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens, ring_group, a2a_group,
+                                     window, scale)
+
+    grads = exchange_backward(_bhsd(dout), None if dlse is None else _bhsd(dlse), a2a_group, a2a, RANK_ORDER,
+                              k.shape[1], attend_backward)
+    return tuple(_thd(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+@torch.library.custom_op("cp::varlen_hybrid_attention", mutates_args=())
+def varlen_hybrid_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, ring_group: str, a2a_group: str,
+    window_left: int, window_right: int, scale: float, enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """Packed attention of this rank's slots on a (ring, a2a) mesh: (out, lse [T, H])."""
+    out, lse = packed_hybrid_forward(q, k, v, cu_seqlens, group_name=group_name, ring_group=ring_group,
+                                     a2a_group=a2a_group, window=(window_left, window_right), scale=scale,
+                                     enable_gqa=enable_gqa)
+    return out.contiguous(), lse.contiguous()
+
+
+@varlen_hybrid_attention_op.register_fake
+def _(q, k, v, cu_seqlens, group_name, ring_group, a2a_group, window_left, window_right, scale, enable_gqa):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp::varlen_hybrid_attention_backward", mutates_args=())
+def varlen_hybrid_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    cu_seqlens: Tensor, ring_group: str, a2a_group: str, window_left: int, window_right: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = packed_hybrid_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, ring_group=ring_group,
+                                        a2a_group=a2a_group, window=(window_left, window_right), scale=scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@varlen_hybrid_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, ring_group, a2a_group, window_left, window_right, scale):
+    return dense_like(q), dense_like(k), dense_like(v)
+
+
+def _hybrid_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, _, ring_group, a2a_group, left, right, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.options = (ring_group, a2a_group, left, right, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _hybrid_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cp.varlen_hybrid_attention_backward(dout, q, k, v, out, lse, dlse, cu_seqlens,
+                                                               *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+varlen_hybrid_attention_op.register_autograd(_hybrid_backward, setup_context=_hybrid_setup)
+
+
+def varlen_hybrid_attention(q, k, v, cu_seqlens, mesh, left: int, right: int, scale: float, enable_gqa: bool):
+    """``varlen_attention(..., group=mesh, schedule="hybrid")``: ``mesh`` is a 2-D (ring, a2a) DeviceMesh
+    or its (flattened, ring, a2a) group names."""
+    from .hybrid import mesh_groups
+
+    group_name, ring_group, a2a_group = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
+    return varlen_hybrid_attention_op(q, k, v, cu_seqlens, group_name, ring_group, a2a_group, left, right, scale,
+                                      enable_gqa)[0]

@@ -443,11 +443,17 @@ def varlen_attention(
     boundaries, as on one device. ``window_size=(left, right)`` as in torch's
     ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
     ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
-    must divide by C) or ``"auto"`` (``passes.cost``).
+    must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
+    query heads must divide by its a2a size) or ``"auto"`` (``passes.cost``).
     """
     from ..passes.cost import choose_packed_schedule
 
     left, right = window_of(window_size, is_causal)
+    if schedule == "hybrid":
+        from .ulysses_masks import varlen_hybrid_attention
+
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return varlen_hybrid_attention(q, k, v, cu_seqlens, group, left, right, scale, bool(enable_gqa))
     group_name = group_name_of(group)
     if schedule == "auto":
         world_size = resolve_group(group_name).size()
