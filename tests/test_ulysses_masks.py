@@ -214,3 +214,38 @@ def opcheck_ulysses_mask_ops():
 def test_opcheck(ranks):
     assert ranks(2, opcheck_ulysses_mask_ops) == [8, 8]
 
+
+
+def opcheck_hybrid_packed_ops():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cp_compile
+    from cp_compile.ops.hybrid import mesh_groups
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
+    plan = cp_compile.ContextParallel(mesh)
+    flat, ring, a2a = mesh_groups(mesh)
+    q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
+    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    window = (2, 0)
+    out, lse = torch.ops.cp.varlen_hybrid_attention(q, k, v, cu, flat, ring, a2a, *window, 0.4, True)
+    # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
+    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // 2]] * 2, 2)
+                       for t in (q, k, v, do))
+    out_h, lse_h = torch.ops.cp.varlen_hybrid_block_attn(qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)
+    cases = [
+        (torch.ops.cp.varlen_hybrid_attention.default, (*req(q, k, v), cu, flat, ring, a2a, *window, 0.4, True)),
+        (torch.ops.cp.varlen_hybrid_attention_backward.default,
+         (do, q, k, v, out, lse, lse, cu, ring, a2a, *window, 0.4)),
+        (torch.ops.cp.varlen_hybrid_block_attn.default, (qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)),
+        (torch.ops.cp.varlen_hybrid_block_attn_backward.default,
+         (doh, qh, kh, vh, out_h, lse_h, None, cu, 1, ring, a2a, *window, 0.4)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    return len(cases)
+
+
+def test_opcheck_hybrid(ranks):
+    assert ranks(4, opcheck_hybrid_packed_ops) == [4] * 4
