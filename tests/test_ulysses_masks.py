@@ -6,7 +6,7 @@ import torch
 from cp_compile import layout
 from helpers import make_qkv, max_err
 from test_flex import run_flex_eager
-from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference
+from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference, per_document_reference_out
 
 # ----------------------------------------------------------------------------
 # FlexAttention masks.
@@ -140,6 +140,42 @@ def test_packed_hybrid_2x2(ranks, hkv):
             assert max(result["errors"]) < 1e-10, (case, result["errors"])
             assert result["unshard_err"] < 1e-10, case
             assert result["shifts"], case  # K/V (and dK/dV) travel the ring across groups
+
+
+def compiled_ulysses_varlen():
+    """torch's varlen_attn in a compiled model, rewritten to the Ulysses schedule (aot_eager)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.varlen import varlen_attn
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel(schedule="ulysses")
+    q, k, v, do, cu = packed_inputs(LENGTHS, 4, 2, 8)
+    max_len = max(LENGTHS)
+
+    def model(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True)
+
+    ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = per_document_reference_out(*ref_inputs, cu, (2, 0))
+    ref_out.backward(do)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = plan.backend("aot_eager")
+    local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+    out = torch.compile(model, backend=backend, fullgraph=True)(*local, cu)
+    out.backward(plan.shard(do, 0, cu_seqlens=cu))
+    errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
+    errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
+    decisions = [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites]
+    return errs, decisions, sum(counters["graph_break"].values())
+
+
+def test_compiled_varlen_ulysses(ranks):
+    for errs, decisions, graph_breaks in ranks(2, compiled_ulysses_varlen, timeout=300):
+        assert decisions == [("varlen", "ulysses")]
+        assert graph_breaks == 0
+        assert max(errs) < 1e-10, errs
 
 
 def test_heads_not_dividing_by_c_named(ranks):
