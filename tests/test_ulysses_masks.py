@@ -5,7 +5,8 @@ import torch
 
 from cp_compile import layout
 from helpers import make_qkv, max_err
-from test_flex import run_flex_eager
+from test_flex import mask_case, run_flex_eager
+from test_flex import reference as flex_reference
 from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference, per_document_reference_out
 
 # ----------------------------------------------------------------------------
@@ -68,6 +69,44 @@ def head_mask_reference(q, k, v, do, mask_mod, scale):
 def test_flex_head_dependent_mask(ranks):
     for errors in ranks(2, run_flex_head_mask):
         assert max(errors) < 1e-10, errors
+
+
+def run_flex_compiled_ulysses():
+    """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule (forward:
+    CPU flex refuses gradients under Dynamo)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import cp_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    plan = cp_compile.ContextParallel(schedule="ulysses")
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    q, k, v, do = make_qkv(1, 4, 2, seq, 8, seed=1)
+    ref = flex_reference(q, k, v, do, mask_mod, None, 0.3)
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3)
+
+    def attend(q, k, v, bm):
+        out, lse = flex_attention(q, k, v, block_mask=bm, scale=0.3, enable_gqa=True, return_lse=True)
+        return out * 2, lse
+
+    backend = plan.backend("aot_eager")
+    out, lse = torch.compile(attend, backend=backend, fullgraph=True)(*(plan.shard(t, 2) for t in (q, k, v)),
+                                                                       plan.shard(block_mask))
+    return {
+        "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "schedules": [s.decision["schedule"] for r in backend.records for s in r.sites],
+    }
+
+
+def test_compiled_flex_ulysses(ranks):
+    for result in ranks(2, run_flex_compiled_ulysses, timeout=300):
+        assert result["schedules"] == ["ulysses"]
+        assert result["graph_breaks"] == 0
+        assert max(result["err"]) < 1e-10, result["err"]
 
 
 # ----------------------------------------------------------------------------
