@@ -56,16 +56,18 @@ def _head_sharded(q, k, v, out, lse, group_name: str, world_size: int) -> tuple[
 # ----------------------------------------------------------------------------
 
 
-def _flex_call(q: Tensor, buffers, key, group_name, layout, mask_b, mask_h, scale):
-    """The tile description for all of the group's tokens and this rank's heads."""
-    size = resolve_group(group_name).size()
-    # _resolve validates the index table against the local length, which is S / C here
-    call, rank, _ = flex._resolve(q.narrow(2, 0, q.shape[2] // size), buffers, key, group_name, layout,
+def _flex_call(q: Tensor, buffers, key, group_name, a2a_group, layout, mask_b, mask_h, scale):
+    """The tile description for the tokens of this rank's all-to-all group and this rank's heads,
+    and the group's index (its ring rank; 0 for plain Ulysses, where the group is everyone)."""
+    a2a = resolve_group(a2a_group)
+    group_size = a2a.size()
+    # _resolve validates the index table against the local length: this group's tokens / its size
+    call, rank, _ = flex._resolve(q.narrow(2, 0, q.shape[2] // group_size), buffers, key, group_name, layout,
                                   mask_b, mask_h, scale)
     heads = q.shape[1]
-    if mask_h not in (1, heads * size):
-        raise ValueError(f"block_mask has {mask_h} heads; expected 1 or the {heads * size} query heads")
-    first = rank * heads
+    if mask_h not in (1, heads * group_size):
+        raise ValueError(f"block_mask has {mask_h} heads; expected 1 or the {heads * group_size} query heads")
+    first = a2a.rank() * heads
     mods = call.mods
     mask = mods.mask
     if mask is not None and mask_h > 1:
@@ -75,8 +77,12 @@ def _flex_call(q: Tensor, buffers, key, group_name, layout, mask_b, mask_h, scal
         score = lambda s, b, h, i, j, *bufs: mods.score(s, b, h + first, i, j, *bufs)  # noqa: E731
     call = dataclasses.replace(call, mods=flex.Mods(mask, score, mods.n_mask_buffers),
                                mask_h=heads if mask_h > 1 else 1)
-    every = torch.arange(q.shape[2], device=q.device)
-    return call, every
+    return call, rank // group_size
+
+
+def _flex_span(q: Tensor, group: int) -> Tensor:
+    """Table indices of all-to-all group ``group``'s tokens (rank order)."""
+    return torch.arange(group * q.shape[2], (group + 1) * q.shape[2], device=q.device)
 
 
 @torch.library.custom_op("cp::flex_heads_attn", mutates_args=())
@@ -85,7 +91,8 @@ def flex_heads_attn(
     mask_b: int, mask_h: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     """All of the group's tokens (rank order) for this rank's heads: the final (out, lse)."""
-    call, every = _flex_call(q, buffers, mods, group_name, layout, mask_b, mask_h, scale)
+    call, _ = _flex_call(q, buffers, mods, group_name, group_name, layout, mask_b, mask_h, scale)
+    every = _flex_span(q, 0)
     out, lse = flex.tile_forward(call, q, k, v, every, every)
     return out.contiguous(), lse.contiguous()
 
@@ -100,7 +107,8 @@ def flex_heads_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     buffers: list[Tensor], group_name: str, mods: str, layout: str, mask_b: int, mask_h: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    call, every = _flex_call(q, buffers, mods, group_name, layout, mask_b, mask_h, scale)
+    call, _ = _flex_call(q, buffers, mods, group_name, group_name, layout, mask_b, mask_h, scale)
+    every = _flex_span(q, 0)
     grads = flex.tile_backward(call, dout, q, k, v, out, lse, dlse, every, every)
     return tuple(g.contiguous() for g in grads)
 
@@ -295,13 +303,14 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens, step, ring_group, a2a_group, wi
     return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
 
 
-def _hybrid_ring_forward(qh, kh, vh, cu_seqlens, ring_group, a2a_group, window, scale):
-    """The K/V ring over the R groups, partial results merged online (as ``varlen.packed_ring_forward``)."""
+def _ring_forward(qh, kh, vh, ring_group: str, attend_step):
+    """The K/V ring over the R groups, ``attend_step(q, k, v, step) -> (out, lse)`` merged online
+    (as ``varlen.packed_ring_forward``)."""
     ops, rings = torch.ops.cp, resolve_group(ring_group).size()
     kv, acc = [kh, vh], None
     for step in range(rings):
         incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
-        part = ops.varlen_hybrid_block_attn(qh, kv[0], kv[1], cu_seqlens, step, ring_group, a2a_group, *window, scale)
+        part = attend_step(qh, kv[0], kv[1], step)
         acc = start_accumulator(*part) if acc is None else ops.merge(*acc, *part)
         del part
         if incoming is not None:
@@ -309,16 +318,14 @@ def _hybrid_ring_forward(qh, kh, vh, cu_seqlens, ring_group, a2a_group, window, 
     return acc[0].to(qh.dtype), acc[1]
 
 
-def _hybrid_ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens, ring_group, a2a_group, window,
-                          scale):
-    """K/V travel the ring again, each block's dK/dV so far riding along (as ``varlen.packed_ring_backward``)."""
+def _ring_backward(kh, vh, ring_group: str, attend_step_backward):
+    """K/V travel the ring again, each block's dK/dV so far riding along (as ``varlen.packed_ring_backward``);
+    ``attend_step_backward(k, v, step) -> (dq, dk, dv)``."""
     ops, rings = torch.ops.cp, resolve_group(ring_group).size()
     kv, dq, dkv, dkv_incoming, dkv_sent = [kh, vh], None, None, None, []
     for step in range(rings):
         kv_incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
-        dq_i, dk_i, dv_i = ops.varlen_hybrid_block_attn_backward(
-            dout_h, qh, kv[0], kv[1], out_h, lse_h, dlse_h, cu_seqlens, step, ring_group, a2a_group, *window, scale
-        )
+        dq_i, dk_i, dv_i = attend_step_backward(kv[0], kv[1], step)
         dq = dq_i if dq is None else dq.add_(dq_i)
         if dkv_incoming is None:
             dkv = [dk_i, dv_i]
@@ -340,8 +347,12 @@ def packed_hybrid_forward(q, k, v, cu_seqlens, *, group_name, ring_group, a2a_gr
     varlen._start(q, k, v, cu_seqlens, group_name, world_size, f"hybrid a2a={a2a}", *window, scale, enable_gqa)
     check_heads(q.shape[1], a2a, "the query")
 
+    def attend_step(q, k, v, step):
+        return torch.ops.cp.varlen_hybrid_block_attn(q, k, v, cu_seqlens, step, ring_group, a2a_group, *window,
+                                                     scale)
+
     def attend(qh, kh, vh):
-        return _hybrid_ring_forward(qh, kh, vh, cu_seqlens, ring_group, a2a_group, window, scale)
+        return _ring_forward(qh, kh, vh, ring_group, attend_step)
 
     out, lse = exchange_forward(_bhsd(q), _bhsd(k), _bhsd(v), a2a_group, a2a, RANK_ORDER, attend)[:2]
     return _thd(out), _thd(lse)
@@ -352,8 +363,11 @@ def packed_hybrid_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, ring_gr
     qh, kh, vh, out_h, lse_h = _head_sharded(*(_bhsd(t) for t in (q, k, v, out, lse)), a2a_group, a2a)
 
     def attend_backward(dout_h, dlse_h):
-        return _hybrid_ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens, ring_group, a2a_group,
-                                     window, scale)
+        def step_backward(k, v, step):
+            return torch.ops.cp.varlen_hybrid_block_attn_backward(dout_h, qh, k, v, out_h, lse_h, dlse_h, cu_seqlens,
+                                                                  step, ring_group, a2a_group, *window, scale)
+
+        return _ring_backward(kh, vh, ring_group, step_backward)
 
     grads = exchange_backward(_bhsd(dout), None if dlse is None else _bhsd(dlse), a2a_group, a2a, RANK_ORDER,
                               k.shape[1], attend_backward)
