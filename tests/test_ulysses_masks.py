@@ -71,6 +71,49 @@ def test_flex_head_dependent_mask(ranks):
         assert max(errors) < 1e-10, errors
 
 
+def run_flex_hybrid(cases, chunk: int = 3):
+    """flex_attention(..., schedule="hybrid") on a (2, 2) mesh against the dense single-device reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
+    plan = cp_compile.ContextParallel(mesh)
+    seq = 2 * plan.world_size * chunk
+    results = {}
+    for case, hq, hkv in cases:
+        mask_mod, score_mod = mask_case(case, seq, chunk)
+        q, k, v, do = make_qkv(1, hq, hkv, seq, 8, seed=5)
+        ref = flex_reference(q, k, v, do, mask_mod, score_mod, 0.3)
+        block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk))
+        leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+        with cp_compile.count_traffic() as traffic:
+            out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, scale=0.3,
+                                                 enable_gqa=hq != hkv, return_lse=True, group=mesh,
+                                                 schedule="hybrid")
+            out.backward(plan.shard(do, 2))
+        got = [out.detach(), lse] + [t.grad for t in leaves]
+        results[(case, hq, hkv)] = {
+            "err": [max_err(g, plan.shard(w, 2)) for g, w in zip(got, ref)],
+            "nan": any(torch.isnan(g).any().item() for g in got[:1] + got[2:]),
+            "shifts": dict(traffic.by_tag),
+        }
+    return results
+
+
+def test_flex_hybrid_2x2(ranks):
+    """Document + causal (GQA, K/V heads divide by the all-to-all size) and a score_mod with one K/V head
+    (replicated inside each group), forward and backward."""
+    cases = [("document-causal", 4, 2), ("bias-score", 2, 1)]
+    for per_rank in ranks(4, run_flex_hybrid, cases, timeout=300):
+        assert set(per_rank) == set(cases)
+        for case, result in per_rank.items():
+            assert not result["nan"], case
+            assert max(result["err"]) < 1e-10, (case, result["err"])
+            assert result["shifts"], case  # K/V travel the ring across groups
+
+
 def run_flex_compiled_ulysses():
     """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule (forward:
     CPU flex refuses gradients under Dynamo)."""

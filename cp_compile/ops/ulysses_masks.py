@@ -433,3 +433,142 @@ def varlen_hybrid_attention(q, k, v, cu_seqlens, mesh, left: int, right: int, sc
     group_name, ring_group, a2a_group = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
     return varlen_hybrid_attention_op(q, k, v, cu_seqlens, group_name, ring_group, a2a_group, left, right, scale,
                                       enable_gqa)[0]
+
+
+# ----------------------------------------------------------------------------
+# FlexAttention on a 2-D (ring, a2a) mesh. The group's tokens are the index
+# table's entries jA*S_local .. (j+1)A*S_local (rank order); at ring step i the
+# K/V are group (j - i) mod R's. j and the head offset are read at run time.
+# ----------------------------------------------------------------------------
+
+
+def _flex_hybrid_tile(q, buffers, step, group_name, a2a_group, mods, layout, mask_b, mask_h, scale):
+    call, group = _flex_call(q, buffers, mods, group_name, a2a_group, layout, mask_b, mask_h, scale)
+    rings = resolve_group(group_name).size() // resolve_group(a2a_group).size()
+    return call, _flex_span(q, group), _flex_span(q, (group - step) % rings)
+
+
+@torch.library.custom_op("cp::flex_hybrid_block_attn", mutates_args=())
+def flex_hybrid_block_attn(
+    q: Tensor, k: Tensor, v: Tensor, buffers: list[Tensor], step: int, group_name: str, a2a_group: str, mods: str,
+    layout: str, mask_b: int, mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """This all-to-all group's tokens against group (ring rank - step) mod R's K/V, this rank's heads."""
+    call, rows, cols = _flex_hybrid_tile(q, buffers, step, group_name, a2a_group, mods, layout, mask_b, mask_h,
+                                         scale)
+    out, lse = flex.tile_forward(call, q, k, v, rows, cols)
+    return out.contiguous(), lse.contiguous()
+
+
+@flex_hybrid_block_attn.register_fake
+def _(q, k, v, buffers, step, group_name, a2a_group, mods, layout, mask_b, mask_h, scale):
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::flex_hybrid_block_attn_backward", mutates_args=())
+def flex_hybrid_block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    buffers: list[Tensor], step: int, group_name: str, a2a_group: str, mods: str, layout: str, mask_b: int,
+    mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    call, rows, cols = _flex_hybrid_tile(q, buffers, step, group_name, a2a_group, mods, layout, mask_b, mask_h,
+                                         scale)
+    grads = flex.tile_backward(call, dout, q, k, v, out, lse, dlse, rows, cols)
+    return tuple(g.contiguous() for g in grads)
+
+
+@flex_hybrid_block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, buffers, step, group_name, a2a_group, mods, layout, mask_b, mask_h, scale):
+    dt = acc_dtype(q.dtype)
+    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+
+
+def flex_hybrid_forward(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h, scale):
+    ops, a2a = torch.ops.cp, resolve_group(a2a_group).size()
+    if resolve_group(group_name).size() > 1:
+        ops.agree(q, k, v, group_name, f"flex hybrid a2a={a2a} layout={layout} mask={mask_b}x{mask_h} scale={scale!r}")
+    check_heads(q.shape[1], a2a, "the query")
+    step_args = (group_name, a2a_group, mods, layout, mask_b, mask_h, scale)
+
+    def attend(qh, kh, vh):
+        return _ring_forward(qh, kh, vh, ring_group,
+                             lambda q_, k_, v_, step: ops.flex_hybrid_block_attn(q_, k_, v_, buffers, step, *step_args))
+
+    return exchange_forward(q, k, v, a2a_group, a2a, RANK_ORDER, attend)[:2]
+
+
+def flex_hybrid_backward(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group, mods, layout,
+                         mask_b, mask_h, scale):
+    a2a = resolve_group(a2a_group).size()
+    qh, kh, vh, out_h, lse_h = _head_sharded(q, k, v, out, lse, a2a_group, a2a)
+    step_args = (group_name, a2a_group, mods, layout, mask_b, mask_h, scale)
+
+    def attend_backward(dout_h, dlse_h):
+        def step_backward(k_, v_, step):
+            return torch.ops.cp.flex_hybrid_block_attn_backward(dout_h, qh, k_, v_, out_h, lse_h, dlse_h, buffers,
+                                                                step, *step_args)
+
+        return _ring_backward(kh, vh, ring_group, step_backward)
+
+    dq, dk, dv = exchange_backward(dout, dlse, a2a_group, a2a, RANK_ORDER, k.shape[1], attend_backward)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("cp::flex_hybrid_attention", mutates_args=())
+def flex_hybrid_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, buffers: list[Tensor], group_name: str, ring_group: str, a2a_group: str,
+    mods: str, layout: str, mask_b: int, mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """FlexAttention of this rank's queries on a (ring, a2a) mesh: (out, lse)."""
+    out, lse = flex_hybrid_forward(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b,
+                                   mask_h, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@flex_hybrid_attention_op.register_fake
+def _(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h, scale):
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::flex_hybrid_attention_backward", mutates_args=())
+def flex_hybrid_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    buffers: list[Tensor], group_name: str, ring_group: str, a2a_group: str, mods: str, layout: str, mask_b: int,
+    mask_h: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = flex_hybrid_backward(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group,
+                                      mods, layout, mask_b, mask_h, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@flex_hybrid_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h,
+      scale):
+    return dense_like(q), dense_like(k), dense_like(v)
+
+
+def _flex_hybrid_setup(ctx, inputs, output):
+    q, k, v, buffers, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, *buffers)
+    ctx.n_buffers, ctx.options = len(buffers), options
+    ctx.set_materialize_grads(False)
+
+
+def _flex_hybrid_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *buffers = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.cp.flex_hybrid_attention_backward(dout, q, k, v, out, lse, dlse, buffers, *ctx.options)
+    return (dq, dk, dv, [None] * ctx.n_buffers) + (None,) * len(ctx.options)
+
+
+flex_hybrid_attention_op.register_autograd(_flex_hybrid_backward, setup_context=_flex_hybrid_setup)
+
+
+def flex_hybrid_attention(q, k, v, buffers, mesh, mods: str, layout: str, mask_b: int, mask_h: int, scale: float):
+    """``flex_attention(..., group=mesh, schedule="hybrid")``: (out, lse); ``mesh`` is a 2-D (ring, a2a)
+    DeviceMesh or its (flattened, ring, a2a) group names."""
+    from .hybrid import mesh_groups
+
+    names = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
+    return flex_hybrid_attention_op(q, k, v, buffers, *names, mods, layout, mask_b, mask_h, scale)
