@@ -334,7 +334,7 @@ def test_opcheck(ranks):
 
 
 
-def opcheck_hybrid_packed_ops():
+def opcheck_hybrid_ops():
     from torch.distributed.device_mesh import init_device_mesh
 
     import cp_compile
@@ -360,10 +360,39 @@ def opcheck_hybrid_packed_ops():
         (torch.ops.cp.varlen_hybrid_block_attn_backward.default,
          (doh, qh, kh, vh, out_h, lse_h, None, cu, 1, ring, a2a, *window, 0.4)),
     ]
+    cases += flex_hybrid_opcheck_cases(plan, mesh)
     for op, args in cases:
         torch.library.opcheck(op, args)
     return len(cases)
 
 
+def flex_hybrid_opcheck_cases(plan, mesh):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cp_compile.ops.flex import eager_mods
+    from cp_compile.ops.hybrid import mesh_groups
+
+    flat, ring, a2a = mesh_groups(mesh)
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    key, buffers, mb, mh = eager_mods(block_mask, None)
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    opts = (flat, ring, a2a, key, "zigzag", mb, mh, 0.3)
+    out, lse = torch.ops.cp.flex_hybrid_attention(q, k, v, buffers, *opts)
+    # one all-to-all group's tokens for this rank's heads
+    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
+    step_opts = (1, flat, a2a, key, "zigzag", mb, mh, 0.3)
+    out_h, lse_h = torch.ops.cp.flex_hybrid_block_attn(qh, kh, vh, buffers, *step_opts)
+    return [
+        (torch.ops.cp.flex_hybrid_attention.default, (*req(q, k, v), buffers, *opts)),
+        (torch.ops.cp.flex_hybrid_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)),
+        (torch.ops.cp.flex_hybrid_block_attn.default, (qh, kh, vh, buffers, *step_opts)),
+        (torch.ops.cp.flex_hybrid_block_attn_backward.default,
+         (doh, qh, kh, vh, out_h, lse_h, None, buffers, *step_opts)),
+    ]
+
+
 def test_opcheck_hybrid(ranks):
-    assert ranks(4, opcheck_hybrid_packed_ops) == [4] * 4
+    assert ranks(4, opcheck_hybrid_ops) == [8] * 4
