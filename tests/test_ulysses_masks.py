@@ -31,12 +31,18 @@ def test_flex_fp64_forward_backward(ranks, world_size):
             assert result["shifts"] == {}, name  # no ring traffic: all-to-alls only
 
 
-def run_flex_head_mask(chunk: int = 3, heads: int = 4):
-    """A mask that differs per head: each rank's heads must see their global head index."""
+def run_flex_head_mask(chunk: int = 3, heads: int = 4, mesh=None):
+    """A mask that differs per head: each rank's heads must see their global head index.
+    With ``mesh`` (ring, a2a): the hybrid schedule on that 2-D mesh."""
     import cp_compile
     from torch.nn.attention.flex_attention import create_block_mask
 
-    plan = cp_compile.ContextParallel()
+    group, schedule = None, "ulysses"
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group, schedule = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), "hybrid"
+    plan = cp_compile.ContextParallel(group)
     seq = 2 * plan.world_size * chunk
 
     def mask_mod(b, h, q_idx, kv_idx):  # head h sees h + 1 keys back, causal
@@ -47,8 +53,8 @@ def run_flex_head_mask(chunk: int = 3, heads: int = 4):
     ref = head_mask_reference(q, k, v, do, mask_mod, scale)
     block_mask = plan.shard(create_block_mask(mask_mod, None, heads, seq, seq, device="cpu", BLOCK_SIZE=chunk))
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    out, lse = cp_compile.flex_attention(*leaves, block_mask=block_mask, scale=scale, return_lse=True,
-                                         schedule="ulysses")
+    out, lse = cp_compile.flex_attention(*leaves, block_mask=block_mask, scale=scale, return_lse=True, group=group,
+                                         schedule=schedule)
     out.backward(plan.shard(do, 2))
     got = [out.detach(), lse] + [t.grad for t in leaves]
     return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, ref)]
@@ -66,8 +72,9 @@ def head_mask_reference(q, k, v, do, mask_mod, scale):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def test_flex_head_dependent_mask(ranks):
-    for errors in ranks(2, run_flex_head_mask):
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, (2, 2))])
+def test_flex_head_dependent_mask(ranks, world_size, mesh):
+    for errors in ranks(world_size, run_flex_head_mask, 3, 4, mesh):
         assert max(errors) < 1e-10, errors
 
 
@@ -86,7 +93,10 @@ def run_flex_hybrid(cases, chunk: int = 3):
         mask_mod, score_mod = mask_case(case, seq, chunk)
         q, k, v, do = make_qkv(1, hq, hkv, seq, 8, seed=5)
         ref = flex_reference(q, k, v, do, mask_mod, score_mod, 0.3)
-        block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk))
+        block_mask = None
+        if mask_mod is not None:
+            global_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk)
+            block_mask = plan.shard(global_mask)
         leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
         with cp_compile.count_traffic() as traffic:
             out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, scale=0.3,
@@ -103,9 +113,9 @@ def run_flex_hybrid(cases, chunk: int = 3):
 
 
 def test_flex_hybrid_2x2(ranks):
-    """Document + causal (GQA, K/V heads divide by the all-to-all size) and a score_mod with one K/V head
-    (replicated inside each group), forward and backward."""
-    cases = [("document-causal", 4, 2), ("bias-score", 2, 1)]
+    """Document + causal (GQA, K/V heads divide by the all-to-all size), a score_mod with one K/V head
+    (replicated inside each group), no mask; forward and backward."""
+    cases = [("document-causal", 4, 2), ("bias-score", 2, 1), ("full", 2, 2)]
     for per_rank in ranks(4, run_flex_hybrid, cases, timeout=300):
         assert set(per_rank) == set(cases)
         for case, result in per_rank.items():

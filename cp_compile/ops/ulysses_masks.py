@@ -17,6 +17,10 @@ at those slots:
 - packed: (document, position, real) of every rank's slots in rank order,
   computed from ``cu_seqlens`` alone; identical on every rank, no rank needed.
 
+Hybrid (2-D ``(ring, a2a)`` mesh): the same exchange inside each all-to-all
+group, then a K/V ring across the groups; each ring step evaluates the mask
+between this group's tokens and the visiting group's (sections below).
+
 The schedule ops (``cp::flex_attention``, ``cp::varlen_attention``) keep the
 sequence-sharded q, k, v, out and lse for their backward, so the Ulysses
 backward exchanges them again (five all-to-alls more than the SDPA Ulysses op,
