@@ -43,7 +43,7 @@ from .registry import Traceable, register_schedule
 from .ring import ring_pass_backward, ring_pass_forward
 
 funcol = torch.ops._c10d_functional
-FLEX_SCHEDULES = ("ring", "allgather")
+FLEX_SCHEDULES = ("ring", "allgather", "ulysses")  # ulysses: ops.ulysses_masks
 
 # ----------------------------------------------------------------------------
 # The mods a key names.
@@ -596,8 +596,10 @@ def flex_attention(
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
     comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
-    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``
-    or ``"allgather"``; ``layout`` matters only without a block_mask.
+    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``,
+    ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
+    (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
+    size); ``layout`` matters only without a block_mask.
     Differentiable (mask and score mods; tensors the mods capture get no gradient).
     """
     from .ring import group_name_of
@@ -609,6 +611,12 @@ def flex_attention(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
     key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
+    if schedule == "hybrid":
+        from .ulysses_masks import flex_hybrid_attention
+
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, lse = flex_hybrid_attention(q, k, v, buffers, group, key, layout, mask_b, mask_h, scale)
+        return (out, lse) if return_lse else out
     if schedule == "auto":
         info = shard_info(block_mask)
         schedule = info.schedule if info is not None else "ring"

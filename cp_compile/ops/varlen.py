@@ -46,7 +46,7 @@ from .comm import resolve_group
 from .registry import Traceable, register_schedule
 from .ring import group_name_of, ring_pass_backward, ring_pass_forward
 
-PACKED_SCHEDULES = ("allgather", "ring")
+PACKED_SCHEDULES = ("allgather", "ring", "ulysses")  # ulysses: ops.ulysses_masks
 GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in rank order
 
 
@@ -422,11 +422,18 @@ def varlen_attention(
     cu_seqlens=cu)``); ``cu_seqlens`` is the global int32 tensor of document
     boundaries, as on one device. ``window_size=(left, right)`` as in torch's
     ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
-    ``schedule`` is ``"allgather"``, ``"ring"`` or ``"auto"`` (``passes.cost``).
+    ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
+    must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
+    query heads must divide by its a2a size) or ``"auto"`` (``passes.cost``).
     """
     from ..passes.cost import choose_packed_schedule
 
     left, right = window_of(window_size, is_causal)
+    if schedule == "hybrid":
+        from .ulysses_masks import varlen_hybrid_attention
+
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return varlen_hybrid_attention(q, k, v, cu_seqlens, group, left, right, scale, bool(enable_gqa))
     group_name = group_name_of(group)
     if schedule == "auto":
         world_size = resolve_group(group_name).size()

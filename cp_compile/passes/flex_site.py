@@ -104,7 +104,9 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
-    if schedule not in ("ring", "allgather"):
+    from ..ops.flex import FLEX_SCHEDULES
+
+    if schedule not in FLEX_SCHEDULES:
         raise UnsupportedAttention(f"schedule {schedule!r} is not available for flex_attention at {site.source}")
     scale = float(args["scale"])
     graph = site.owner.graph
