@@ -69,6 +69,14 @@ def test_cpu_op_opcheck():
         torch.library.opcheck(torch.ops.cp.merge_.default, args[:4] + (args[1].shape[2] - args[2].shape[2],))
 
 
+def test_accumulate_adds_in_place_and_passes_opcheck():
+    acc, x = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    want = acc + x
+    torch.ops.cp.accumulate_(acc, x)
+    assert torch.equal(acc, want)
+    torch.library.opcheck(torch.ops.cp.accumulate_.default, (torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)))
+
+
 def test_op_compiles_fullgraph():
     def step(acc_out, acc_lse, out, lse):
         acc_out = acc_out * 1.0  # a graph input must not be mutated behind aot's back

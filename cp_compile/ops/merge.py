@@ -79,3 +79,20 @@ def start_accumulator(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """The first partial result as an accumulator (fp32 / fp64)."""
     dt = acc_dtype(out.dtype)
     return out.to(dt), lse.to(dt)
+
+
+@torch.library.custom_op("cp::accumulate_", mutates_args=("acc",))
+def accumulate_(acc: Tensor, x: Tensor) -> None:
+    """``acc += x`` as one opaque step.
+
+    As a plain ``add_`` in a compiled backward, Inductor turns the chain of
+    per-step dQ additions into one fused sum at the end of the ring, which
+    keeps every step's partial dQ alive at once (memory growing with C). An
+    opaque in-place op is done when it is reached, and the partial can go.
+    """
+    acc.add_(x)
+
+
+@accumulate_.register_fake
+def _(acc, x):
+    return None

@@ -202,7 +202,10 @@ def ring_pass_backward(q: Tensor, k: Tensor, v: Tensor, attend_backward, *, grou
         kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
         dq_i, dk_i, dv_i = attend_backward(step, kv[0], kv[1])
         # accumulate in place: dq is ours, and so are received dK/dV (never the ones in flight)
-        dq = dq_i.to(dt) if dq is None else dq.add_(dq_i)
+        if dq is None:
+            dq = dq_i.to(dt)
+        else:
+            ops.accumulate_(dq, dq_i)
         if dkv_incoming is None:
             dkv = [dk_i.to(dt), dv_i.to(dt)]
         else:
