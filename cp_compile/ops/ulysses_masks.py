@@ -38,9 +38,9 @@ from torch import Tensor
 from ..layout import check_cu_seqlens, packed_local_len
 from . import flex, varlen
 from .block import acc_dtype, dense_like, result_like
-from .comm import TAG_DKV, TAG_KV, resolve_group, wait
+from .comm import resolve_group
 from .heads import check_heads, seq_to_heads
-from .merge import start_accumulator
+from .ring import ring_pass_backward, ring_pass_forward
 from .ulysses import exchange_backward, exchange_forward, kv_copies
 
 # the exchange without the zigzag reorder: every rank's shard in rank order
@@ -308,41 +308,18 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens, step, ring_group, a2a_group, wi
 
 
 def _ring_forward(qh, kh, vh, ring_group: str, attend_step):
-    """The K/V ring over the R groups, ``attend_step(q, k, v, step) -> (out, lse)`` merged online
-    (as ``varlen.packed_ring_forward``)."""
-    ops, rings = torch.ops.cp, resolve_group(ring_group).size()
-    kv, acc = [kh, vh], None
-    for step in range(rings):
-        incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
-        part = attend_step(qh, kv[0], kv[1], step)
-        acc = start_accumulator(*part) if acc is None else ops.merge(*acc, *part)
-        del part
-        if incoming is not None:
-            kv = wait(incoming, sent=kv)
-    return acc[0].to(qh.dtype), acc[1]
+    """The K/V ring over the R groups, ``attend_step(q, k, v, step) -> (out, lse)`` merged online."""
+    out, lse = ring_pass_forward(qh, kh, vh, lambda step, k, v: attend_step(qh, k, v, step),
+                                 group_name=ring_group, world_size=resolve_group(ring_group).size())
+    return out.to(qh.dtype), lse
 
 
 def _ring_backward(kh, vh, ring_group: str, attend_step_backward):
-    """K/V travel the ring again, each block's dK/dV so far riding along (as ``varlen.packed_ring_backward``);
+    """K/V travel the ring again, each block's dK/dV so far riding along;
     ``attend_step_backward(k, v, step) -> (dq, dk, dv)``."""
-    ops, rings = torch.ops.cp, resolve_group(ring_group).size()
-    kv, dq, dkv, dkv_incoming, dkv_sent = [kh, vh], None, None, None, []
-    for step in range(rings):
-        kv_incoming = ops.ring_shift(kv, ring_group, 1, TAG_KV) if step + 1 < rings else None
-        dq_i, dk_i, dv_i = attend_step_backward(kv[0], kv[1], step)
-        dq = dq_i if dq is None else dq.add_(dq_i)
-        if dkv_incoming is None:
-            dkv = [dk_i, dv_i]
-        else:
-            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
-            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
-        del dq_i, dk_i, dv_i
-        if rings > 1:
-            dkv_incoming, dkv_sent = ops.ring_shift(dkv, ring_group, 1, TAG_DKV), dkv
-        if kv_incoming is not None:
-            kv = wait(kv_incoming, sent=kv)
-    dk, dv = wait(dkv_incoming, sent=dkv_sent) if rings > 1 else dkv
-    return dq, dk, dv
+    # the first argument only sets the accumulation dtype, which q shares with k
+    return ring_pass_backward(kh, kh, vh, lambda step, k, v: attend_step_backward(k, v, step),
+                              group_name=ring_group, world_size=resolve_group(ring_group).size())
 
 
 def packed_hybrid_forward(q, k, v, cu_seqlens, *, group_name, ring_group, a2a_group, window, scale, enable_gqa):
