@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .ops.block import acc_dtype
+from .passes.cost import fmt_bytes as _fmt_bytes
 
 
 @dataclass
@@ -100,14 +101,6 @@ class ExplainReport:
         for i, listing in enumerate(self.schedules):
             lines.append(f"compiled graph {i}: " + " -> ".join(_compress(listing)))
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _compress(listing: list[str]) -> list[str]:

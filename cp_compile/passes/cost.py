@@ -156,11 +156,12 @@ class Estimate:
             return f"{self.schedule:<9} not possible: {self.reason}"
         note = f" [{'; '.join(self.notes)}]" if self.notes else ""
         return (f"{self.schedule:<9} {self.time_s * 1e3:9.3f} ms (compute {self.compute_s * 1e3:.3f}, exposed comm "
-                f"{self.exposed_comm_s * 1e3:.3f}), sends {_fmt_bytes(self.bytes_sent)}, holds "
-                f"{_fmt_bytes(self.memory_bytes)}{note}")
+                f"{self.exposed_comm_s * 1e3:.3f}), sends {fmt_bytes(self.bytes_sent)}, holds "
+                f"{fmt_bytes(self.memory_bytes)}{note}")
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -328,8 +329,8 @@ def estimate_all(w: Workload, machine: Machine, available=None) -> list[Estimate
         est = ESTIMATORS[name](w, machine)
         if est.feasible and machine.memory_limit is not None and est.memory_bytes > machine.memory_limit:
             est = replace(est, feasible=False,
-                          reason=f"holds {_fmt_bytes(est.memory_bytes)}, over the limit "
-                                 f"{_fmt_bytes(machine.memory_limit)}")
+                          reason=f"holds {fmt_bytes(est.memory_bytes)}, over the limit "
+                                 f"{fmt_bytes(machine.memory_limit)}")
         rows.append(est)
     return rows
 
