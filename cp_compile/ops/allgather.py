@@ -27,7 +27,7 @@ from torch import Tensor
 from .block import _lse_grad, _tile_bwd, acc_dtype, block_attn_impl, dense_like, result_like
 from .comm import resolve_group
 from .registry import Traceable, register_schedule
-from .ring import check_ring_args, group_name_of
+from .ring import check_ring_args, group_name_of, register_attention_autograd
 
 _fc = torch.ops._c10d_functional
 
@@ -250,22 +250,8 @@ def _(dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale):
     return dense_like(q), dense_like(k), dense_like(v)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, group_name, is_causal, layout, scale, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)  # local shards only: the backward gathers again
-    ctx.options = (group_name, is_causal, layout, scale)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.cp.allgather_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
-
-
-allgather_attention_op.register_autograd(_backward, setup_context=_setup)
+# the forward saves only the local shards: the backward gathers again
+register_attention_autograd(allgather_attention_op, torch.ops.cp.allgather_attention_backward)
 
 
 def _expand_forward(args) -> Traceable:

@@ -290,23 +290,28 @@ def _(dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale):
     return dense_like(q), dense_like(k), dense_like(v)
 
 
-def _ring_setup(ctx, inputs, output):
-    q, k, v, group_name, is_causal, layout, scale, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.options = (group_name, is_causal, layout, scale)
-    # an unused lse must arrive as None, not zeros: its gradient path is dense
-    ctx.set_materialize_grads(False)
+def register_attention_autograd(forward_op, backward_op) -> None:
+    """Autograd for a whole-schedule op ``(q, k, v, group_name, is_causal, layout, scale, enable_gqa) -> (out, lse)``
+    whose backward op takes ``(dout, q, k, v, out, lse, dlse, group_name, is_causal, layout, scale)``."""
+
+    def setup(ctx, inputs, output):
+        q, k, v, group_name, is_causal, layout, scale, _ = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.options = (group_name, is_causal, layout, scale)
+        # an unused lse must arrive as None, not zeros: its gradient path is dense
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
+
+    forward_op.register_autograd(backward, setup_context=setup)
 
 
-def _ring_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.cp.ring_attention_backward(dout, q, k, v, out, lse, dlse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
-
-
-ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
+register_attention_autograd(ring_attention_op, torch.ops.cp.ring_attention_backward)
 
 
 def _expand_forward(args) -> Traceable:
