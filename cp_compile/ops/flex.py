@@ -500,22 +500,27 @@ def _(dout, q, k, v, out, lse, dlse, buffers, group_name, schedule, mods, layout
     return dense_like(q), dense_like(k), dense_like(v)
 
 
-def _flex_setup(ctx, inputs, output):
-    q, k, v, buffers, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, *buffers)
-    ctx.n_buffers, ctx.options = len(buffers), options
-    ctx.set_materialize_grads(False)
+def register_flex_autograd(forward_op, backward_op) -> None:
+    """Autograd for a whole flex op ``(q, k, v, buffers, *options) -> (out, lse)`` whose backward op takes
+    ``(dout, q, k, v, out, lse, dlse, buffers, *options)``; the mods' buffers get no gradient."""
+
+    def setup(ctx, inputs, output):
+        q, k, v, buffers, *options = inputs
+        ctx.save_for_backward(q, k, v, *output, *buffers)
+        ctx.n_buffers, ctx.options = len(buffers), options
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, buffers, *ctx.options)
+        return (dq, dk, dv, [None] * ctx.n_buffers) + (None,) * len(ctx.options)
+
+    forward_op.register_autograd(backward, setup_context=setup)
 
 
-def _flex_backward(ctx, dout, dlse):
-    q, k, v, out, lse, *buffers = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.cp.flex_attention_backward(dout, q, k, v, out, lse, dlse, buffers, *ctx.options)
-    return dq, dk, dv, [None] * ctx.n_buffers, None, None, None, None, None, None, None
-
-
-flex_attention_op.register_autograd(_flex_backward, setup_context=_flex_setup)
+register_flex_autograd(flex_attention_op, torch.ops.cp.flex_attention_backward)
 
 
 def _expand_forward(args) -> Traceable:

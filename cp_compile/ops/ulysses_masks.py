@@ -528,22 +528,7 @@ def _(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group,
     return dense_like(q), dense_like(k), dense_like(v)
 
 
-def _flex_hybrid_setup(ctx, inputs, output):
-    q, k, v, buffers, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, *buffers)
-    ctx.n_buffers, ctx.options = len(buffers), options
-    ctx.set_materialize_grads(False)
-
-
-def _flex_hybrid_backward(ctx, dout, dlse):
-    q, k, v, out, lse, *buffers = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.cp.flex_hybrid_attention_backward(dout, q, k, v, out, lse, dlse, buffers, *ctx.options)
-    return (dq, dk, dv, [None] * ctx.n_buffers) + (None,) * len(ctx.options)
-
-
-flex_hybrid_attention_op.register_autograd(_flex_hybrid_backward, setup_context=_flex_hybrid_setup)
+flex.register_flex_autograd(flex_hybrid_attention_op, torch.ops.cp.flex_hybrid_attention_backward)
 
 
 def flex_hybrid_attention(q, k, v, buffers, mesh, mods: str, layout: str, mask_b: int, mask_h: int, scale: float):
