@@ -9,6 +9,9 @@ packed      per-document zigzag for packed documents (THD with cu_seqlens), belo
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -132,3 +135,67 @@ def unshard_packed(shards: list[Tensor], seq_dim: int, cu_seqlens) -> Tensor:
         keep = slots["real"].nonzero().flatten().to(local.device)
         out.index_copy_(seq_dim, slots["index"][slots["real"]].to(local.device), local.index_select(seq_dim, keep))
     return out
+
+
+class Segment(NamedTuple):
+    """A run of real tokens contiguous both in storage and inside one document."""
+
+    row: int  # storage row of the run's first token
+    doc: int
+    pos: int  # position in the document of that token
+    length: int
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_segments(cu: tuple[int, ...], ranks: tuple[int, ...], world_size: int) -> tuple[Segment, ...]:
+    two_c = 2 * world_size
+    runs: list[Segment] = []
+    row = 0
+    for rank in ranks:
+        for doc, (start, stop) in enumerate(zip(cu, cu[1:])):
+            n = stop - start
+            chunk = (n + two_c - 1) // two_c
+            for c in (rank, two_c - 1 - rank):
+                real = max(0, min(chunk, n - c * chunk))
+                if real:
+                    last = runs[-1] if runs else None
+                    if last and last.doc == doc and last.row + last.length == row and last.pos + last.length == c * chunk:
+                        runs[-1] = last._replace(length=last.length + real)
+                    else:
+                        runs.append(Segment(row, doc, c * chunk, real))
+                row += chunk
+    return tuple(runs)
+
+
+def packed_segments(cu_seqlens, ranks, world_size: int) -> tuple[Segment, ...]:
+    """The real tokens of the slots of ``ranks`` concatenated in that order, as runs.
+
+    A rank's real tokens of one document are always one prefix of its slots
+    for that document (chunk r ends in padding only when chunk 2C-1-r is all
+    padding), so a document gives at most two runs per rank, and one when its
+    two chunks are adjacent in the document (C = 1).
+    """
+    return _packed_segments(tuple(check_cu_seqlens(cu_seqlens)), tuple(ranks), world_size)
+
+
+def sequence_segments(cu_seqlens) -> tuple[Segment, ...]:
+    """One run per non-empty document of a tensor in global packed order."""
+    cu = check_cu_seqlens(cu_seqlens)
+    return tuple(Segment(a, d, 0, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a)
+
+
+def sequence_permutation(cu_seqlens, world_size: int) -> Tensor:
+    """Rows of the rank-order concatenation of every rank's slots, real tokens in global
+    packed order first, then the padding slots: ``all_slots[perm]`` puts document d's
+    tokens at rows ``cu[d]:cu[d+1]``."""
+    cu = check_cu_seqlens(cu_seqlens)
+    real, padding = [], []
+    row = 0
+    for rank in range(world_size):
+        slots = packed_slots(cu, rank, world_size)
+        rows = torch.arange(row, row + slots["real"].numel())
+        real.append(torch.stack([slots["index"][slots["real"]], rows[slots["real"]]]))
+        padding.append(rows[~slots["real"]])
+        row += slots["real"].numel()
+    index, rows = torch.cat(real, 1)
+    return torch.cat([rows[index.argsort()], *padding])

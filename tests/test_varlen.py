@@ -93,6 +93,79 @@ def test_bad_cu_seqlens_named():
 
 
 # ----------------------------------------------------------------------------
+# The tile kernel (one process): per-document tiles over runs of real tokens.
+# ----------------------------------------------------------------------------
+
+
+def _tiles_case(lengths, world_size, window, q_ranks, k_runs_of):
+    from cp_compile.ops import tiles
+
+    q, k, v, do, cu = packed_inputs(lengths, 4, 2, 8)
+    out, dq, dk, dv = per_document_reference(q, k, v, do, cu, window)
+    slots = lambda t, ranks: torch.cat([layout.shard_packed(t, 0, cu, r, world_size) for r in ranks])  # noqa: E731
+    q_runs = layout.packed_segments(cu, q_ranks, world_size)
+    k_runs, k_all, v_all = k_runs_of(cu, k, v)
+    plan = tiles.plan_tiles(q_runs, k_runs, *window)
+    ql = slots(q, q_ranks)
+    o, lse = tiles.tiles_attn(ql, k_all, v_all, plan, 8 ** -0.5)
+    grads = tiles.tiles_attn_backward(slots(do, q_ranks), ql, k_all, v_all, o, lse, None, plan, 8 ** -0.5)
+    assert max_err(o, slots(out, q_ranks)) < 1e-12
+    assert max_err(grads[0], slots(dq, q_ranks)) < 1e-12
+    return plan, grads, (dk, dv)
+
+
+@pytest.mark.parametrize("window", WINDOWS + [(0, 0), (-1, 2), (2, -1)])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tiles_in_sequence_order_equal_per_document_attention(world_size, window):
+    # the all-gather's form: every key in global packed order, one run per document
+    def sequence(cu, k, v):
+        return layout.sequence_segments(cu), k, v
+
+    for rank in range(world_size):
+        plan, (_, dk, dv), (ref_dk, ref_dv) = _tiles_case(LENGTHS, world_size, window, [rank], sequence)
+        if window[0] < 0:  # unbounded behind: fused kernels only
+            assert {t.kind for t in plan} <= {"none", "causal"}
+        for t in plan:  # math-path tiles stay within the window's reach
+            if t.kind == "band" and window[1] >= 0:
+                assert t.k_len <= t.q_len + window[0] + window[1]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_tiles_over_rank_ordered_chunks(window):
+    # the Ulysses form: every rank's slots in rank order, queries and keys alike
+    c = 3
+    ranks = list(range(c))
+
+    def rank_order(cu, k, v):
+        slots = lambda t: torch.cat([layout.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
+        return layout.packed_segments(cu, ranks, c), slots(k), slots(v)
+
+    plan, (_, dk, dv), (ref_dk, ref_dv) = _tiles_case(LENGTHS, c, window, ranks, rank_order)
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    slots = lambda t: torch.cat([layout.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
+    assert max_err(dk, slots(ref_dk)) < 1e-12 and max_err(dv, slots(ref_dv)) < 1e-12
+    if window[0] < 0:
+        assert all(t.kind != "band" for t in plan)  # causal or full: no math-path tile
+
+
+def test_runs_cover_exactly_the_real_slots():
+    cu = [0, 13, 14, 14, 17, 39, 44]
+    for c in (1, 2, 3, 4):
+        for r in range(c):
+            slots = layout.packed_slots(cu, r, c)
+            covered = torch.zeros_like(slots["real"])
+            for run in layout.packed_segments(cu, [r], c):
+                rows = slice(run.row, run.row + run.length)
+                assert (slots["doc"][rows] == run.doc).all()
+                assert (slots["pos"][rows] == torch.arange(run.pos, run.pos + run.length)).all()
+                covered[rows] = True
+            assert (covered == slots["real"]).all()
+        perm = layout.sequence_permutation(cu, c)
+        index = torch.cat([layout.packed_slots(cu, r, c)["index"] for r in range(c)])[perm]
+        assert (index[: cu[-1]] == torch.arange(cu[-1])).all() and (index[cu[-1]:] == -1).all()
+
+
+# ----------------------------------------------------------------------------
 # Eager schedules on gloo ranks.
 # ----------------------------------------------------------------------------
 
@@ -114,15 +187,16 @@ def run_packed(lengths, hq, hkv, d):
             # gradients arriving at padding rows must not leak anywhere
             local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
             computed = []
-            real_scores = varlen_ops._scores
-            varlen_ops._scores = lambda *a: computed.append(1) or real_scores(*a)
+            real_attn = varlen_ops.tiles_attn  # counts the forward calls with any tile to compute
+            varlen_ops.tiles_attn = lambda q, k, v, tiles, scale: (computed.extend([1] if tiles else [])
+                                                                  or real_attn(q, k, v, tiles, scale))
             try:
                 out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
                                                   schedule=schedule)
                 n_forward = len(computed)
                 out.backward(local_do)
             finally:
-                varlen_ops._scores = real_scores
+                varlen_ops.tiles_attn = real_attn
             got = [out.detach()] + [t.grad for t in leaves]
             results.append({
                 "case": (schedule, window),
@@ -276,6 +350,53 @@ def test_compiled_varlen_attn_rewrite(ranks, inner):
         assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
         assert "window" in decisions[0][2]
         assert max(errs) < 1e-10, errs
+
+
+def checkpointed_varlen(mode: str, compiled: bool):
+    """varlen_attn under checkpoint on the ring: backward traffic by tag and fp64 gradient error."""
+    from torch.nn.attention.varlen import varlen_attn
+    from torch.utils.checkpoint import checkpoint
+
+    import cp_compile
+    from cp_compile.sac import sac_context
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel(schedule="ring")
+    q, k, v, do, cu = packed_inputs(LENGTHS, 4, 2, 8)
+    max_len = max(LENGTHS)
+
+    def block(attention, q, k, v):
+        return attention(q.sin(), k * 2, v).cos()
+
+    def run(attention, q, k, v):
+        kwargs = {"context_fn": sac_context()} if mode == "sac" else {}
+        return checkpoint(block, attention, q, k, v, use_reentrant=False, **kwargs)
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    block(lambda q, k, v: per_document_reference_out(q, k, v, cu, (-1, 0)), *ref).backward(do)
+    local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+    if compiled:
+        def single_device(q, k, v):
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+
+        out = torch.compile(lambda *a: run(single_device, *a), backend=plan.backend("aot_eager"),
+                            fullgraph=True)(*local)
+    else:
+        out = run(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=True, enable_gqa=True,
+                                                                schedule="ring"), *local)
+    with cp_compile.count_traffic() as backward:
+        out.backward(plan.shard(do, 0, cu_seqlens=cu))
+    err = max(max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref))
+    return backward.by_tag, err
+
+
+@pytest.mark.parametrize("mode,compiled", [("sac", False), ("sac", True), ("plain", True)])
+def test_varlen_under_checkpoint_never_reruns_the_ring(ranks, mode, compiled):
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+
+    for by_tag, err in ranks(2, checkpointed_varlen, mode, compiled, timeout=300):
+        assert err < 1e-10
+        assert by_tag == {TAG_KV: 1, TAG_DKV: 2}  # the backward ring alone
 
 
 def packed_low_precision(dtype_name: str):

@@ -90,44 +90,48 @@ def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.view(b, kv_heads, hq // kv_heads, length, d).sum(2)
 
 
-def _math_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """Scores in the accumulator dtype, [B, Hkv, G, Lq, Lk], without repeating K."""
+def _math_scores(q: Tensor, k: Tensor, visible: Optional[Tensor], scale: float) -> Tensor:
+    """Scores in the accumulator dtype, [B, Hkv, G, Lq, Lk], without repeating K; -inf where not ``visible``."""
     b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
     qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)
     s = torch.matmul(qg, k.to(dt).unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~visible, float("-inf"))
-    return s
+    return s if visible is None else s.masked_fill(~visible, float("-inf"))
 
 
-def _math_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+def _causal(q: Tensor, k: Tensor, causal: bool) -> Optional[Tensor]:
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() if causal else None
+
+
+def _math_fwd(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor], scale: float):
+    """Every row must see some key (true of every tile this module builds)."""
     b, hq, lq, _ = q.shape
-    s = _math_scores(q, k, causal, scale)
+    s = _math_scores(q, k, visible, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.matmul(p, v.to(s.dtype).unsqueeze(2))
     return out.reshape(b, hq, lq, v.shape[-1]).to(q.dtype), lse.reshape(b, hq, lq)
 
 
-def _math_probs(q, k, lse, causal, scale):
+def _math_probs(q, k, lse, visible, scale):
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
-    s = _math_scores(q, k, causal, scale)
+    s = _math_scores(q, k, visible, scale)
     return torch.exp(s - lse.to(s.dtype).view(b, hkv, hq // hkv, lq, 1))
 
 
-def _math_bwd(dout, q, k, v, out, lse, causal, scale):
+def _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse=None):
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
     g = hq // hkv
-    p = _math_probs(q, k, lse, causal, scale)
+    p = _math_probs(q, k, lse, visible, scale)
     do = dout.to(dt).view(b, hkv, g, lq, -1)
     dp = torch.matmul(do, v.to(dt).unsqueeze(2).transpose(-1, -2))
     delta = (do * out.to(dt).view(b, hkv, g, lq, -1)).sum(-1, keepdim=True)
+    if dlse is not None:  # d lse_i / d s_ij = p_ij
+        delta = delta - dlse.to(dt).view(b, hkv, g, lq, 1)
     ds = p * (dp - delta) * scale
     dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, g, lq, d)).sum(2)
@@ -146,7 +150,7 @@ def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
         kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
         res = aten._scaled_dot_product_efficient_attention(q, kr, vr, None, True, 0.0, causal, scale=scale)
         return res[0], res[1][..., : q.shape[2]].to(acc_dtype(q.dtype))
-    return _math_fwd(q, k, v, causal, scale)
+    return _math_fwd(q, k, v, _causal(q, k, causal), scale)
 
 
 def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
@@ -170,7 +174,7 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             [True, True, True, False], causal, scale=scale,
         )
         return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
-    return _math_bwd(dout, q, k, v, out, lse, causal, scale)
+    return _math_bwd(dout, q, k, v, out, lse, _causal(q, k, causal), scale)
 
 
 def _lse_grad(dlse, q, k, lse, causal, scale):
@@ -179,7 +183,7 @@ def _lse_grad(dlse, q, k, lse, causal, scale):
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
-    p = _math_probs(q, k, lse, causal, scale)
+    p = _math_probs(q, k, lse, _causal(q, k, causal), scale)
     ds = p * dlse.to(dt).view(b, hkv, hq // hkv, lq, 1) * scale
     dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, hq // hkv, lq, d)).sum(2)
@@ -249,6 +253,29 @@ def block_attn_backward_impl(
         dk[:, :, cols] += tk
         dv[:, :, cols] += tv
     return dq, dk, dv
+
+
+def band_visible(lq: int, lk: int, offset: int, left: int, right: int, device=None) -> Tensor:
+    """[Lq, Lk] bool of a sliding-window band: query a is ``offset + a - b`` positions after key b
+    and sees it when that distance is at most ``left`` back and ``right`` ahead (-1: unbounded)."""
+    behind = offset + torch.arange(lq, device=device)[:, None] - torch.arange(lk, device=device)[None, :]
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= behind <= left
+    if right >= 0:
+        visible &= -behind <= right
+    return visible
+
+
+def band_attn_impl(q, k, v, offset: int, left: int, right: int, scale: float) -> tuple[Tensor, Tensor]:
+    """A window tile no fused kernel expresses: the math path, memory Lq x Lk (bounded by the window)."""
+    return _math_fwd(q, k, v, band_visible(q.shape[2], k.shape[2], offset, left, right, q.device), scale)
+
+
+def band_attn_backward_impl(dout, q, k, v, out, lse, offset: int, left: int, right: int, scale: float,
+                            dlse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    visible = band_visible(q.shape[2], k.shape[2], offset, left, right, q.device)
+    return _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse)
 
 
 def check_block_args(q: Tensor, k: Tensor, v: Tensor, mask: str) -> None:

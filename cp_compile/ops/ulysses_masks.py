@@ -14,8 +14,9 @@ at those slots:
   layout's positions when there is no mask), the same on every rank. The
   mask_mod and score_mod see global head indices: the rank's first head is
   ``rank * H/C``, read at run time inside the op.
-- packed: (document, position, real) of every rank's slots in rank order,
-  computed from ``cu_seqlens`` alone; identical on every rank, no rank needed.
+- packed: the runs of real tokens of every rank's slots in rank order
+  (``layout.packed_segments``), computed from ``cu_seqlens`` alone and the
+  same on every rank; ``ops.tiles`` attends per document over them.
 
 Hybrid (2-D ``(ring, a2a)`` mesh): the same exchange inside each all-to-all
 group, then a K/V ring across the groups; each ring step evaluates the mask
@@ -35,12 +36,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..layout import check_cu_seqlens, packed_local_len
+from ..layout import check_cu_seqlens, packed_local_len, packed_segments
 from . import flex, varlen
 from .block import acc_dtype, dense_like, result_like
 from .comm import resolve_group
 from .heads import check_heads, seq_to_heads
 from .ring import ring_pass_backward, ring_pass_forward
+from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from .ulysses import exchange_backward, exchange_forward, kv_copies
 
 # the exchange without the zigzag reorder: every rank's shard in rank order
@@ -167,8 +169,8 @@ def _thd(t: Tensor) -> Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
-def group_mask(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right: int) -> Tensor:
-    """Visibility between every rank's slots, rank order: from cu_seqlens alone, the same on every rank."""
+def group_tiles(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right: int) -> list:
+    """Tiles between every rank's slots, rank order: from cu_seqlens alone, the same on every rank."""
     size = resolve_group(group_name).size()
     cu = check_cu_seqlens(cu_seqlens)
     expected = packed_local_len(cu, size) * size
@@ -177,8 +179,8 @@ def group_mask(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right:
             f"head-sharded q has {q.shape[2]} slots but cu_seqlens={cu} gives {expected} over C={size}; "
             "shard packed inputs with ContextParallel.shard(x, 0, cu_seqlens=...)"
         )
-    slots = varlen._slots(cu, list(range(size)), size)
-    return varlen.visible_mask(slots, slots, left, right).to(q.device)
+    runs = packed_segments(cu, range(size), size)
+    return plan_tiles(runs, runs, left, right)
 
 
 @torch.library.custom_op("cp::varlen_heads_attn", mutates_args=())
@@ -187,8 +189,8 @@ def varlen_heads_attn(
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Every rank's slots ([1, H/C, C*T_local, D], rank order) for this rank's heads: (out, lse [1, H/C, T])."""
-    mask = group_mask(q, cu_seqlens, group_name, window_left, window_right)
-    out, lse = varlen.masked_attn(_thd(q), _thd(k), _thd(v), mask, scale)
+    tiles = group_tiles(q, cu_seqlens, group_name, window_left, window_right)
+    out, lse = tiles_attn(_thd(q), _thd(k), _thd(v), tiles, scale)
     return _bhsd(out).contiguous(), _bhsd(lse).contiguous()
 
 
@@ -202,9 +204,9 @@ def varlen_heads_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     cu_seqlens: Tensor, group_name: str, window_left: int, window_right: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    mask = group_mask(q, cu_seqlens, group_name, window_left, window_right)
-    grads = varlen.masked_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
-                                        None if dlse is None else _thd(dlse), mask, scale)
+    tiles = group_tiles(q, cu_seqlens, group_name, window_left, window_right)
+    grads = tiles_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
+                                None if dlse is None else _thd(dlse), tiles, scale)
     return tuple(_bhsd(g).contiguous() for g in grads)
 
 
@@ -252,12 +254,12 @@ varlen._BACKWARD["ulysses"] = packed_ulysses_backward
 # ----------------------------------------------------------------------------
 
 
-def _group_slots(cu: list[int], group: int, a2a: int, world_size: int) -> dict:
-    return varlen._slots(cu, list(range(group * a2a, (group + 1) * a2a)), world_size)
+def _group_runs(cu: list[int], group: int, a2a: int, world_size: int) -> tuple:
+    return packed_segments(cu, range(group * a2a, (group + 1) * a2a), world_size)
 
 
-def hybrid_step_mask(q: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str,
-                     left: int, right: int) -> Tensor:
+def hybrid_step_tiles(q: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str,
+                      left: int, right: int) -> list:
     ring = resolve_group(ring_group)
     j, rings, a2a = ring.rank(), ring.size(), resolve_group(a2a_group).size()
     cu = check_cu_seqlens(cu_seqlens)
@@ -268,9 +270,9 @@ def hybrid_step_mask(q: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, 
             f"of {a2a} over C={rings * a2a}; shard packed inputs with ContextParallel(mesh).shard(x, 0, cu_seqlens=...)"
         )
     source = (j - step) % rings
-    mine = _group_slots(cu, j, a2a, rings * a2a)
-    theirs = _group_slots(cu, source, a2a, rings * a2a)
-    return varlen.visible_mask(mine, theirs, left, right).to(q.device)
+    mine = _group_runs(cu, j, a2a, rings * a2a)
+    theirs = _group_runs(cu, source, a2a, rings * a2a)
+    return plan_tiles(mine, theirs, left, right)
 
 
 @torch.library.custom_op("cp::varlen_hybrid_block_attn", mutates_args=())
@@ -279,8 +281,8 @@ def varlen_hybrid_block_attn(
     window_left: int, window_right: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     """This group's slots against the K/V of group (ring rank - step) mod R, for this rank's heads."""
-    mask = hybrid_step_mask(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
-    out, lse = varlen.masked_attn(_thd(q), _thd(k), _thd(v), mask, scale)
+    tiles = hybrid_step_tiles(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
+    out, lse = tiles_attn(_thd(q), _thd(k), _thd(v), tiles, scale)
     return _bhsd(out).contiguous(), _bhsd(lse).contiguous()
 
 
@@ -295,9 +297,9 @@ def varlen_hybrid_block_attn_backward(
     cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str, window_left: int, window_right: int,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    mask = hybrid_step_mask(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
-    grads = varlen.masked_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
-                                        None if dlse is None else _thd(dlse), mask, scale)
+    tiles = hybrid_step_tiles(q, cu_seqlens, step, ring_group, a2a_group, window_left, window_right)
+    grads = tiles_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
+                                None if dlse is None else _thd(dlse), tiles, scale)
     return tuple(_bhsd(g).contiguous() for g in grads)
 
 

@@ -15,22 +15,27 @@ the window ``(left, right)`` (-1: unbounded; ``right = 0`` is causal), as in
 ``varlen_attn``. Padding rows get out = 0, lse = -inf and zero gradients, and
 are never visible as keys.
 
-The per-rank compute (``cp::varlen_block_attn``) reads the rank at run time
-and evaluates that mask on the rows and columns that see anything at all; a
-ring step whose K/V block is outside every query's window computes nothing.
-On CPU this runs the math path (fp32/fp64 accumulation) with a dense mask.
+The per-rank compute (``cp::varlen_block_attn``) reads the rank at run time,
+turns this rank's slots and the step's K/V into runs of real tokens
+(``layout.packed_segments``) and attends per document tile over strided
+views (``ops.tiles``): fused kernels for full and causal tiles, the math path
+only for window edges, so memory is per tile. A ring step whose K/V block is
+outside every query's window has no tile and computes nothing.
 
 Schedules:
 
-- ``allgather``: gather K/V once (rank order suffices: the mask is built from
-  global positions), attend, no merge; backward gathers again and
-  reduce-scatters dK/dV.
+- ``allgather``: gather K/V once and put it in global packed order
+  (``cp::packed_sequence_order``), so each local query chunk attends to one
+  contiguous visible range of its document: a bottom-right causal prefix, or
+  a window; backward gathers again, returns dK/dV to rank order and
+  reduce-scatters it.
 - ``ring``: the K/V ring of ``ops.ring`` with per-step visibility; partial
   results merge into an fp32 accumulator; dK/dV ride along in backward.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Optional
@@ -39,40 +44,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..layout import check_cu_seqlens, packed_local_len, packed_slots
+from ..layout import check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments
 from .allgather import gather_dim0, reduce_scatter_dim0
 from .block import acc_dtype, dense_like
 from .comm import resolve_group
 from .registry import Traceable, register_schedule
 from .ring import group_name_of, ring_pass_backward, ring_pass_forward
+from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 
 PACKED_SCHEDULES = ("allgather", "ring", "ulysses")  # ulysses: ops.ulysses_masks
-GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in rank order
+GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in global packed order
 
 
 # ----------------------------------------------------------------------------
-# Visibility from cu_seqlens, and masked attention on the visible rows/columns.
+# Which tiles each call computes, from cu_seqlens and the rank read at run time.
 # ----------------------------------------------------------------------------
 
 
-def _slots(cu: list[int], ranks: list[int], world_size: int) -> dict[str, Tensor]:
-    parts = [packed_slots(cu, r, world_size) for r in ranks]
-    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-
-
-def visible_mask(q_slots: dict, k_slots: dict, left: int, right: int) -> Tensor:
-    """[Tq, Tk] bool: key j is visible to query i."""
-    mask = (q_slots["doc"][:, None] == k_slots["doc"][None, :]) & q_slots["real"][:, None] & k_slots["real"][None, :]
-    behind = q_slots["pos"][:, None] - k_slots["pos"][None, :]  # > 0: key before query
-    if left >= 0:
-        mask &= behind <= left
-    if right >= 0:
-        mask &= -behind <= right
-    return mask
-
-
-def step_mask(q: Tensor, k: Tensor, cu_seqlens: Tensor, step: int, group_name: str, left: int, right: int) -> Tensor:
-    """The visibility of this rank's Q against the K/V a step holds, read at run time."""
+def step_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, step: int, group_name: str, left: int, right: int):
+    """The tiles of this rank's Q against the K/V a ring step holds (``GATHERED``: all, in sequence order)."""
     group = resolve_group(group_name)
     rank, size = group.rank(), group.size()
     cu = check_cu_seqlens(cu_seqlens)
@@ -82,80 +72,29 @@ def step_mask(q: Tensor, k: Tensor, cu_seqlens: Tensor, step: int, group_name: s
             f"q has {q.shape[0]} local tokens but cu_seqlens={cu} gives {expected} slots per rank over C={size}; "
             "shard packed inputs with ContextParallel.shard(x, 0, cu_seqlens=...)"
         )
-    sources = list(range(size)) if step == GATHERED else [(rank - step) % size]
-    if k.shape[0] != expected * len(sources):
-        raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected * len(sources)} for step {step}")
-    return visible_mask(_slots(cu, [rank], size), _slots(cu, sources, size), left, right)
+    if k.shape[0] != expected * (size if step == GATHERED else 1):
+        raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected * (size if step == GATHERED else 1)} "
+                         f"for step {step}")
+    k_runs = sequence_segments(cu) if step == GATHERED else packed_segments(cu, [(rank - step) % size], size)
+    return plan_tiles(packed_segments(cu, [rank], size), k_runs, left, right)
 
 
-def _heads_first(t: Tensor, dt: torch.dtype, kv_heads: int) -> Tensor:
-    """[T, H, D] -> [Hkv, H/Hkv, T, D] in the accumulator dtype (K/V: H = Hkv, a broadcast group dim)."""
-    return t.to(dt).permute(1, 0, 2).reshape(kv_heads, t.shape[1] // kv_heads, t.shape[0], t.shape[2])
+@functools.lru_cache(maxsize=64)
+def _permutation(cu: tuple[int, ...], world_size: int, inverse: bool) -> Tensor:
+    perm = sequence_permutation(list(cu), world_size)
+    return perm.argsort() if inverse else perm
 
 
-def _tokens_first(t: Tensor) -> Tensor:
-    """[Hkv, G, T, D] -> [T, Hkv*G, D]."""
-    return t.reshape(-1, t.shape[-2], t.shape[-1]).permute(1, 0, 2)
+@torch.library.custom_op("cp::packed_sequence_order", mutates_args=())
+def packed_sequence_order(x: Tensor, cu_seqlens: Tensor, world_size: int, inverse: bool) -> Tensor:
+    """Every rank's slots (rank order) -> real tokens in global packed order, then padding; ``inverse`` undoes it."""
+    perm = _permutation(tuple(check_cu_seqlens(cu_seqlens)), world_size, inverse)
+    return x.index_select(0, perm.to(x.device))
 
 
-def _visible_block(mask: Tensor):
-    """Rows that see some key, columns some query sees, and the mask between them."""
-    rows = mask.any(1).nonzero().flatten()
-    cols = mask.any(0).nonzero().flatten()
-    sub = mask.index_select(0, rows).index_select(1, cols)
-    return rows, cols, sub
-
-
-def _scores(q, k, sub, scale, dt):
-    hkv = k.shape[1]
-    qh, kh = _heads_first(q, dt, hkv), _heads_first(k, dt, hkv)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    return qh, kh, s.masked_fill(~sub, float("-inf"))
-
-
-def masked_attn(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [Tq, Hq, Dv], lse [Tq, Hq] fp32/fp64); rows that see nothing: 0 and -inf, at no cost."""
-    dt = acc_dtype(q.dtype)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
-    rows, cols, sub = _visible_block(mask)
-    if rows.numel() == 0:
-        return out, lse
-    _, _, s = _scores(q.index_select(0, rows), k.index_select(0, cols), sub, scale, dt)
-    row_lse = torch.logsumexp(s, -1)  # finite: every selected row sees a key
-    p = torch.exp(s - row_lse.unsqueeze(-1))
-    o = torch.matmul(p, _heads_first(v.index_select(0, cols), dt, k.shape[1]))
-    out.index_copy_(0, rows, _tokens_first(o).to(q.dtype))
-    lse.index_copy_(0, rows, row_lse.reshape(-1, rows.numel()).t())
-    return out, lse
-
-
-def masked_attn_backward(dout, q, k, v, out, lse, dlse, mask, scale):
-    """(dq, dk, dv) in the accumulator dtype, given the final out and lse (and an lse gradient)."""
-    dt = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-    rows, cols, sub = _visible_block(mask)
-    if rows.numel() == 0:
-        return dq, dk, dv
-    hkv = k.shape[1]
-    pick = lambda t: _heads_first(t.index_select(0, rows), dt, hkv)  # noqa: E731
-    qh, kh, s = _scores(q.index_select(0, rows), k.index_select(0, cols), sub, scale, dt)
-    row_lse = lse.index_select(0, rows).to(dt).t().reshape(hkv, -1, rows.numel(), 1)
-    p = torch.exp(s - row_lse)  # masked entries: exp(-inf) = 0
-    vh = _heads_first(v.index_select(0, cols), dt, hkv)
-    do = pick(dout)
-    dp = torch.matmul(do, vh.transpose(-1, -2))
-    delta = (do * pick(out)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    if dlse is not None:
-        ds = ds + p * dlse.index_select(0, rows).to(dt).t().reshape(hkv, -1, rows.numel(), 1)
-    ds = ds * scale
-    dq.index_copy_(0, rows, _tokens_first(torch.matmul(ds, kh)))
-    dk.index_copy_(0, cols, _tokens_first(torch.matmul(ds.transpose(-1, -2), qh).sum(1, keepdim=True)))
-    dv.index_copy_(0, cols, _tokens_first(torch.matmul(p.transpose(-1, -2), do).sum(1, keepdim=True)))
-    return dq, dk, dv
+@packed_sequence_order.register_fake
+def _(x, cu_seqlens, world_size, inverse):
+    return dense_like(x)
 
 
 # ----------------------------------------------------------------------------
@@ -169,9 +108,8 @@ def varlen_block_attn(
     window_left: int, window_right: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     """This rank's packed Q against one step's K/V (``step=-1``: every rank's, gathered)."""
-    mask = step_mask(q, k, cu_seqlens, step, group_name, window_left, window_right)
-    out, lse = masked_attn(q, k, v, mask, scale)
-    return out.contiguous(), lse.contiguous()
+    tiles = step_tiles(q, k, cu_seqlens, step, group_name, window_left, window_right)
+    return tiles_attn(q, k, v, tiles, scale)
 
 
 @varlen_block_attn.register_fake
@@ -184,8 +122,8 @@ def varlen_block_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
     cu_seqlens: Tensor, step: int, group_name: str, window_left: int, window_right: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    mask = step_mask(q, k, cu_seqlens, step, group_name, window_left, window_right)
-    return masked_attn_backward(dout, q, k, v, out, lse, dlse, mask, scale)
+    tiles = step_tiles(q, k, cu_seqlens, step, group_name, window_left, window_right)
+    return tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, scale)
 
 
 @varlen_block_attn_backward.register_fake
@@ -250,20 +188,25 @@ def _start(q, k, v, cu_seqlens, group_name, world_size, schedule, left, right, s
     check_packed_args(q, k, v, enable_gqa)
 
 
+def _gather_in_sequence_order(k, v, cu_seqlens, group_name, world_size):
+    return tuple(torch.ops.cp.packed_sequence_order(gather_dim0(t, group_name, world_size), cu_seqlens, world_size,
+                                                    False) for t in (k, v))
+
+
 def packed_allgather_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
     _start(q, k, v, cu_seqlens, group_name, world_size, "allgather", *window, scale, enable_gqa)
-    k_all, v_all = gather_dim0(k, group_name, world_size), gather_dim0(v, group_name, world_size)
+    k_all, v_all = _gather_in_sequence_order(k, v, cu_seqlens, group_name, world_size)
     return torch.ops.cp.varlen_block_attn(q, k_all, v_all, cu_seqlens, GATHERED, group_name, *window, scale)
 
 
 def packed_allgather_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
-    k_all, v_all = gather_dim0(k, group_name, world_size), gather_dim0(v, group_name, world_size)
+    k_all, v_all = _gather_in_sequence_order(k, v, cu_seqlens, group_name, world_size)
     dq, dk_all, dv_all = torch.ops.cp.varlen_block_attn_backward(
         dout, q, k_all, v_all, out, lse, dlse, cu_seqlens, GATHERED, group_name, *window, scale
     )
     del k_all, v_all
-    dk = reduce_scatter_dim0(dk_all, group_name, world_size)
-    dv = reduce_scatter_dim0(dv_all, group_name, world_size)
+    dk, dv = (reduce_scatter_dim0(torch.ops.cp.packed_sequence_order(t, cu_seqlens, world_size, True), group_name,
+                                  world_size) for t in (dk_all, dv_all))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -52,8 +52,8 @@ def _check_varlen(site: AttentionSite) -> None:
             raise UnsupportedAttention(f"varlen_attn({name}=<traced value>) {where}: must be a constant")
     if site.shape("query") is None or len(site.shape("query")) != 3:
         raise UnsupportedAttention(f"varlen_attn {where}: CP needs packed [tokens, heads, dim] inputs")
-    for user in site.node.users:
-        if user.target != operator.getitem or user.args[1] == 2:
+    for user in site.node.users:  # a checkpoint body keeps unused getitems: those are harmless
+        if user.target != operator.getitem or (user.args[1] == 2 and user.users):
             raise UnsupportedAttention(f"varlen_attn {where}: only its output and lse may be used")
     from ..ops.varlen import window_of
 
@@ -80,7 +80,9 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     ), n_outputs_used=2)
     graph = site.owner.graph
     for user in list(site.node.users):
-        if user.args[1] == 0:
+        if not user.users:
+            pass
+        elif user.args[1] == 0:
             user.replace_all_uses_with(out)
         else:  # varlen_attn's lse is [H, T] fp32; ours is [T, H] in the accumulator dtype
             with graph.inserting_before(user):

@@ -1,0 +1,126 @@
+"""Packed attention as per-document tiles over contiguous runs of tokens.
+
+Packed tensors are ``[T, H, D]``; which rows hold which document positions
+is described by runs (``layout.Segment``: storage row, document, position,
+length), computed from ``cu_seqlens`` alone. A query run and a key run of the
+same document form a tile; the tile is trimmed to the rows that see some key
+and the columns some row sees, then given the cheapest kind that is exact:
+
+``none``    every pair visible (other documents' runs never pair)
+``causal``  top-left causal: query a sees key b <= a
+``band``    a window bounded behind (``left >= 0``): the math path, its size
+            bounded by the window when ``right`` is bounded too
+
+A causal tile shifted by ``right`` ahead (``left = -1``: causal, or causal
+plus a few keys ahead) is split into a fully visible part and a top-left
+causal part, so it never takes the math path. ``none`` and ``causal`` tiles
+go to the fused kernels of ``block.py`` on strided views of the packed
+tensors (rows are selected by offsets, never copied), so memory is per tile,
+not (local slots x key slots). Each row's tiles merge through
+the online softmax into an fp32 (fp64) accumulator; the backward runs the
+same tiles against the final out and lse.
+
+Padding rows are in no run: out = 0, lse = -inf, zero gradients.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from ..layout import Segment
+from .block import acc_dtype, band_attn_backward_impl, band_attn_impl, block_attn_backward_impl, block_attn_impl
+from .merge import merge_into_
+
+
+class Tile(NamedTuple):
+    q_row: int
+    k_row: int
+    q_len: int
+    k_len: int
+    kind: str  # "none" | "causal" | "band"
+    offset: int  # position of the tile's first query minus that of its first key
+    window: tuple[int, int]  # (left, right) as given: what a "band" tile evaluates
+
+
+def _tiles(qs: Segment, ks: Segment, left: int, right: int) -> list[Tile]:
+    """The part of (query run, key run) where anything is visible, as at most two tiles."""
+    k_lo, k_hi = ks.pos, ks.pos + ks.length
+    q_lo, q_hi = qs.pos, qs.pos + qs.length
+    if left >= 0:  # query i sees keys from i - left
+        q_hi = min(q_hi, k_hi + left)
+    if right >= 0:  # ... up to i + right
+        q_lo = max(q_lo, k_lo - right)
+    if q_lo >= q_hi:
+        return []
+    if left >= 0:
+        k_lo = max(k_lo, q_lo - left)
+    if right >= 0:
+        k_hi = min(k_hi, q_hi + right)
+
+    def tile(q0, q1, k0, k1, kind):
+        return Tile(qs.row + q0 - qs.pos, ks.row + k0 - ks.pos, q1 - q0, k1 - k0, kind, q0 - k0, (left, right))
+
+    if (left < 0 or q_hi - 1 - k_lo <= left) and (right < 0 or k_hi - 1 - q_lo <= right):
+        return [tile(q_lo, q_hi, k_lo, k_hi, "none")]
+    if left < 0 and right >= 0:  # causal, shifted by ``right``: only the fused kernels
+        edge = q_lo + right + 1  # the first key the first query cannot see
+        if k_lo == edge - 1:
+            return [tile(q_lo, q_hi, k_lo, k_hi, "causal")]
+        # keys before the edge are seen by every query; past it, query q_lo + 1 + a sees a + 1 of them
+        return [tile(q_lo, q_hi, k_lo, edge, "none"), tile(q_lo + 1, q_hi, edge, k_hi, "causal")]
+    return [tile(q_lo, q_hi, k_lo, k_hi, "band")]
+
+
+def plan_tiles(q_runs: Sequence[Segment], k_runs: Sequence[Segment], left: int, right: int) -> list[Tile]:
+    """Every tile with something visible, grouped by query run (window ``(left, right)``, -1 unbounded)."""
+    by_doc: dict[int, list[Segment]] = {}
+    for ks in k_runs:
+        by_doc.setdefault(ks.doc, []).append(ks)
+    tiles = []
+    for qs in q_runs:
+        for ks in by_doc.get(qs.doc, ()):
+            tiles += _tiles(qs, ks, left, right)
+    return tiles
+
+
+def _bhld(t: Tensor, row: int, length: int) -> Tensor:
+    """Rows [row, row + length) of a packed [T, H, ...] tensor as a [1, H, length, ...] view."""
+    return t.narrow(0, row, length).transpose(0, 1).unsqueeze(0)
+
+
+def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: list[Tile], scale: float) -> tuple[Tensor, Tensor]:
+    """(out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] fp32/fp64)."""
+    dt = acc_dtype(q.dtype)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
+    for t in tiles:
+        qt = _bhld(q, t.q_row, t.q_len)
+        kt, vt = _bhld(k, t.k_row, t.k_len), _bhld(v, t.k_row, t.k_len)
+        if t.kind == "band":
+            part_out, part_lse = band_attn_impl(qt, kt, vt, t.offset, *t.window, scale)
+        else:
+            part_out, part_lse = block_attn_impl(qt, kt, vt, t.kind, scale)
+        merge_into_(_bhld(out, t.q_row, t.q_len), _bhld(lse, t.q_row, t.q_len), part_out, part_lse)
+    return out.to(q.dtype), lse
+
+
+def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: list[Tile], scale: float):
+    """(dq, dk, dv) in the accumulator dtype, given the final out and lse (and an lse gradient)."""
+    dt = acc_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+    for t in tiles:
+        rows = lambda x: _bhld(x, t.q_row, t.q_len)  # noqa: E731
+        cols = lambda x: _bhld(x, t.k_row, t.k_len)  # noqa: E731
+        args = (rows(dout), rows(q), cols(k), cols(v), rows(out), rows(lse))
+        tile_dlse = None if dlse is None else rows(dlse)
+        if t.kind == "band":
+            tq, tk, tv = band_attn_backward_impl(*args, t.offset, *t.window, scale, tile_dlse)
+        else:
+            tq, tk, tv = block_attn_backward_impl(*args, t.kind, scale, tile_dlse)
+        rows(dq).add_(tq)
+        cols(dk).add_(tk)
+        cols(dv).add_(tv)
+    return dq, dk, dv
