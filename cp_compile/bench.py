@@ -124,7 +124,9 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
-PLUGIN_MODULES: list[str] = ["cp_compile.bench_compiled", "cp_compile.bench_allgather", "cp_compile.bench_schedules"]
+PLUGIN_MODULES: list[str] = [
+    "cp_compile.bench_compiled", "cp_compile.bench_allgather", "cp_compile.bench_schedules", "cp_compile.bench_packed",
+]
 
 # name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
 # printed under it (e.g. the cost model's choice against the measured times)

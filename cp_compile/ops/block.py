@@ -242,16 +242,24 @@ def block_attn_backward_impl(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     mask: str, scale: float, dlse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, cols, causal in _pieces(q.shape[2], k.shape[2], mask):
+    pieces = _pieces(q.shape[2], k.shape[2], mask)
+    whole = (slice(0, q.shape[2]), slice(0, k.shape[2]))
+    dq = dk = dv = None
+    for rows, cols, causal in pieces:
         args = (q[:, :, rows], k[:, :, cols], v[:, :, cols])
         tq, tk, tv = _tile_bwd(dout[:, :, rows], *args, out[:, :, rows], lse[:, :, rows].contiguous(), causal, scale)
         if dlse is not None:
             eq, ek = _lse_grad(dlse[:, :, rows], args[0], args[1], lse[:, :, rows], causal, scale)
             tq, tk = (tq + eq).to(q.dtype), (tk + ek).to(k.dtype)
+        if len(pieces) == 1 and (rows, cols) == whole:  # the tile is the block: no accumulators
+            return tq, tk, tv
+        if dq is None:
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dq[:, :, rows] += tq
         dk[:, :, cols] += tk
         dv[:, :, cols] += tv
+    if dq is None:  # nothing visible
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return dq, dk, dv
 
 

@@ -74,8 +74,26 @@ def _tiles(qs: Segment, ks: Segment, left: int, right: int) -> list[Tile]:
     return [tile(q_lo, q_hi, k_lo, k_hi, "band")]
 
 
+def _coalesce(tiles: list[Tile], along_keys: bool) -> list[Tile]:
+    """Join fully visible tiles that are adjacent in storage (keys of one query range, or
+    queries of one key range): fewer, larger kernel calls and merges."""
+    key = (lambda t: (t.q_row, t.q_len, t.k_row)) if along_keys else (lambda t: (t.k_row, t.k_len, t.q_row))
+    joined: list[Tile] = []
+    for t in sorted(tiles, key=key):
+        last = joined[-1] if joined else None
+        if last is not None and last.kind == t.kind == "none":
+            if along_keys and (last.q_row, last.q_len) == (t.q_row, t.q_len) and last.k_row + last.k_len == t.k_row:
+                joined[-1] = last._replace(k_len=last.k_len + t.k_len)
+                continue
+            if not along_keys and (last.k_row, last.k_len) == (t.k_row, t.k_len) and last.q_row + last.q_len == t.q_row:
+                joined[-1] = last._replace(q_len=last.q_len + t.q_len)
+                continue
+        joined.append(t)
+    return joined
+
+
 def plan_tiles(q_runs: Sequence[Segment], k_runs: Sequence[Segment], left: int, right: int) -> list[Tile]:
-    """Every tile with something visible, grouped by query run (window ``(left, right)``, -1 unbounded)."""
+    """Every tile with something visible (window ``(left, right)``, -1 unbounded)."""
     by_doc: dict[int, list[Segment]] = {}
     for ks in k_runs:
         by_doc.setdefault(ks.doc, []).append(ks)
@@ -83,7 +101,7 @@ def plan_tiles(q_runs: Sequence[Segment], k_runs: Sequence[Segment], left: int, 
     for qs in q_runs:
         for ks in by_doc.get(qs.doc, ()):
             tiles += _tiles(qs, ks, left, right)
-    return tiles
+    return _coalesce(_coalesce(tiles, along_keys=True), along_keys=False)
 
 
 def _bhld(t: Tensor, row: int, length: int) -> Tensor:
