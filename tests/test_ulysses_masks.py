@@ -294,54 +294,62 @@ def packed_with_too_few_heads():
 
 
 def opcheck_ulysses_mask_ops():
+    """The head-sharding ops with the "packed" and "flex" inner attentions, on [1, H, T, D] views
+    of packed tensors and on [B, H, S, D] flex shards."""
     import torch.distributed as dist
-    from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
-    from cp_compile.ops.flex import eager_mods
-    from test_flex import mask_case
+    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
 
     plan = cp_compile.ContextParallel()
     name, c = dist.group.WORLD.group_name, plan.world_size
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    cases = []
-
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
-    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
-    out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, "ulysses", 2, 0, 0.4, True)
-    cases.append((torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, "ulysses", 2, 0, 0.4, True)))
-    cases.append((torch.ops.cp.varlen_attention_backward.default,
-                  (do, q, k, v, out, lse, lse, cu, name, "ulysses", 2, 0, 0.4)))
-    # head-sharded operands: [1, H/C, C*T_local, D], rank order
-    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
-    out_h, lse_h = torch.ops.cp.varlen_heads_attn(qh, kh, vh, cu, name, 2, 0, 0.4)
-    cases.append((torch.ops.cp.varlen_heads_attn.default, (qh, kh, vh, cu, name, 2, 0, 0.4)))
-    cases.append((torch.ops.cp.varlen_heads_attn_backward.default,
-                  (doh, qh, kh, vh, out_h, lse_h, lse_h, cu, name, 2, 0, 0.4)))
-
-    seq = 2 * c * 3
-    mask_mod, _ = mask_case("document-causal", seq, 3)
-    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
-    key, buffers, mb, mh = eager_mods(block_mask, None)
-    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    opts = (name, "ulysses", key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, *opts)
-    cases.append((torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, *opts)))
-    cases.append((torch.ops.cp.flex_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)))
-    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
-    head_opts = (name, key, "zigzag", mb, mh, 0.3)
-    out_h, lse_h = torch.ops.cp.flex_heads_attn(qh, kh, vh, buffers, *head_opts)
-    cases.append((torch.ops.cp.flex_heads_attn.default, (qh, kh, vh, buffers, *head_opts)))
-    cases.append((torch.ops.cp.flex_heads_attn_backward.default,
-                  (doh, qh, kh, vh, out_h, lse_h, None, buffers, *head_opts)))
+    q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
+    cases = head_sharding_cases(q, k, v, do, [cu], (name,), RANK_ORDER, "packed", packed_options(2, 0), c)
+    cases += flex_head_sharding_cases(plan, (name,), c)
     for op, args in cases:
         torch.library.opcheck(op, args)
     return len(cases)
 
 
+def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a):
+    """opcheck cases of a head-sharding whole op (Ulysses: one group; hybrid: flat, ring, a2a), its
+    backward and (Ulysses) the inner kernel ops."""
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    forward = torch.ops.cp.ulysses_attention if len(groups) == 1 else torch.ops.cp.hybrid_attention
+    backward = torch.ops.cp.ulysses_attention_backward if len(groups) == 1 else torch.ops.cp.hybrid_attention_backward
+    settings = (False, layout, 0.4)
+    out, lse, qh, kh, vh, out_h, lse_h = forward(q, k, v, extra, *groups, *settings, True, inner, options)
+    cases = [
+        (forward.default, (*req(q, k, v), extra, *groups, *settings, True, inner, options)),
+        (backward.default, (do, lse, qh, kh, vh, out_h, lse_h, extra, *groups, *settings, k.shape[1], inner, options)),
+    ]
+    if len(groups) == 1:
+        doh = torch.cat([do[:, : do.shape[1] // a2a]] * a2a, 2)
+        heads = (extra, inner, groups[0], False, layout, 0.4, options)
+        cases += [
+            (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
+            (torch.ops.cp.heads_attn_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *heads)),
+        ]
+    return cases
+
+
+def flex_head_sharding_cases(plan, groups, a2a):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cp_compile.ops.flex import eager_mods
+    from cp_compile.ops.ulysses_masks import flex_options
+
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    key, buffers, mb, mh = eager_mods(block_mask, None)
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
+    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", flex_options(key, mb, mh), a2a)
+
+
 def test_opcheck(ranks):
     assert ranks(2, opcheck_ulysses_mask_ops) == [8, 8]
-
 
 
 def opcheck_hybrid_ops():
@@ -349,23 +357,20 @@ def opcheck_hybrid_ops():
 
     import cp_compile
     from cp_compile.ops.hybrid import mesh_groups
+    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
     plan = cp_compile.ContextParallel(mesh)
     flat, ring, a2a = mesh_groups(mesh)
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
-    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
     window = (2, 0)
-    out, lse = torch.ops.cp.varlen_hybrid_attention(q, k, v, cu, flat, ring, a2a, *window, 0.4, True)
+    cases = head_sharding_cases(q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", packed_options(*window),
+                                2)
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
-    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // 2]] * 2, 2)
-                       for t in (q, k, v, do))
+    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
     out_h, lse_h = torch.ops.cp.varlen_hybrid_block_attn(qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)
-    cases = [
-        (torch.ops.cp.varlen_hybrid_attention.default, (*req(q, k, v), cu, flat, ring, a2a, *window, 0.4, True)),
-        (torch.ops.cp.varlen_hybrid_attention_backward.default,
-         (do, q, k, v, out, lse, lse, cu, ring, a2a, *window, 0.4)),
+    cases += [
         (torch.ops.cp.varlen_hybrid_block_attn.default, (qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)),
         (torch.ops.cp.varlen_hybrid_block_attn_backward.default,
          (doh, qh, kh, vh, out_h, lse_h, None, cu, 1, ring, a2a, *window, 0.4)),
@@ -383,21 +388,17 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     from cp_compile.ops.hybrid import mesh_groups
 
     flat, ring, a2a = mesh_groups(mesh)
+    cases = flex_head_sharding_cases(plan, (flat, ring, a2a), 2)
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
     key, buffers, mb, mh = eager_mods(block_mask, None)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    opts = (flat, ring, a2a, key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_hybrid_attention(q, k, v, buffers, *opts)
     # one all-to-all group's tokens for this rank's heads
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
     step_opts = (1, flat, a2a, key, "zigzag", mb, mh, 0.3)
     out_h, lse_h = torch.ops.cp.flex_hybrid_block_attn(qh, kh, vh, buffers, *step_opts)
-    return [
-        (torch.ops.cp.flex_hybrid_attention.default, (*req(q, k, v), buffers, *opts)),
-        (torch.ops.cp.flex_hybrid_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)),
+    return cases + [
         (torch.ops.cp.flex_hybrid_block_attn.default, (qh, kh, vh, buffers, *step_opts)),
         (torch.ops.cp.flex_hybrid_block_attn_backward.default,
          (doh, qh, kh, vh, out_h, lse_h, None, buffers, *step_opts)),
