@@ -289,6 +289,74 @@ def packed_with_too_few_heads():
 
 
 # ----------------------------------------------------------------------------
+# What the backward sends: the head-sharded tensors are kept, not exchanged again.
+# ----------------------------------------------------------------------------
+
+
+def backward_traffic(mesh=None):
+    """All-to-alls (forward, backward) and backward ring transfers of eager flex and packed calls
+    with the head-sharding schedule: Ulysses over the whole group, or hybrid on a (ring, a2a) mesh."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+    from helpers import count_all_to_alls
+
+    group, schedule = None, "ulysses"
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group, schedule = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), "hybrid"
+    plan = cp_compile.ContextParallel(group)
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    q, k, v, do = make_qkv(1, 4, 1, seq, 8)  # one K/V head: replicated before the exchange
+    pq, pk, pv, pdo, cu = packed_inputs(LENGTHS, 4, 2, 6)
+
+    def flex_loss(q, k, v, with_lse):
+        out, lse = cp_compile.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                             group=group, schedule=schedule)
+        return (out * plan.shard(do, 2)).sum() + (lse.sum() if with_lse else 0)
+
+    def packed_loss(q, k, v, _):
+        out = cp_compile.varlen_attention(q, k, v, cu, group=group, window_size=(3, 0), enable_gqa=True,
+                                          schedule=schedule)
+        return (out * plan.shard(pdo, 0, cu_seqlens=cu)).sum()
+
+    cases = {
+        "flex": (flex_loss, [plan.shard(t, 2) for t in (q, k, v)], False),
+        "flex+lse": (flex_loss, [plan.shard(t, 2) for t in (q, k, v)], True),
+        "packed": (packed_loss, [plan.shard(t, 0, cu_seqlens=cu) for t in (pq, pk, pv)], False),
+    }
+    results = {}
+    for name, (loss_fn, inputs, with_lse) in cases.items():
+        leaves = [t.requires_grad_() for t in inputs]
+        with count_all_to_alls() as forward:
+            loss = loss_fn(*leaves, with_lse)
+        with count_all_to_alls() as backward, cp_compile.count_traffic() as ring:
+            loss.backward()
+        results[name] = {"forward": len(forward), "backward": len(backward), "ring": dict(ring.by_tag),
+                         "grads": all(t.grad is not None and torch.isfinite(t.grad).all().item() for t in leaves)}
+    return results
+
+
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, (2, 2))])
+def test_backward_moves_only_gradients(ranks, world_size, mesh):
+    """The forward exchanges q, k, v in and out, lse back (5 all-to-alls); the backward only dout in
+    and dq, dk, dv out (4), plus dlse in when lse is differentiated (5): the head-sharded q, k, v,
+    out and lse are kept from the forward, never exchanged again. On the hybrid mesh the backward's
+    ring is the K/V ring's own: K/V R-1 times, dK/dV R times."""
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+
+    for per_case in ranks(world_size, backward_traffic, mesh, timeout=300):
+        for name, result in per_case.items():
+            assert result["grads"], name
+            assert result["forward"] == 5, (name, result)
+            assert result["backward"] == (5 if name == "flex+lse" else 4), (name, result)
+            assert result["ring"] == ({} if mesh is None else {TAG_KV: 1, TAG_DKV: 2}), (name, result)
+
+
+# ----------------------------------------------------------------------------
 # opcheck.
 # ----------------------------------------------------------------------------
 
