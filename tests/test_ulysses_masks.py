@@ -124,17 +124,33 @@ def test_flex_hybrid_2x2(ranks):
             assert result["shifts"], case  # K/V travel the ring across groups
 
 
-def run_flex_compiled_ulysses():
-    """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule (forward:
-    CPU flex refuses gradients under Dynamo)."""
+def _compiled_plan(mesh):
+    """A plan forcing Ulysses, or with ``mesh`` (ring, a2a) the hybrid schedule on that 2-D mesh."""
+    import cp_compile
+
+    if mesh is None:
+        return cp_compile.ContextParallel(schedule="ulysses")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return cp_compile.ContextParallel(init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")),
+                                      schedule="hybrid")
+
+
+def all_to_alls(backend, direction: str) -> list[int]:
+    """All-to-alls per expanded CP op of ``direction`` in the backend's compiled graphs."""
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    return [e.count(a2a) for r in backend.records for e in r.expansions if e.direction == direction]
+
+
+def run_flex_compiled_ulysses(mesh=None):
+    """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule, or with
+    ``mesh`` to the hybrid one (forward: CPU flex refuses gradients under Dynamo)."""
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    import cp_compile
-
     torch._dynamo.reset()
     counters.clear()
-    plan = cp_compile.ContextParallel(schedule="ulysses")
+    plan = _compiled_plan(mesh)
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     q, k, v, do = make_qkv(1, 4, 2, seq, 8, seed=1)
@@ -152,6 +168,8 @@ def run_flex_compiled_ulysses():
         "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
         "graph_breaks": sum(counters["graph_break"].values()),
         "schedules": [s.decision["schedule"] for r in backend.records for s in r.sites],
+        "listings": [listing for r in backend.records for listing in r.schedules],
+        "forward_all_to_alls": all_to_alls(backend, "forward"),
     }
 
 
@@ -160,6 +178,21 @@ def test_compiled_flex_ulysses(ranks):
         assert result["schedules"] == ["ulysses"]
         assert result["graph_breaks"] == 0
         assert max(result["err"]) < 1e-10, result["err"]
+
+
+def test_compiled_flex_hybrid_2x2(ranks):
+    """A document mask on a (2, 2) mesh plan with schedule="hybrid": the flex site becomes the hybrid
+    op, expanded into the all-to-alls and a 2-step ring of mask tiles."""
+    per_rank = ranks(4, run_flex_compiled_ulysses, (2, 2), timeout=300)
+    for result in per_rank:
+        assert result["schedules"] == ["hybrid"]
+        assert result["graph_breaks"] == 0
+        assert max(result["err"]) < 1e-10, result["err"]
+        assert result["forward_all_to_alls"] == [5]  # q, k, v in; out, lse back
+        assert result["listings"] == per_rank[0]["listings"]  # no rank in the graph
+    (listing,) = per_rank[0]["listings"]
+    assert ["attend step=0", "attend step=1"] == [x for x in listing if x.startswith("attend")]
+    assert "shift" in listing
 
 
 # ----------------------------------------------------------------------------
@@ -234,14 +267,13 @@ def test_packed_hybrid_2x2(ranks, hkv):
             assert result["shifts"], case  # K/V (and dK/dV) travel the ring across groups
 
 
-def compiled_ulysses_varlen():
-    """torch's varlen_attn in a compiled model, rewritten to the Ulysses schedule (aot_eager)."""
+def compiled_ulysses_varlen(mesh=None):
+    """torch's varlen_attn in a compiled model, rewritten to the Ulysses schedule, or with ``mesh``
+    to the hybrid one (aot_eager): fp64 errors of out and gradients, and the expanded graphs."""
     from torch._dynamo.utils import counters
     from torch.nn.attention.varlen import varlen_attn
 
-    import cp_compile
-
-    plan = cp_compile.ContextParallel(schedule="ulysses")
+    plan = _compiled_plan(mesh)
     q, k, v, do, cu = packed_inputs(LENGTHS, 4, 2, 8)
     max_len = max(LENGTHS)
 
@@ -259,15 +291,30 @@ def compiled_ulysses_varlen():
     out.backward(plan.shard(do, 0, cu_seqlens=cu))
     errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
-    decisions = [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites]
-    return errs, decisions, sum(counters["graph_break"].values())
+    return {
+        "errs": errs,
+        "decisions": [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "all_to_alls": (all_to_alls(backend, "forward"), all_to_alls(backend, "backward")),
+        "listings": [listing for r in backend.records for listing in r.schedules],
+    }
 
 
-def test_compiled_varlen_ulysses(ranks):
-    for errs, decisions, graph_breaks in ranks(2, compiled_ulysses_varlen, timeout=300):
-        assert decisions == [("varlen", "ulysses")]
-        assert graph_breaks == 0
-        assert max(errs) < 1e-10, errs
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, (2, 2))])
+def test_compiled_varlen_ulysses(ranks, world_size, mesh):
+    """Compiled forward and backward; the backward graph exchanges only dout in and dq, dk, dv out.
+    On the (2, 2) mesh with schedule="hybrid" the varlen site becomes the hybrid op."""
+    per_rank = ranks(world_size, compiled_ulysses_varlen, mesh, timeout=300)
+    for result in per_rank:
+        assert result["decisions"] == [("varlen", "ulysses" if mesh is None else "hybrid")]
+        assert result["graph_breaks"] == 0
+        assert max(result["errs"]) < 1e-10, result["errs"]
+        assert result["all_to_alls"] == ([5], [4])
+        assert result["listings"] == per_rank[0]["listings"]
+    if mesh is not None:
+        forward, backward = per_rank[0]["listings"]
+        assert [x for x in forward if "attend" in x] == ["packed attend"] * 2
+        assert [x for x in backward if "attend" in x] == ["packed attend_backward"] * 2
 
 
 def test_heads_not_dividing_by_c_named(ranks):
