@@ -109,7 +109,8 @@ def opcheck_ops():
          (do, None, qh, kh, vh, out_h, lse_h, [], name, True, "zigzag", 0.4, 2, "sdpa", "")),
         (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
         (torch.ops.cp.heads_attn_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, *heads)),
-        (torch.ops.cp.hybrid_attention.default, (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", "")),
+        (torch.ops.cp.hybrid_attention.default,
+         (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", "")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

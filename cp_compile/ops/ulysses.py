@@ -178,11 +178,6 @@ def _options(is_causal: bool, layout: str, scale: float, enable_gqa: bool) -> st
     return f"ulysses causal={is_causal} layout={layout} scale={scale!r} gqa={enable_gqa}"
 
 
-def check_ulysses_args(q, k, v, world_size, is_causal, layout, enable_gqa) -> None:
-    check_ring_args(q, k, v, world_size, is_causal, layout, enable_gqa)
-    check_heads(q.shape[1], world_size, "the query")
-
-
 def kv_copies(q_heads: int, kv_heads: int, world_size: int) -> int:
     """Copies of each K/V head the exchange needs (1 when K/V heads divide by C)."""
     return replicate_kv_heads(kv_heads, q_heads, world_size)

@@ -28,16 +28,28 @@ then evaluated at those slots:
 - packed: (document, position, real) of every rank's slots in rank order,
   computed from ``cu_seqlens`` alone; identical on every rank, no rank needed.
   Packed tensors are THD ``[T, H, D]``; the ops see them as ``[1, H, T, D]``
-  views (``_bhsd``), made outside the ops so that autograd keeps views only.
+  views (``_bhsd``), made outside the ops (in ``packed_heads_attention`` and
+  the compiled varlen site), so the ops, their fakes and their expansion are
+  the 4-D ones unchanged.
 
 Hybrid (2-D ``(ring, a2a)`` mesh): the same exchange inside each all-to-all
 group, then a K/V ring across the groups; each ring step evaluates the mask
 between this group's tokens and the visiting group's (sections below).
 
 ``cp::flex_attention`` and ``cp::varlen_attention`` keep the ring and
-all-gather schedules; their ``schedule="ulysses"`` / ``"hybrid"`` public
-entry points (``flex_attention``, ``varlen_attention``, the compiled flex
-and varlen sites) insert the head-sharding ops instead (``heads_schedule``).
+all-gather schedules only (two outputs, sequence-sharded tensors saved): for
+``schedule="ulysses"`` / ``"hybrid"`` the public entry points
+(``flex_attention``, ``varlen_attention``, the compiled flex and varlen
+sites) insert the head-sharding ops instead (``heads_schedule``), and the
+whole ops refuse those names.
+
+Why one op with a pluggable inner attention rather than Ulysses / hybrid ops
+per mask kind: what differs between SDPA, a BlockMask and packed documents is
+the kernel on head-sharded tensors (and the hybrid's per-step kernel), not
+the schedule; a per-kind op pair would repeat the exchange, the saved-tensor
+autograd, the fakes and the expansion, and differences in what the backward
+keeps (as there were) creep in. The price is the stringly ``options``,
+parsed by the entry (``HeadsCall.option``).
 """
 
 from __future__ import annotations
