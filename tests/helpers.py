@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -30,3 +32,24 @@ def sdpa_with_grads(q, k, v, do, **kwargs):
 def max_err(a, b) -> float:
     diff = (a.double() - b.double()).abs()
     return diff.max().item() if diff.numel() else 0.0
+
+
+@contextlib.contextmanager
+def count_all_to_alls():
+    """The shapes of the all-to-alls the head-sharding exchange (``ops.heads``) issues in this
+    process inside the block, in order. Eager runs only: a compiled graph traces the exchange once
+    (count the expanded graph's ``all_to_all_single`` nodes there)."""
+    from cp_compile.ops import heads
+
+    calls: list[tuple] = []
+    original = heads._exchange
+
+    def counted(x, group_name, world_size):
+        calls.append(tuple(x.shape))
+        return original(x, group_name, world_size)
+
+    heads._exchange = counted
+    try:
+        yield calls
+    finally:
+        heads._exchange = original

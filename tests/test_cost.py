@@ -76,7 +76,7 @@ def test_ulysses_graph_holds_no_rank(fake_group):
     c, name = fake_group
 
     def forward(q, k, v):
-        return torch.ops.cp.ulysses_attention(q, k, v, name, True, "zigzag", 0.25, True)[0]
+        return torch.ops.cp.ulysses_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")[0]
 
     gm = traced(forward, (1, 8, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
     (expansion,) = expand_cp_ops(gm.graph)

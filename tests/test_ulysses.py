@@ -99,16 +99,18 @@ def opcheck_ops():
 
     name = dist.group.WORLD.group_name
     q, k, v, do = make_qkv(1, 4, 2, 8, 6)
-    res = torch.ops.cp.ulysses_attention(q, k, v, name, True, "zigzag", 0.4, True)
+    res = torch.ops.cp.ulysses_attention(q, k, v, [], name, True, "zigzag", 0.4, True, "sdpa", "")
     qh, kh, vh, out_h, lse_h = res[2:]
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]
+    heads = ([], "sdpa", name, True, "zigzag", 0.4, "")
     cases = [
-        (torch.ops.cp.ulysses_attention.default, (*req(q, k, v), name, True, "zigzag", 0.4, True)),
+        (torch.ops.cp.ulysses_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
         (torch.ops.cp.ulysses_attention_backward.default,
-         (do, None, qh, kh, vh, out_h, lse_h, name, True, "zigzag", 0.4, 2)),
-        (torch.ops.cp.heads_attn.default, (qh, kh, vh, "sdpa", True, 0.4)),
-        (torch.ops.cp.heads_attn_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, "sdpa", True, 0.4)),
-        (torch.ops.cp.hybrid_attention.default, (*req(q, k, v), name, name, name, False, "zigzag", 0.4, True)),
+         (do, None, qh, kh, vh, out_h, lse_h, [], name, True, "zigzag", 0.4, 2, "sdpa", "")),
+        (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
+        (torch.ops.cp.heads_attn_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, *heads)),
+        (torch.ops.cp.hybrid_attention.default,
+         (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", "")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -124,17 +124,33 @@ def test_flex_hybrid_2x2(ranks):
             assert result["shifts"], case  # K/V travel the ring across groups
 
 
-def run_flex_compiled_ulysses():
-    """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule (forward:
-    CPU flex refuses gradients under Dynamo)."""
+def _compiled_plan(mesh):
+    """A plan forcing Ulysses, or with ``mesh`` (ring, a2a) the hybrid schedule on that 2-D mesh."""
+    import cp_compile
+
+    if mesh is None:
+        return cp_compile.ContextParallel(schedule="ulysses")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return cp_compile.ContextParallel(init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")),
+                                      schedule="hybrid")
+
+
+def all_to_alls(backend, direction: str) -> list[int]:
+    """All-to-alls per expanded CP op of ``direction`` in the backend's compiled graphs."""
+    a2a = torch.ops._c10d_functional.all_to_all_single.default
+    return [e.count(a2a) for r in backend.records for e in r.expansions if e.direction == direction]
+
+
+def run_flex_compiled_ulysses(mesh=None):
+    """torch's flex_attention in a compiled function, rewritten to the Ulysses schedule, or with
+    ``mesh`` to the hybrid one (forward: CPU flex refuses gradients under Dynamo)."""
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    import cp_compile
-
     torch._dynamo.reset()
     counters.clear()
-    plan = cp_compile.ContextParallel(schedule="ulysses")
+    plan = _compiled_plan(mesh)
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     q, k, v, do = make_qkv(1, 4, 2, seq, 8, seed=1)
@@ -152,6 +168,8 @@ def run_flex_compiled_ulysses():
         "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
         "graph_breaks": sum(counters["graph_break"].values()),
         "schedules": [s.decision["schedule"] for r in backend.records for s in r.sites],
+        "listings": [listing for r in backend.records for listing in r.schedules],
+        "forward_all_to_alls": all_to_alls(backend, "forward"),
     }
 
 
@@ -160,6 +178,21 @@ def test_compiled_flex_ulysses(ranks):
         assert result["schedules"] == ["ulysses"]
         assert result["graph_breaks"] == 0
         assert max(result["err"]) < 1e-10, result["err"]
+
+
+def test_compiled_flex_hybrid_2x2(ranks):
+    """A document mask on a (2, 2) mesh plan with schedule="hybrid": the flex site becomes the hybrid
+    op, expanded into the all-to-alls and a 2-step ring of mask tiles."""
+    per_rank = ranks(4, run_flex_compiled_ulysses, (2, 2), timeout=300)
+    for result in per_rank:
+        assert result["schedules"] == ["hybrid"]
+        assert result["graph_breaks"] == 0
+        assert max(result["err"]) < 1e-10, result["err"]
+        assert result["forward_all_to_alls"] == [5]  # q, k, v in; out, lse back
+        assert result["listings"] == per_rank[0]["listings"]  # no rank in the graph
+    (listing,) = per_rank[0]["listings"]
+    assert ["attend step=0", "attend step=1"] == [x for x in listing if x.startswith("attend")]
+    assert "shift" in listing
 
 
 # ----------------------------------------------------------------------------
@@ -234,14 +267,13 @@ def test_packed_hybrid_2x2(ranks, hkv):
             assert result["shifts"], case  # K/V (and dK/dV) travel the ring across groups
 
 
-def compiled_ulysses_varlen():
-    """torch's varlen_attn in a compiled model, rewritten to the Ulysses schedule (aot_eager)."""
+def compiled_ulysses_varlen(mesh=None):
+    """torch's varlen_attn in a compiled model, rewritten to the Ulysses schedule, or with ``mesh``
+    to the hybrid one (aot_eager): fp64 errors of out and gradients, and the expanded graphs."""
     from torch._dynamo.utils import counters
     from torch.nn.attention.varlen import varlen_attn
 
-    import cp_compile
-
-    plan = cp_compile.ContextParallel(schedule="ulysses")
+    plan = _compiled_plan(mesh)
     q, k, v, do, cu = packed_inputs(LENGTHS, 4, 2, 8)
     max_len = max(LENGTHS)
 
@@ -259,15 +291,30 @@ def compiled_ulysses_varlen():
     out.backward(plan.shard(do, 0, cu_seqlens=cu))
     errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
-    decisions = [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites]
-    return errs, decisions, sum(counters["graph_break"].values())
+    return {
+        "errs": errs,
+        "decisions": [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "all_to_alls": (all_to_alls(backend, "forward"), all_to_alls(backend, "backward")),
+        "listings": [listing for r in backend.records for listing in r.schedules],
+    }
 
 
-def test_compiled_varlen_ulysses(ranks):
-    for errs, decisions, graph_breaks in ranks(2, compiled_ulysses_varlen, timeout=300):
-        assert decisions == [("varlen", "ulysses")]
-        assert graph_breaks == 0
-        assert max(errs) < 1e-10, errs
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, (2, 2))])
+def test_compiled_varlen_ulysses(ranks, world_size, mesh):
+    """Compiled forward and backward; the backward graph exchanges only dout in and dq, dk, dv out.
+    On the (2, 2) mesh with schedule="hybrid" the varlen site becomes the hybrid op."""
+    per_rank = ranks(world_size, compiled_ulysses_varlen, mesh, timeout=300)
+    for result in per_rank:
+        assert result["decisions"] == [("varlen", "ulysses" if mesh is None else "hybrid")]
+        assert result["graph_breaks"] == 0
+        assert max(result["errs"]) < 1e-10, result["errs"]
+        assert result["all_to_alls"] == ([5], [4])
+        assert result["listings"] == per_rank[0]["listings"]
+    if mesh is not None:
+        forward, backward = per_rank[0]["listings"]
+        assert [x for x in forward if "attend" in x] == ["packed attend"] * 2
+        assert [x for x in backward if "attend" in x] == ["packed attend_backward"] * 2
 
 
 def test_heads_not_dividing_by_c_named(ranks):
@@ -289,59 +336,135 @@ def packed_with_too_few_heads():
 
 
 # ----------------------------------------------------------------------------
+# What the backward sends: the head-sharded tensors are kept, not exchanged again.
+# ----------------------------------------------------------------------------
+
+
+def backward_traffic(mesh=None):
+    """All-to-alls (forward, backward) and backward ring transfers of eager flex and packed calls
+    with the head-sharding schedule: Ulysses over the whole group, or hybrid on a (ring, a2a) mesh."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+    from helpers import count_all_to_alls
+
+    group, schedule = None, "ulysses"
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group, schedule = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), "hybrid"
+    plan = cp_compile.ContextParallel(group)
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    q, k, v, do = make_qkv(1, 4, 1, seq, 8)  # one K/V head: replicated before the exchange
+    pq, pk, pv, pdo, cu = packed_inputs(LENGTHS, 4, 2, 6)
+
+    def flex_loss(q, k, v, with_lse):
+        out, lse = cp_compile.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                                             group=group, schedule=schedule)
+        return (out * plan.shard(do, 2)).sum() + (lse.sum() if with_lse else 0)
+
+    def packed_loss(q, k, v, _):
+        out = cp_compile.varlen_attention(q, k, v, cu, group=group, window_size=(3, 0), enable_gqa=True,
+                                          schedule=schedule)
+        return (out * plan.shard(pdo, 0, cu_seqlens=cu)).sum()
+
+    cases = {
+        "flex": (flex_loss, [plan.shard(t, 2) for t in (q, k, v)], False),
+        "flex+lse": (flex_loss, [plan.shard(t, 2) for t in (q, k, v)], True),
+        "packed": (packed_loss, [plan.shard(t, 0, cu_seqlens=cu) for t in (pq, pk, pv)], False),
+    }
+    results = {}
+    for name, (loss_fn, inputs, with_lse) in cases.items():
+        leaves = [t.requires_grad_() for t in inputs]
+        with count_all_to_alls() as forward:
+            loss = loss_fn(*leaves, with_lse)
+        with count_all_to_alls() as backward, cp_compile.count_traffic() as ring:
+            loss.backward()
+        results[name] = {"forward": len(forward), "backward": len(backward), "ring": dict(ring.by_tag),
+                         "grads": all(t.grad is not None and torch.isfinite(t.grad).all().item() for t in leaves)}
+    return results
+
+
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, (2, 2))])
+def test_backward_moves_only_gradients(ranks, world_size, mesh):
+    """The forward exchanges q, k, v in and out, lse back (5 all-to-alls); the backward only dout in
+    and dq, dk, dv out (4), plus dlse in when lse is differentiated (5): the head-sharded q, k, v,
+    out and lse are kept from the forward, never exchanged again. On the hybrid mesh the backward's
+    ring is the K/V ring's own: K/V R-1 times, dK/dV R times."""
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+
+    for per_case in ranks(world_size, backward_traffic, mesh, timeout=300):
+        for name, result in per_case.items():
+            assert result["grads"], name
+            assert result["forward"] == 5, (name, result)
+            assert result["backward"] == (5 if name == "flex+lse" else 4), (name, result)
+            assert result["ring"] == ({} if mesh is None else {TAG_KV: 1, TAG_DKV: 2}), (name, result)
+
+
+# ----------------------------------------------------------------------------
 # opcheck.
 # ----------------------------------------------------------------------------
 
 
 def opcheck_ulysses_mask_ops():
+    """The head-sharding ops with the "packed" and "flex" inner attentions, on [1, H, T, D] views
+    of packed tensors and on [B, H, S, D] flex shards."""
     import torch.distributed as dist
-    from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
-    from cp_compile.ops.flex import eager_mods
-    from test_flex import mask_case
+    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
 
     plan = cp_compile.ContextParallel()
     name, c = dist.group.WORLD.group_name, plan.world_size
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    cases = []
-
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
-    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
-    out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, "ulysses", 2, 0, 0.4, True)
-    cases.append((torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, "ulysses", 2, 0, 0.4, True)))
-    cases.append((torch.ops.cp.varlen_attention_backward.default,
-                  (do, q, k, v, out, lse, lse, cu, name, "ulysses", 2, 0, 0.4)))
-    # head-sharded operands: [1, H/C, C*T_local, D], rank order
-    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
-    out_h, lse_h = torch.ops.cp.varlen_heads_attn(qh, kh, vh, cu, name, 2, 0, 0.4)
-    cases.append((torch.ops.cp.varlen_heads_attn.default, (qh, kh, vh, cu, name, 2, 0, 0.4)))
-    cases.append((torch.ops.cp.varlen_heads_attn_backward.default,
-                  (doh, qh, kh, vh, out_h, lse_h, lse_h, cu, name, 2, 0, 0.4)))
-
-    seq = 2 * c * 3
-    mask_mod, _ = mask_case("document-causal", seq, 3)
-    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
-    key, buffers, mb, mh = eager_mods(block_mask, None)
-    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    opts = (name, "ulysses", key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, *opts)
-    cases.append((torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, *opts)))
-    cases.append((torch.ops.cp.flex_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)))
-    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // c]] * c, 2) for t in (q, k, v, do))
-    head_opts = (name, key, "zigzag", mb, mh, 0.3)
-    out_h, lse_h = torch.ops.cp.flex_heads_attn(qh, kh, vh, buffers, *head_opts)
-    cases.append((torch.ops.cp.flex_heads_attn.default, (qh, kh, vh, buffers, *head_opts)))
-    cases.append((torch.ops.cp.flex_heads_attn_backward.default,
-                  (doh, qh, kh, vh, out_h, lse_h, None, buffers, *head_opts)))
+    q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
+    cases = head_sharding_cases(q, k, v, do, [cu], (name,), RANK_ORDER, "packed", packed_options(2, 0), c)
+    cases += flex_head_sharding_cases(plan, (name,), c)
     for op, args in cases:
         torch.library.opcheck(op, args)
     return len(cases)
 
 
+def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a):
+    """opcheck cases of a head-sharding whole op (Ulysses: one group; hybrid: flat, ring, a2a), its
+    backward and (Ulysses) the inner kernel ops."""
+    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    forward = torch.ops.cp.ulysses_attention if len(groups) == 1 else torch.ops.cp.hybrid_attention
+    backward = torch.ops.cp.ulysses_attention_backward if len(groups) == 1 else torch.ops.cp.hybrid_attention_backward
+    settings = (False, layout, 0.4)
+    out, lse, qh, kh, vh, out_h, lse_h = forward(q, k, v, extra, *groups, *settings, True, inner, options)
+    cases = [
+        (forward.default, (*req(q, k, v), extra, *groups, *settings, True, inner, options)),
+        (backward.default, (do, lse, qh, kh, vh, out_h, lse_h, extra, *groups, *settings, k.shape[1], inner, options)),
+    ]
+    if len(groups) == 1:
+        doh = torch.cat([do[:, : do.shape[1] // a2a]] * a2a, 2)
+        heads = (extra, inner, groups[0], False, layout, 0.4, options)
+        cases += [
+            (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
+            (torch.ops.cp.heads_attn_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *heads)),
+        ]
+    return cases
+
+
+def flex_head_sharding_cases(plan, groups, a2a):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cp_compile.ops.flex import eager_mods
+    from cp_compile.ops.ulysses_masks import flex_options
+
+    seq = 2 * plan.world_size * 3
+    mask_mod, _ = mask_case("document-causal", seq, 3)
+    block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
+    key, buffers, mb, mh = eager_mods(block_mask, None)
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
+    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", flex_options(key, mb, mh), a2a)
+
+
 def test_opcheck(ranks):
     assert ranks(2, opcheck_ulysses_mask_ops) == [8, 8]
-
 
 
 def opcheck_hybrid_ops():
@@ -349,23 +472,20 @@ def opcheck_hybrid_ops():
 
     import cp_compile
     from cp_compile.ops.hybrid import mesh_groups
+    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
     plan = cp_compile.ContextParallel(mesh)
     flat, ring, a2a = mesh_groups(mesh)
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
-    q, k, v, do = (plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v, do))
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
+    q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
     window = (2, 0)
-    out, lse = torch.ops.cp.varlen_hybrid_attention(q, k, v, cu, flat, ring, a2a, *window, 0.4, True)
+    cases = head_sharding_cases(q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", packed_options(*window),
+                                2)
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
-    qh, kh, vh, doh = (torch.cat([t.transpose(0, 1).unsqueeze(0)[:, : t.shape[1] // 2]] * 2, 2)
-                       for t in (q, k, v, do))
+    qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
     out_h, lse_h = torch.ops.cp.varlen_hybrid_block_attn(qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)
-    cases = [
-        (torch.ops.cp.varlen_hybrid_attention.default, (*req(q, k, v), cu, flat, ring, a2a, *window, 0.4, True)),
-        (torch.ops.cp.varlen_hybrid_attention_backward.default,
-         (do, q, k, v, out, lse, lse, cu, ring, a2a, *window, 0.4)),
+    cases += [
         (torch.ops.cp.varlen_hybrid_block_attn.default, (qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)),
         (torch.ops.cp.varlen_hybrid_block_attn_backward.default,
          (doh, qh, kh, vh, out_h, lse_h, None, cu, 1, ring, a2a, *window, 0.4)),
@@ -383,21 +503,17 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     from cp_compile.ops.hybrid import mesh_groups
 
     flat, ring, a2a = mesh_groups(mesh)
+    cases = flex_head_sharding_cases(plan, (flat, ring, a2a), 2)
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
     key, buffers, mb, mh = eager_mods(block_mask, None)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    opts = (flat, ring, a2a, key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_hybrid_attention(q, k, v, buffers, *opts)
     # one all-to-all group's tokens for this rank's heads
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
     step_opts = (1, flat, a2a, key, "zigzag", mb, mh, 0.3)
     out_h, lse_h = torch.ops.cp.flex_hybrid_block_attn(qh, kh, vh, buffers, *step_opts)
-    return [
-        (torch.ops.cp.flex_hybrid_attention.default, (*req(q, k, v), buffers, *opts)),
-        (torch.ops.cp.flex_hybrid_attention_backward.default, (do, q, k, v, out, lse, lse, buffers, *opts)),
+    return cases + [
         (torch.ops.cp.flex_hybrid_block_attn.default, (qh, kh, vh, buffers, *step_opts)),
         (torch.ops.cp.flex_hybrid_block_attn_backward.default,
          (doh, qh, kh, vh, out_h, lse_h, None, buffers, *step_opts)),

@@ -20,7 +20,10 @@ tensors a mod captures are not computed.
 
 Schedules (``schedule`` argument): ``ring`` (K/V travel as in the SDPA ring,
 partials merge online, dK/dV ride home) and ``allgather`` (gather K/V once,
-output final; backward re-gathers and reduce-scatters dK/dV).
+output final; backward re-gathers and reduce-scatters dK/dV), the whole op
+``cp::flex_attention``; ``ulysses`` and ``hybrid`` shard heads and run as the
+``"flex"`` inner attention of ``cp::ulysses_attention`` / ``cp::hybrid_attention``
+(``ops.ulysses_masks``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from .registry import Traceable, register_schedule
 from .ring import ring_pass_backward, ring_pass_forward
 
 funcol = torch.ops._c10d_functional
-FLEX_SCHEDULES = ("ring", "allgather", "ulysses")  # ulysses: ops.ulysses_masks
+# ulysses and hybrid run as cp::ulysses_attention / cp::hybrid_attention (inner "flex", ops.ulysses_masks)
+FLEX_SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
 
 # ----------------------------------------------------------------------------
 # The mods a key names.
@@ -459,6 +463,9 @@ def _options(group_name, mods, layout, mask_b, mask_h, scale) -> FlexOptions:
 def _check_schedule(schedule: str) -> None:
     if schedule not in FLEX_SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: FlexAttention under CP runs as one of {FLEX_SCHEDULES}")
+    if schedule not in FORWARD:
+        raise ValueError(f"schedule={schedule!r} shards heads: it runs as cp::{schedule}_attention with "
+                         f"inner='flex' (ops.ulysses_masks.flex_heads_attention), not as cp::flex_attention")
 
 
 # ----------------------------------------------------------------------------
@@ -616,17 +623,17 @@ def flex_attention(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
     key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
-    if schedule == "hybrid":
-        from .ulysses_masks import flex_hybrid_attention
-
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, lse = flex_hybrid_attention(q, k, v, buffers, group, key, layout, mask_b, mask_h, scale)
-        return (out, lse) if return_lse else out
     if schedule == "auto":
         info = shard_info(block_mask)
         schedule = info.schedule if info is not None else "ring"
-    _check_schedule(schedule)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = flex_attention_op(q, k, v, buffers, group_name_of(group), schedule, key, layout, mask_b, mask_h,
-                                 scale)
+    if schedule in ("ulysses", "hybrid"):
+        from .ulysses_masks import flex_heads_attention
+
+        out, lse = flex_heads_attention(q, k, v, buffers, group, schedule, key, layout, mask_b, mask_h, scale,
+                                        q.shape[1] != k.shape[1])
+    else:
+        _check_schedule(schedule)
+        out, lse = flex_attention_op(q, k, v, buffers, group_name_of(group), schedule, key, layout, mask_b, mask_h,
+                                     scale)
     return (out, lse) if return_lse else out

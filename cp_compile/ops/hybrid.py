@@ -16,6 +16,16 @@ and so is the whole mesh. The contiguous layout composes the same way.
 
 Per rank the all-to-all moves 4/A of the activations once, and the ring
 sends R-1 K/V blocks of the local size, overlapped with compute.
+
+The forward op returns the head-sharded q, k, v, out and lse and the
+backward keeps them: inside the all-to-all group the backward moves only
+dout (and dlse) in and dq, dk, dv out; K/V and dK/dV travel the ring again.
+
+Any ``ops.ulysses.INNER`` entry with a ring runs here (``inner``, ``extra``,
+``options`` as for ``cp::ulysses_attention``): ``"sdpa"`` is the causal or
+full ring of ``ops.ring``; ``"flex"`` and ``"packed"`` (``ops.ulysses_masks``)
+exchange in rank order and evaluate their mask between this group's tokens
+and the visiting group's at each ring step.
 """
 
 from __future__ import annotations
@@ -26,12 +36,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .block import result_like
 from .comm import resolve_group
 from .heads import check_heads
 from .registry import Traceable, register_schedule
-from .ring import check_ring_args, ring_backward, ring_forward
-from .ulysses import _distinct, _head_sharded_like, exchange_backward, exchange_forward, kv_copies
+from .ulysses import (
+    HeadsCall, _distinct, backward_tensors, exchange_backward, exchange_forward, head_sharded_results, inner_entry,
+    register_head_sharded_autograd, sequence_sharded_grads, split_backward_tensors,
+)
 
 
 def _options(is_causal, layout, scale, enable_gqa, ring_group, a2a_group) -> str:
@@ -39,91 +50,90 @@ def _options(is_causal, layout, scale, enable_gqa, ring_group, a2a_group) -> str
     return f"hybrid ring={ring} a2a={a2a} causal={is_causal} layout={layout} scale={scale!r} gqa={enable_gqa}"
 
 
+def _ring_entry(inner: str):
+    entry = inner_entry(inner)
+    if entry.ring_forward is None:
+        raise ValueError(f"inner attention {inner!r} has no hybrid ring")
+    return entry
+
+
 def hybrid_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group_name: str, ring_group: str, a2a_group: str, is_causal: bool,
-    layout: str, scale: float, enable_gqa: bool,
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], *, group_name: str, ring_group: str, a2a_group: str,
+    is_causal: bool, layout: str, scale: float, enable_gqa: bool, inner: str, options: str,
 ) -> tuple[Tensor, ...]:
+    """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward keeps."""
+    entry = _ring_entry(inner)
     rings, group = resolve_group(ring_group).size(), resolve_group(a2a_group).size()
-    if rings * group > 1:
-        torch.ops.cp.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa, ring_group, a2a_group))
-    check_ring_args(q, k, v, rings * group, is_causal, layout, enable_gqa)
+    call = HeadsCall(group_name, a2a_group, ring_group, is_causal, layout, scale, options)
+    entry.start(q, k, v, extra, call, rings * group, enable_gqa,
+                f"{_options(is_causal, layout, scale, enable_gqa, ring_group, a2a_group)} inner={inner}")
     check_heads(q.shape[1], group, "the query")
-
-    def attend(qh, kh, vh):
-        return ring_forward(qh, kh, vh, group_name=ring_group, world_size=rings, is_causal=is_causal,
-                            layout=layout, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
-
-    return exchange_forward(q, k, v, a2a_group, group, layout, attend)
+    return exchange_forward(q, k, v, a2a_group, group, entry.exchange_layout(layout),
+                            lambda qh, kh, vh: entry.ring_forward(qh, kh, vh, extra, call))
 
 
 def hybrid_backward(
-    dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor, *,
-    ring_group: str, a2a_group: str, is_causal: bool, layout: str, scale: float, kv_heads: int,
+    dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
+    extra: list[Tensor], *, group_name: str, ring_group: str, a2a_group: str, is_causal: bool, layout: str,
+    scale: float, kv_heads: int, inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    rings, group = resolve_group(ring_group).size(), resolve_group(a2a_group).size()
+    """The ring's backward on the kept head-sharded tensors; only dout (dlse) in and dq, dk, dv out
+    cross the all-to-all group."""
+    entry = _ring_entry(inner)
+    call = HeadsCall(group_name, a2a_group, ring_group, is_causal, layout, scale, options)
 
     def attend_backward(dout_h, dlse_h):
-        return ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, group_name=ring_group, world_size=rings,
-                             is_causal=is_causal, layout=layout, scale=scale)
+        grads = entry.ring_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, call)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (qh, kh, vh)))
 
-    return exchange_backward(dout, dlse, a2a_group, group, layout, kv_heads, attend_backward)
+    return exchange_backward(dout, dlse, a2a_group, resolve_group(a2a_group).size(), entry.exchange_layout(layout),
+                             kv_heads, attend_backward)
 
 
 @torch.library.custom_op("cp::hybrid_attention", mutates_args=())
 def hybrid_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, ring_group: str, a2a_group: str, is_causal: bool,
-    layout: str, scale: float, enable_gqa: bool,
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], group_name: str, ring_group: str, a2a_group: str,
+    is_causal: bool, layout: str, scale: float, enable_gqa: bool, inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse) of this rank's queries, plus the head-sharded q, k, v, out, lse kept for backward."""
-    res = hybrid_forward(q, k, v, group_name=group_name, ring_group=ring_group, a2a_group=a2a_group,
-                         is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa)
+    res = hybrid_forward(q, k, v, list(extra), group_name=group_name, ring_group=ring_group, a2a_group=a2a_group,
+                         is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa, inner=inner,
+                         options=options)
     return _distinct(res, (q, k, v))
 
 
 @hybrid_attention_op.register_fake
-def _(q, k, v, group_name, ring_group, a2a_group, is_causal, layout, scale, enable_gqa):
-    a = resolve_group(a2a_group).size()
-    out, lse = result_like(q, v)
-    kv_heads = k.shape[1] * kv_copies(q.shape[1], k.shape[1], a)
-    return (out, lse, _head_sharded_like(q, a), _head_sharded_like(k, a, kv_heads),
-            _head_sharded_like(v, a, kv_heads), _head_sharded_like(out, a), _head_sharded_like(lse, a))
+def _(q, k, v, extra, group_name, ring_group, a2a_group, is_causal, layout, scale, enable_gqa, inner,
+      options):
+    _ring_entry(inner)
+    return head_sharded_results(q, k, v, resolve_group(a2a_group).size())
 
 
 @torch.library.custom_op("cp::hybrid_attention_backward", mutates_args=())
 def hybrid_attention_backward_op(
     dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
-    ring_group: str, a2a_group: str, is_causal: bool, layout: str, scale: float, kv_heads: int,
+    extra: list[Tensor], group_name: str, ring_group: str, a2a_group: str, is_causal: bool, layout: str,
+    scale: float, kv_heads: int, inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    res = hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, ring_group=ring_group, a2a_group=a2a_group,
-                          is_causal=is_causal, layout=layout, scale=scale, kv_heads=kv_heads)
+    res = hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra), group_name=group_name,
+                          ring_group=ring_group, a2a_group=a2a_group, is_causal=is_causal, layout=layout,
+                          scale=scale, kv_heads=kv_heads, inner=inner, options=options)
     return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
 
 @hybrid_attention_backward_op.register_fake
-def _(dout, dlse, qh, kh, vh, out_h, lse_h, ring_group, a2a_group, is_causal, layout, scale, kv_heads):
-    a = resolve_group(a2a_group).size()
-    b, s = dout.shape[0], dout.shape[2]
-    return (dout.new_empty(b, qh.shape[1] * a, s, qh.shape[-1]),
-            dout.new_empty(b, kv_heads, s, kh.shape[-1]), dout.new_empty(b, kv_heads, s, vh.shape[-1]))
+def _(dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name, ring_group, a2a_group, is_causal, layout, scale,
+      kv_heads, inner, options):
+    return sequence_sharded_grads(dout, qh, kh, vh, resolve_group(a2a_group).size(), kv_heads)
 
 
-def _setup(ctx, inputs, output):
-    _, k, _, _, ring_group, a2a_group, is_causal, layout, scale, _ = inputs
-    ctx.save_for_backward(*output[2:])
-    ctx.options = (ring_group, a2a_group, is_causal, layout, scale, k.shape[1])
-    ctx.set_materialize_grads(False)
+def _hybrid_backward_options(kv_heads, group_name, ring_group, a2a_group, is_causal, layout, scale, enable_gqa,
+                             inner, options):
+    return a2a_group, (group_name, ring_group, a2a_group, is_causal, layout, scale, kv_heads, inner, options)
 
 
-def _backward(ctx, dout, dlse, *_unused):
-    qh, kh, vh, out_h, lse_h = ctx.saved_tensors
-    if dout is None:
-        a = resolve_group(ctx.options[1]).size()
-        dout = out_h.new_zeros(out_h.shape[0], out_h.shape[1] * a, out_h.shape[2] // a, out_h.shape[3])
-    dq, dk, dv = torch.ops.cp.hybrid_attention_backward(dout, dlse, qh, kh, vh, out_h, lse_h, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-hybrid_attention_op.register_autograd(_backward, setup_context=_setup)
+register_head_sharded_autograd(hybrid_attention_op, torch.ops.cp.hybrid_attention_backward,
+                               _hybrid_backward_options)
 
 
 def _world(ring_group: str, a2a_group: str) -> int:
@@ -131,31 +141,35 @@ def _world(ring_group: str, a2a_group: str) -> int:
 
 
 def _expand_forward(args) -> Traceable:
-    q, k, v, group_name, ring_group, a2a_group, is_causal, layout, scale, enable_gqa = args
+    q, k, v, extra, group_name, ring_group, a2a_group, is_causal, layout, scale, enable_gqa, inner, options = args
 
-    def fn(q, k, v):
-        return hybrid_forward(q, k, v, group_name=group_name, ring_group=ring_group, a2a_group=a2a_group,
-                              is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa)
+    def fn(q, k, v, *extra):
+        return hybrid_forward(q, k, v, list(extra), group_name=group_name, ring_group=ring_group,
+                              a2a_group=a2a_group, is_causal=is_causal, layout=layout, scale=scale,
+                              enable_gqa=enable_gqa, inner=inner, options=options)
 
-    return Traceable("forward", _world(ring_group, a2a_group), fn, [q, k, v])
+    return Traceable("forward", _world(ring_group, a2a_group), fn, [q, k, v, *extra])
 
 
 def _expand_backward(args) -> Traceable:
-    dout, dlse, qh, kh, vh, out_h, lse_h, ring_group, a2a_group, is_causal, layout, scale, kv_heads = args
+    (dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name, ring_group, a2a_group, is_causal, layout, scale,
+     kv_heads, inner, options) = args
+    n_extra = len(extra)
 
-    def fn(*tensors):  # fixed arity for tracing: dlse is there or not
-        return hybrid_backward(tensors[0], tensors[6] if len(tensors) > 6 else None, *tensors[1:6],
+    def fn(*tensors):
+        dout, dlse, qh, kh, vh, out_h, lse_h, extra = split_backward_tensors(tensors, n_extra)
+        return hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name=group_name,
                                ring_group=ring_group, a2a_group=a2a_group, is_causal=is_causal, layout=layout,
-                               scale=scale, kv_heads=kv_heads)
+                               scale=scale, kv_heads=kv_heads, inner=inner, options=options)
 
-    tensors = [dout, qh, kh, vh, out_h, lse_h] + ([dlse] if dlse is not None else [])
-    return Traceable("backward", _world(ring_group, a2a_group), fn, tensors)
+    return Traceable("backward", _world(ring_group, a2a_group), fn,
+                     backward_tensors(dout, dlse, qh, kh, vh, out_h, lse_h, extra))
 
 
 register_schedule(
     torch.ops.cp.hybrid_attention.default, _expand_forward,
     torch.ops.cp.hybrid_attention_backward.default, _expand_backward,
-    {},  # its compute ops are the ring's, registered with the ring
+    {},  # its compute ops are the ring's (and the masks' ring steps, registered with them)
 )
 
 
@@ -182,5 +196,5 @@ def hybrid_attention(
     """
     group_name, ring_group, a2a_group = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return hybrid_attention_op(q, k, v, group_name, ring_group, a2a_group, bool(is_causal), layout, scale,
-                               bool(enable_gqa))[0]
+    return hybrid_attention_op(q, k, v, [], group_name, ring_group, a2a_group, bool(is_causal), layout, scale,
+                               bool(enable_gqa), "sdpa", "")[0]

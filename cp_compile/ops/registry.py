@@ -44,5 +44,10 @@ def register_schedule(
     EXPANSIONS[forward_op] = expand_forward
     EXPANSIONS[backward_op] = expand_backward
     FORWARD_OPS.add(forward_op)
+    register_compute_ops(compute_ops)
+
+
+def register_compute_ops(compute_ops: dict[OpOverload, str]) -> None:
+    """Step compute ops (with listing names) of a registered schedule, e.g. another inner attention's."""
     COMPUTE_OPS.update(compute_ops)
     LISTING_NAMES.update(compute_ops)

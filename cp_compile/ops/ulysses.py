@@ -18,67 +18,154 @@ exchange (``explain`` says so) and its gradients are summed back afterwards.
 Query heads must divide by C (``ValueError`` otherwise; ``auto`` then picks
 another schedule).
 
-The attention on the full sequence is pluggable (``INNER``): a name maps to a
-forward ``(q, k, v, is_causal, scale) -> (out, lse)`` and its backward, over
-head-sharded tensors in global sequence order. ``"sdpa"`` is the dense kernel
-(causal or not). Other mask kinds register their own entry.
+The attention on the head-sharded tensors is pluggable (``INNER``): a name
+maps to an ``Inner``, the kernels of one kind of attention over all of the
+group's tokens for this rank's heads, plus its checks and (for the hybrid
+schedule, ``ops.hybrid``) its ring across all-to-all groups. ``"sdpa"`` is
+the dense kernel (causal or not, tokens in sequence order). Mask kinds that
+need more than ``is_causal`` register their own entry (``ops.ulysses_masks``:
+``"flex"``, ``"packed"``): the ops take their tensors as ``extra`` (mask and
+score buffers, ``cu_seqlens``) and their other settings as one ``options``
+string that the entry parses, so one schedule and one pair of ops serve them
+all, eager and compiled.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .block import block_attn_backward_impl, block_attn_impl, dense_like, result_like
+from .block import acc_dtype, block_attn_backward_impl, block_attn_impl, dense_like, result_like
 from .comm import resolve_group
 from .heads import check_heads, heads_to_seq, replicate_kv_heads, seq_to_heads
 from .registry import Traceable, register_schedule
-from .ring import check_ring_args, group_name_of
+from .ring import check_ring_args, group_name_of, ring_backward, ring_forward
 
-# name -> (forward(q, k, v, is_causal, scale) -> (out, lse),
-#          backward(dout, q, k, v, out, lse, dlse, is_causal, scale) -> (dq, dk, dv))
-INNER: dict[str, tuple[Callable, Callable]] = {
-    "sdpa": (
-        lambda q, k, v, causal, scale: block_attn_impl(q, k, v, "causal" if causal else "none", scale),
-        lambda do, q, k, v, out, lse, dlse, causal, scale: block_attn_backward_impl(
-            do, q, k, v, out, lse, "causal" if causal else "none", scale, dlse),
+
+@dataclass(frozen=True)
+class HeadsCall:
+    """The non-tensor arguments an inner attention sees; the same on every rank."""
+
+    group_name: str  # every rank of the schedule (hybrid: the flattened mesh)
+    a2a_group: str  # the all-to-all group (Ulysses: group_name)
+    ring_group: str  # hybrid: the ring across all-to-all groups; Ulysses: ""
+    is_causal: bool
+    layout: str  # the plan's layout of the sequence shards
+    scale: float
+    options: str  # the inner's own settings, "key=value key=value"
+
+    def option(self, key: str) -> str:
+        items = dict(item.split("=", 1) for item in self.options.split())
+        if key not in items:
+            raise ValueError(f"inner attention options {self.options!r} lack {key}=")
+        return items[key]
+
+
+def _dense_start(q, k, v, extra, call: HeadsCall, world_size: int, enable_gqa: bool, what: str) -> None:
+    if world_size > 1:
+        torch.ops.cp.agree(q, k, v, call.group_name, what)
+    check_ring_args(q, k, v, world_size, call.is_causal, call.layout, enable_gqa)
+
+
+@dataclass(frozen=True)
+class Inner:
+    """One kind of attention over head-sharded tensors ([B, H/C, S, D]: all of the group's tokens).
+
+    ``forward(q, k, v, extra, call) -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, dlse,
+    extra, call) -> (dq, dk, dv)`` are kernels: they run inside ``cp::heads_attn`` (+ ``_backward``),
+    read the rank at run time if they need it, and may return gradients in the accumulation dtype.
+    ``start(q, k, v, extra, call, world_size, enable_gqa, what)`` runs first on the sequence shards:
+    it checks the inputs and makes every rank agree on ``what`` plus the inner's own settings (the
+    same collectives on every rank). ``ring_forward(q, k, v, extra, call) -> (out, lse)`` and
+    ``ring_backward(dout, q, k, v, out, lse, dlse, extra, call) -> (dq, dk, dv)`` are the hybrid's
+    K/V ring over ``call.ring_group`` (traced schedule code, not kernels). ``rank_order``: the
+    exchange leaves every rank's shard in rank order instead of sequence order (a mask evaluated
+    at known slots does not need the sequence order).
+    """
+
+    forward: Callable
+    backward: Callable
+    start: Callable = _dense_start
+    ring_forward: Optional[Callable] = None
+    ring_backward: Optional[Callable] = None
+    rank_order: bool = False
+
+    def exchange_layout(self, layout: str) -> str:
+        return "contiguous" if self.rank_order else layout
+
+
+def _sdpa_mask(call: HeadsCall) -> str:
+    return "causal" if call.is_causal else "none"
+
+
+def _sdpa_ring_forward(q, k, v, extra, call: HeadsCall):
+    return ring_forward(q, k, v, group_name=call.ring_group, world_size=resolve_group(call.ring_group).size(),
+                        is_causal=call.is_causal, layout=call.layout, scale=call.scale,
+                        enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _sdpa_ring_backward(dout, q, k, v, out, lse, dlse, extra, call: HeadsCall):
+    return ring_backward(dout, q, k, v, out, lse, dlse, group_name=call.ring_group,
+                         world_size=resolve_group(call.ring_group).size(), is_causal=call.is_causal,
+                         layout=call.layout, scale=call.scale)
+
+
+INNER: dict[str, Inner] = {
+    "sdpa": Inner(
+        forward=lambda q, k, v, extra, call: block_attn_impl(q, k, v, _sdpa_mask(call), call.scale),
+        backward=lambda do, q, k, v, out, lse, dlse, extra, call: block_attn_backward_impl(
+            do, q, k, v, out, lse, _sdpa_mask(call), call.scale, dlse),
+        ring_forward=_sdpa_ring_forward,
+        ring_backward=_sdpa_ring_backward,
     ),
 }
 
 
-def _check_inner(inner: str) -> None:
+def inner_entry(inner: str) -> Inner:
     if inner not in INNER:
         raise ValueError(f"unknown inner attention {inner!r}; expected one of {sorted(INNER)}")
+    return INNER[inner]
+
+
+def _heads_call(group_name: str, is_causal: bool, layout: str, scale: float, options: str) -> HeadsCall:
+    return HeadsCall(group_name, group_name, "", is_causal, layout, scale, options)
 
 
 @torch.library.custom_op("cp::heads_attn", mutates_args=())
-def heads_attn(q: Tensor, k: Tensor, v: Tensor, inner: str, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def heads_attn(
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], inner: str, group_name: str, is_causal: bool,
+    layout: str, scale: float, options: str,
+) -> tuple[Tensor, Tensor]:
     """Attention over the full sequence for this rank's heads: (out, lse)."""
-    _check_inner(inner)
-    out, lse = INNER[inner][0](q, k, v, is_causal, scale)
+    call = _heads_call(group_name, is_causal, layout, scale, options)
+    out, lse = inner_entry(inner).forward(q, k, v, list(extra), call)
     return out.contiguous(), lse.contiguous()
 
 
 @heads_attn.register_fake
-def _(q, k, v, inner, is_causal, scale):
+def _(q, k, v, extra, inner, group_name, is_causal, layout, scale, options):
+    inner_entry(inner)
     return result_like(q, v)
 
 
 @torch.library.custom_op("cp::heads_attn_backward", mutates_args=())
 def heads_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    inner: str, is_causal: bool, scale: float,
+    extra: list[Tensor], inner: str, group_name: str, is_causal: bool, layout: str, scale: float, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_inner(inner)
-    dq, dk, dv = INNER[inner][1](dout, q, k, v, out, lse, dlse, is_causal, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    """(dq, dk, dv) in the inputs' dtype (the exchange back moves no more bytes than the forward's)."""
+    call = _heads_call(group_name, is_causal, layout, scale, options)
+    grads = inner_entry(inner).backward(dout, q, k, v, out, lse, dlse, list(extra), call)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
 
 
 @heads_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, inner, is_causal, scale):
+def _(dout, q, k, v, out, lse, dlse, extra, inner, group_name, is_causal, layout, scale, options):
+    inner_entry(inner)
     return dense_like(q), dense_like(k), dense_like(v)
 
 
@@ -89,11 +176,6 @@ def _(dout, q, k, v, out, lse, dlse, inner, is_causal, scale):
 
 def _options(is_causal: bool, layout: str, scale: float, enable_gqa: bool) -> str:
     return f"ulysses causal={is_causal} layout={layout} scale={scale!r} gqa={enable_gqa}"
-
-
-def check_ulysses_args(q, k, v, world_size, is_causal, layout, enable_gqa) -> None:
-    check_ring_args(q, k, v, world_size, is_causal, layout, enable_gqa)
-    check_heads(q.shape[1], world_size, "the query")
 
 
 def kv_copies(q_heads: int, kv_heads: int, world_size: int) -> int:
@@ -119,7 +201,10 @@ def exchange_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, world_siz
 
 def exchange_backward(dout: Tensor, dlse: Optional[Tensor], group_name: str, world_size: int, layout: str,
                       kv_heads: int, attend_backward: Callable) -> tuple[Tensor, Tensor, Tensor]:
-    """The mirror: dout (and dlse) to head sharding, ``attend_backward(dout_h, dlse_h)``, gradients back."""
+    """The mirror: dout (and dlse) to head sharding, ``attend_backward(dout_h, dlse_h)``, gradients back.
+
+    The gradients travel in the dtype ``attend_backward`` returns them in; replicated K/V heads'
+    gradients are summed in the accumulation dtype."""
     dout_h = seq_to_heads(dout, group_name, world_size, layout)
     dlse_h = None if dlse is None else seq_to_heads(dlse, group_name, world_size, layout)
     grads = attend_backward(dout_h, dlse_h)
@@ -127,32 +212,40 @@ def exchange_backward(dout: Tensor, dlse: Optional[Tensor], group_name: str, wor
     copies = dk.shape[1] // kv_heads
     if copies > 1:  # the replicated heads' gradients, summed back onto each original head
         b, _, s, _ = dk.shape
-        dk = dk.view(b, kv_heads, copies, s, dk.shape[-1]).sum(2)
-        dv = dv.view(b, kv_heads, copies, s, dv.shape[-1]).sum(2)
+        acc = acc_dtype(dk.dtype)
+        dk = dk.view(b, kv_heads, copies, s, dk.shape[-1]).sum(2, dtype=acc).to(dk.dtype)
+        dv = dv.view(b, kv_heads, copies, s, dv.shape[-1]).sum(2, dtype=acc).to(dv.dtype)
     return dq, dk, dv
 
 
 def ulysses_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group_name: str, world_size: int, is_causal: bool, layout: str,
-    scale: float, enable_gqa: bool, inner: str = "sdpa",
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], *, group_name: str, world_size: int, is_causal: bool,
+    layout: str, scale: float, enable_gqa: bool, inner: str, options: str,
 ) -> tuple[Tensor, ...]:
     """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs."""
-    if world_size > 1:
-        torch.ops.cp.agree(q, k, v, group_name, _options(is_causal, layout, scale, enable_gqa))
-    check_ulysses_args(q, k, v, world_size, is_causal, layout, enable_gqa)
-    return exchange_forward(q, k, v, group_name, world_size, layout,
-                            lambda qh, kh, vh: torch.ops.cp.heads_attn(qh, kh, vh, inner, is_causal, scale))
+    entry = inner_entry(inner)
+    call = _heads_call(group_name, is_causal, layout, scale, options)
+    entry.start(q, k, v, extra, call, world_size, enable_gqa, f"{_options(is_causal, layout, scale, enable_gqa)} "
+                f"inner={inner}")
+    check_heads(q.shape[1], world_size, "the query")
+
+    def attend(qh, kh, vh):
+        return torch.ops.cp.heads_attn(qh, kh, vh, extra, inner, group_name, is_causal, layout, scale, options)
+
+    return exchange_forward(q, k, v, group_name, world_size, entry.exchange_layout(layout), attend)
 
 
 def ulysses_backward(
-    dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor, *,
-    group_name: str, world_size: int, is_causal: bool, layout: str, scale: float, kv_heads: int,
-    inner: str = "sdpa",
+    dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
+    extra: list[Tensor], *, group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
+    kv_heads: int, inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     def attend_backward(dout_h, dlse_h):
-        return torch.ops.cp.heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, inner, is_causal, scale)
+        return torch.ops.cp.heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, inner, group_name,
+                                                is_causal, layout, scale, options)
 
-    return exchange_backward(dout, dlse, group_name, world_size, layout, kv_heads, attend_backward)
+    return exchange_backward(dout, dlse, group_name, world_size, inner_entry(inner).exchange_layout(layout),
+                             kv_heads, attend_backward)
 
 
 # ----------------------------------------------------------------------------
@@ -162,13 +255,13 @@ def ulysses_backward(
 
 @torch.library.custom_op("cp::ulysses_attention", mutates_args=())
 def ulysses_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, is_causal: bool, layout: str, scale: float,
-    enable_gqa: bool, inner: str = "sdpa",
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], group_name: str, is_causal: bool, layout: str,
+    scale: float, enable_gqa: bool, inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, lse) of this rank's queries, plus head-sharded q, k, v, out, lse kept for backward."""
     world_size = resolve_group(group_name).size()
-    res = ulysses_forward(q, k, v, group_name=group_name, world_size=world_size, is_causal=is_causal,
-                          layout=layout, scale=scale, enable_gqa=enable_gqa, inner=inner)
+    res = ulysses_forward(q, k, v, list(extra), group_name=group_name, world_size=world_size, is_causal=is_causal,
+                          layout=layout, scale=scale, enable_gqa=enable_gqa, inner=inner, options=options)
     return _distinct(res, (q, k, v))
 
 
@@ -187,83 +280,119 @@ def _head_sharded_like(t: Tensor, world_size: int, heads: Optional[int] = None) 
     return t.new_empty(t.shape[0], heads // world_size, t.shape[2] * world_size, *t.shape[3:])
 
 
-@ulysses_attention_op.register_fake
-def _(q, k, v, group_name, is_causal, layout, scale, enable_gqa, inner="sdpa"):
-    c = resolve_group(group_name).size()
+def head_sharded_results(q: Tensor, k: Tensor, v: Tensor, world_size: int) -> tuple[Tensor, ...]:
+    """Fake outputs of a head-sharding forward op over ``world_size`` ranks: (out, lse, qh, kh, vh, out_h, lse_h)."""
     out, lse = result_like(q, v)
-    kv_heads = k.shape[1] * kv_copies(q.shape[1], k.shape[1], c)
-    return (out, lse, _head_sharded_like(q, c), _head_sharded_like(k, c, kv_heads),
-            _head_sharded_like(v, c, kv_heads), _head_sharded_like(out, c), _head_sharded_like(lse, c))
+    kv_heads = k.shape[1] * kv_copies(q.shape[1], k.shape[1], world_size)
+    return (out, lse, _head_sharded_like(q, world_size), _head_sharded_like(k, world_size, kv_heads),
+            _head_sharded_like(v, world_size, kv_heads), _head_sharded_like(out, world_size),
+            _head_sharded_like(lse, world_size))
+
+
+def sequence_sharded_grads(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tensor, world_size: int,
+                           kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fake outputs of a head-sharding backward op: (dq, dk, dv) in dout's dtype."""
+    b, s = dout.shape[0], dout.shape[2]
+    return (dout.new_empty(b, qh.shape[1] * world_size, s, qh.shape[-1]),
+            dout.new_empty(b, kv_heads, s, kh.shape[-1]), dout.new_empty(b, kv_heads, s, vh.shape[-1]))
+
+
+@ulysses_attention_op.register_fake
+def _(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, inner, options):
+    inner_entry(inner)
+    return head_sharded_results(q, k, v, resolve_group(group_name).size())
 
 
 @torch.library.custom_op("cp::ulysses_attention_backward", mutates_args=())
 def ulysses_attention_backward_op(
     dout: Tensor, dlse: Optional[Tensor], qh: Tensor, kh: Tensor, vh: Tensor, out_h: Tensor, lse_h: Tensor,
-    group_name: str, is_causal: bool, layout: str, scale: float, kv_heads: int, inner: str = "sdpa",
+    extra: list[Tensor], group_name: str, is_causal: bool, layout: str, scale: float, kv_heads: int,
+    inner: str, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     world_size = resolve_group(group_name).size()
-    res = ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, group_name=group_name,
+    res = ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra), group_name=group_name,
                            world_size=world_size, is_causal=is_causal, layout=layout, scale=scale,
-                           kv_heads=kv_heads, inner=inner)
+                           kv_heads=kv_heads, inner=inner, options=options)
     return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
 
 @ulysses_attention_backward_op.register_fake
-def _(dout, dlse, qh, kh, vh, out_h, lse_h, group_name, is_causal, layout, scale, kv_heads, inner="sdpa"):
-    c = resolve_group(group_name).size()
-    b, s = dout.shape[0], dout.shape[2]
-    return (dout.new_empty(b, qh.shape[1] * c, s, qh.shape[-1]),
-            dout.new_empty(b, kv_heads, s, kh.shape[-1]), dout.new_empty(b, kv_heads, s, vh.shape[-1]))
+def _(dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name, is_causal, layout, scale, kv_heads, inner,
+      options):
+    return sequence_sharded_grads(dout, qh, kh, vh, resolve_group(group_name).size(), kv_heads)
 
 
-def _setup(ctx, inputs, output):
-    _, k, _, group_name, is_causal, layout, scale, _, inner = inputs
-    ctx.save_for_backward(*output[2:])
-    ctx.options = (group_name, is_causal, layout, scale, k.shape[1], inner)
-    ctx.set_materialize_grads(False)
+def register_head_sharded_autograd(forward_op, backward_op, backward_options: Callable) -> None:
+    """Autograd for a whole head-sharding op ``(q, k, v, extra, *options) -> (out, lse, qh, kh, vh, out_h, lse_h)``.
+
+    It keeps the head-sharded outputs and ``extra``; its backward op takes
+    ``(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *args)`` where
+    ``backward_options(k_heads, *options)`` returns (the all-to-all group, ``args``).
+    """
+
+    def setup(ctx, inputs, output):
+        q, k, v, extra, *options = inputs
+        ctx.save_for_backward(*output[2:], *extra)
+        ctx.n_extra, ctx.n_options = len(extra), len(options)
+        ctx.a2a_group, ctx.args = backward_options(k.shape[1], *options)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse, *_unused):
+        qh, kh, vh, out_h, lse_h, *extra = ctx.saved_tensors
+        if dout is None:  # only lse is used: zeros of the sequence-sharded output's shape
+            c = resolve_group(ctx.a2a_group).size()
+            dout = out_h.new_zeros(out_h.shape[0], out_h.shape[1] * c, out_h.shape[2] // c, out_h.shape[3])
+        dq, dk, dv = backward_op(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *ctx.args)
+        return (dq, dk, dv, [None] * ctx.n_extra) + (None,) * ctx.n_options
+
+    forward_op.register_autograd(backward, setup_context=setup)
 
 
-def _backward(ctx, dout, dlse, *_unused):
-    qh, kh, vh, out_h, lse_h = ctx.saved_tensors
-    if dout is None:
-        dout = heads_to_seq_like_zeros(out_h, ctx.options[0])
-    dq, dk, dv = torch.ops.cp.ulysses_attention_backward(dout, dlse, qh, kh, vh, out_h, lse_h, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+def _ulysses_backward_options(kv_heads, group_name, is_causal, layout, scale, enable_gqa, inner, options):
+    return group_name, (group_name, is_causal, layout, scale, kv_heads, inner, options)
 
 
-def heads_to_seq_like_zeros(out_h: Tensor, group_name: str) -> Tensor:
-    c = resolve_group(group_name).size()
-    return out_h.new_zeros(out_h.shape[0], out_h.shape[1] * c, out_h.shape[2] // c, out_h.shape[3])
-
-
-ulysses_attention_op.register_autograd(_backward, setup_context=_setup)
+register_head_sharded_autograd(ulysses_attention_op, torch.ops.cp.ulysses_attention_backward,
+                               _ulysses_backward_options)
 
 
 def _expand_forward(args) -> Traceable:
-    q, k, v, group_name, is_causal, layout, scale, enable_gqa, *rest = args
-    inner = rest[0] if rest else "sdpa"
+    q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, inner, options = args
     world_size = resolve_group(group_name).size()
 
-    def fn(q, k, v):
-        return ulysses_forward(q, k, v, group_name=group_name, world_size=world_size, is_causal=is_causal,
-                               layout=layout, scale=scale, enable_gqa=enable_gqa, inner=inner)
+    def fn(q, k, v, *extra):
+        return ulysses_forward(q, k, v, list(extra), group_name=group_name, world_size=world_size,
+                               is_causal=is_causal, layout=layout, scale=scale, enable_gqa=enable_gqa, inner=inner,
+                               options=options)
 
-    return Traceable("forward", world_size, fn, [q, k, v])
+    return Traceable("forward", world_size, fn, [q, k, v, *extra])
+
+
+def split_backward_tensors(tensors: tuple, n_extra: int) -> tuple:
+    """``(dout, qh, kh, vh, out_h, lse_h, *extra[, dlse])`` -> (dout, dlse, qh, kh, vh, out_h, lse_h, extra):
+    a traced backward's fixed arity (dlse is there or not)."""
+    dout, qh, kh, vh, out_h, lse_h = tensors[:6]
+    extra = list(tensors[6:6 + n_extra])
+    dlse = tensors[6 + n_extra] if len(tensors) > 6 + n_extra else None
+    return dout, dlse, qh, kh, vh, out_h, lse_h, extra
+
+
+def backward_tensors(dout, dlse, qh, kh, vh, out_h, lse_h, extra) -> list:
+    return [dout, qh, kh, vh, out_h, lse_h, *extra] + ([dlse] if dlse is not None else [])
 
 
 def _expand_backward(args) -> Traceable:
-    dout, dlse, qh, kh, vh, out_h, lse_h, group_name, is_causal, layout, scale, kv_heads, *rest = args
-    inner = rest[0] if rest else "sdpa"
+    dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name, is_causal, layout, scale, kv_heads, inner, options = args
     world_size = resolve_group(group_name).size()
+    n_extra = len(extra)
 
-    def fn(*tensors):  # fixed arity for tracing: dlse is there or not
-        dout, qh, kh, vh, out_h, lse_h = tensors[:6]
-        return ulysses_backward(dout, tensors[6] if len(tensors) > 6 else None, qh, kh, vh, out_h, lse_h,
-                                group_name=group_name, world_size=world_size, is_causal=is_causal,
-                                layout=layout, scale=scale, kv_heads=kv_heads, inner=inner)
+    def fn(*tensors):
+        dout, dlse, qh, kh, vh, out_h, lse_h, extra = split_backward_tensors(tensors, n_extra)
+        return ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, group_name=group_name,
+                                world_size=world_size, is_causal=is_causal, layout=layout, scale=scale,
+                                kv_heads=kv_heads, inner=inner, options=options)
 
-    tensors = [dout, qh, kh, vh, out_h, lse_h] + ([dlse] if dlse is not None else [])
-    return Traceable("backward", world_size, fn, tensors)
+    return Traceable("backward", world_size, fn, backward_tensors(dout, dlse, qh, kh, vh, out_h, lse_h, extra))
 
 
 register_schedule(
@@ -284,4 +413,5 @@ def ulysses_attention(
     must divide by the group size. Differentiable.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return ulysses_attention_op(q, k, v, group_name_of(group), bool(is_causal), layout, scale, bool(enable_gqa))[0]
+    return ulysses_attention_op(q, k, v, [], group_name_of(group), bool(is_causal), layout, scale,
+                                bool(enable_gqa), "sdpa", "")[0]

@@ -1,14 +1,25 @@
-"""Ulysses (all-to-all) for FlexAttention masks and packed documents.
+"""Ulysses (all-to-all) and hybrid schedules for FlexAttention masks and packed documents.
+
+These are not schedules of their own: they are two inner attentions,
+``"flex"`` and ``"packed"``, of the head-sharding ops ``cp::ulysses_attention``
+and ``cp::hybrid_attention`` (``ops.ulysses.INNER``). Their tensors (the
+mods' buffers, ``cu_seqlens``) travel as the ops' ``extra`` list and their
+settings as the ``options`` string (``flex_options``, ``packed_options``).
+So the exchange, the GQA head replication, the autograd and the compiled
+expansion are the SDPA ones, written once, and so is what the backward keeps:
+the forward op returns the head-sharded q, k, v, out and lse, the backward
+keeps those and moves only dout (and dlse) in and dq, dk, dv out over the
+all-to-all group (the hybrid's K/V and dK/dV still travel its ring).
 
 After the exchange every rank holds every token of the group for H/C heads.
-A dense mask kernel does not care in which order those tokens sit, so the
-exchange here skips the zigzag reorder of ``heads.seq_to_heads`` and keeps
-the plain rank-order concatenation of every rank's shard (the
-``"contiguous"`` exchange). Two reasons: for a BlockMask sharded by the plan
-the index table's all-ranks region is already in that order (whatever the
-layout, a mask-balanced one included), and for packed input the per-document
-zigzag has no sequence order to restore at all. The mask is then evaluated
-at those slots:
+A dense mask kernel does not care in which order those tokens sit, so both
+inner attentions exchange in plain rank order (``Inner.rank_order``: every
+rank's shard concatenated, the ``"contiguous"`` exchange) rather than
+restoring the zigzag's sequence order. Two reasons: for a BlockMask sharded
+by the plan the index table's all-ranks region is already in that order
+(whatever the layout, a mask-balanced one included), and for packed input
+the per-document zigzag has no sequence order to restore at all. The mask is
+then evaluated at those slots:
 
 - flex: global positions from the sharded BlockMask's index table (or the
   layout's positions when there is no mask), the same on every rank. The
@@ -17,15 +28,29 @@ at those slots:
 - packed: the runs of real tokens of every rank's slots in rank order
   (``layout.packed_segments``), computed from ``cu_seqlens`` alone and the
   same on every rank; ``ops.tiles`` attends per document over them.
+  Packed tensors are THD ``[T, H, D]``; the ops see them as ``[1, H, T, D]``
+  views (``_bhsd``), made outside the ops (in ``packed_heads_attention`` and
+  the compiled varlen site), so the ops, their fakes and their expansion are
+  the 4-D ones unchanged.
 
 Hybrid (2-D ``(ring, a2a)`` mesh): the same exchange inside each all-to-all
 group, then a K/V ring across the groups; each ring step evaluates the mask
 between this group's tokens and the visiting group's (sections below).
 
-The schedule ops (``cp::flex_attention``, ``cp::varlen_attention``) keep the
-sequence-sharded q, k, v, out and lse for their backward, so the Ulysses
-backward exchanges them again (five all-to-alls more than the SDPA Ulysses op,
-which keeps the head-sharded copies instead).
+``cp::flex_attention`` and ``cp::varlen_attention`` keep the ring and
+all-gather schedules only (two outputs, sequence-sharded tensors saved): for
+``schedule="ulysses"`` / ``"hybrid"`` the public entry points
+(``flex_attention``, ``varlen_attention``, the compiled flex and varlen
+sites) insert the head-sharding ops instead (``heads_schedule``), and the
+whole ops refuse those names.
+
+Why one op with a pluggable inner attention rather than Ulysses / hybrid ops
+per mask kind: what differs between SDPA, a BlockMask and packed documents is
+the kernel on head-sharded tensors (and the hybrid's per-step kernel), not
+the schedule; a per-kind op pair would repeat the exchange, the saved-tensor
+autograd, the fakes and the expansion, and differences in what the backward
+keeps (as there were) creep in. The price is the stringly ``options``,
+parsed by the entry (``HeadsCall.option``).
 """
 
 from __future__ import annotations
@@ -38,28 +63,46 @@ from torch import Tensor
 
 from ..layout import check_cu_seqlens, packed_local_len, packed_segments
 from . import flex, varlen
-from .block import acc_dtype, dense_like, result_like
+from .block import acc_dtype, result_like
 from .comm import resolve_group
-from .heads import check_heads, seq_to_heads
-from .ring import ring_pass_backward, ring_pass_forward
+from .registry import register_compute_ops
+from .ring import group_name_of, ring_pass_backward, ring_pass_forward
 from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
-from .ulysses import exchange_backward, exchange_forward, kv_copies
+from .ulysses import INNER, HeadsCall, Inner
 
 # the exchange without the zigzag reorder: every rank's shard in rank order
 RANK_ORDER = "contiguous"
+HEAD_SCHEDULES = ("ulysses", "hybrid")
 
 
-def _head_sharded(q, k, v, out, lse, group_name: str, world_size: int) -> tuple[Tensor, ...]:
-    """The forward's head-sharded q, k, v, out, lse again (K/V heads replicated as the forward did)."""
-    copies = kv_copies(q.shape[1], k.shape[1], world_size)
-    if copies > 1:
-        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-    return tuple(seq_to_heads(t, group_name, world_size, RANK_ORDER) for t in (q, k, v, out, lse))
+def _ring_forward(qh, kh, vh, ring_group: str, attend_step):
+    """The K/V ring over the R groups, ``attend_step(q, k, v, step) -> (out, lse)`` merged online."""
+    out, lse = ring_pass_forward(qh, kh, vh, lambda step, k, v: attend_step(qh, k, v, step),
+                                 group_name=ring_group, world_size=resolve_group(ring_group).size())
+    return out.to(qh.dtype), lse
+
+
+def _ring_backward(kh, vh, ring_group: str, attend_step_backward):
+    """K/V travel the ring again, each block's dK/dV so far riding along;
+    ``attend_step_backward(k, v, step) -> (dq, dk, dv)``."""
+    # the first argument only sets the accumulation dtype, which q shares with k
+    return ring_pass_backward(kh, kh, vh, lambda step, k, v: attend_step_backward(k, v, step),
+                              group_name=ring_group, world_size=resolve_group(ring_group).size())
 
 
 # ----------------------------------------------------------------------------
 # FlexAttention.
 # ----------------------------------------------------------------------------
+
+
+def flex_options(mods: str, mask_b: int, mask_h: int) -> str:
+    """The ``options`` of the ``"flex"`` inner attention: the mods key and the BlockMask's (B, H)."""
+    return f"mods={mods} mask={int(mask_b)}x{int(mask_h)}"
+
+
+def _flex_settings(call: HeadsCall) -> tuple[str, int, int]:
+    mask_b, mask_h = call.option("mask").split("x")
+    return call.option("mods"), int(mask_b), int(mask_h)
 
 
 def _flex_call(q: Tensor, buffers, key, group_name, a2a_group, layout, mask_b, mask_h, scale):
@@ -91,72 +134,43 @@ def _flex_span(q: Tensor, group: int) -> Tensor:
     return torch.arange(group * q.shape[2], (group + 1) * q.shape[2], device=q.device)
 
 
-@torch.library.custom_op("cp::flex_heads_attn", mutates_args=())
-def flex_heads_attn(
-    q: Tensor, k: Tensor, v: Tensor, buffers: list[Tensor], group_name: str, mods: str, layout: str,
-    mask_b: int, mask_h: int, scale: float,
-) -> tuple[Tensor, Tensor]:
+def _flex_heads_tile(q: Tensor, buffers: list, call: HeadsCall):
+    mods, mask_b, mask_h = _flex_settings(call)
+    tile, _ = _flex_call(q, buffers, mods, call.group_name, call.a2a_group, call.layout, mask_b, mask_h, call.scale)
+    return tile, _flex_span(q, 0)
+
+
+def flex_heads_forward(q, k, v, buffers, call: HeadsCall):
     """All of the group's tokens (rank order) for this rank's heads: the final (out, lse)."""
-    call, _ = _flex_call(q, buffers, mods, group_name, group_name, layout, mask_b, mask_h, scale)
-    every = _flex_span(q, 0)
-    out, lse = flex.tile_forward(call, q, k, v, every, every)
-    return out.contiguous(), lse.contiguous()
+    tile, every = _flex_heads_tile(q, buffers, call)
+    return flex.tile_forward(tile, q, k, v, every, every)
 
 
-@flex_heads_attn.register_fake
-def _(q, k, v, buffers, group_name, mods, layout, mask_b, mask_h, scale):
-    return result_like(q, v)
+def flex_heads_backward(dout, q, k, v, out, lse, dlse, buffers, call: HeadsCall):
+    tile, every = _flex_heads_tile(q, buffers, call)
+    return flex.tile_backward(tile, dout, q, k, v, out, lse, dlse, every, every)
 
 
-@torch.library.custom_op("cp::flex_heads_attn_backward", mutates_args=())
-def flex_heads_attn_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    buffers: list[Tensor], group_name: str, mods: str, layout: str, mask_b: int, mask_h: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    call, _ = _flex_call(q, buffers, mods, group_name, group_name, layout, mask_b, mask_h, scale)
-    every = _flex_span(q, 0)
-    grads = flex.tile_backward(call, dout, q, k, v, out, lse, dlse, every, every)
-    return tuple(g.contiguous() for g in grads)
-
-
-@flex_heads_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, buffers, group_name, mods, layout, mask_b, mask_h, scale):
-    dt = acc_dtype(q.dtype)
-    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-
-
-def flex_ulysses_forward(q, k, v, buffers, o: flex.FlexOptions) -> tuple[Tensor, Tensor]:
-    ops, c = torch.ops.cp, o.world_size
-    if c > 1:
-        ops.agree(q, k, v, o.group_name, o.agreed("ulysses"))
-    check_heads(q.shape[1], c, "the query")
-
-    def attend(qh, kh, vh):
-        return ops.flex_heads_attn(qh, kh, vh, buffers, o.group_name, *o.step_args)
-
-    out, lse = exchange_forward(q, k, v, o.group_name, c, RANK_ORDER, attend)[:2]
-    return out, lse
-
-
-def flex_ulysses_backward(dout, q, k, v, out, lse, dlse, buffers, o: flex.FlexOptions):
-    c = o.world_size
-    qh, kh, vh, out_h, lse_h = _head_sharded(q, k, v, out, lse, o.group_name, c)
-
-    def attend_backward(dout_h, dlse_h):
-        return torch.ops.cp.flex_heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, buffers,
-                                                     o.group_name, *o.step_args)
-
-    dq, dk, dv = exchange_backward(dout, dlse, o.group_name, c, RANK_ORDER, k.shape[1], attend_backward)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-flex.FORWARD["ulysses"] = flex_ulysses_forward
-flex.BACKWARD["ulysses"] = flex_ulysses_backward
+def _flex_start(q, k, v, buffers, call: HeadsCall, world_size: int, enable_gqa: bool, what: str) -> None:
+    # the mods key is per process (eager keys hold object ids): not compared
+    _, mask_b, mask_h = _flex_settings(call)
+    if world_size > 1:
+        torch.ops.cp.agree(q, k, v, call.group_name, f"flex {what} mask={mask_b}x{mask_h}")
 
 
 # ----------------------------------------------------------------------------
 # Packed documents: [T, H, D] travels as [1, H, T, D].
 # ----------------------------------------------------------------------------
+
+
+def packed_options(window_left: int, window_right: int) -> str:
+    """The ``options`` of the ``"packed"`` inner attention: the window (left, right)."""
+    return f"window={int(window_left)},{int(window_right)}"
+
+
+def _window(call: HeadsCall) -> tuple[int, int]:
+    left, right = call.option("window").split(",")
+    return int(left), int(right)
 
 
 def _bhsd(t: Tensor) -> Tensor:
@@ -183,64 +197,27 @@ def group_tiles(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right
     return plan_tiles(runs, runs, left, right)
 
 
-@torch.library.custom_op("cp::varlen_heads_attn", mutates_args=())
-def varlen_heads_attn(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, window_left: int, window_right: int,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
+def varlen_heads_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, window_left: int,
+                         window_right: int, scale: float) -> tuple[Tensor, Tensor]:
     """Every rank's slots ([1, H/C, C*T_local, D], rank order) for this rank's heads: (out, lse [1, H/C, T])."""
     tiles = group_tiles(q, cu_seqlens, group_name, window_left, window_right)
     out, lse = tiles_attn(_thd(q), _thd(k), _thd(v), tiles, scale)
-    return _bhsd(out).contiguous(), _bhsd(lse).contiguous()
+    return _bhsd(out), _bhsd(lse)
 
 
-@varlen_heads_attn.register_fake
-def _(q, k, v, cu_seqlens, group_name, window_left, window_right, scale):
-    return result_like(q, v)
-
-
-@torch.library.custom_op("cp::varlen_heads_attn_backward", mutates_args=())
-def varlen_heads_attn_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    cu_seqlens: Tensor, group_name: str, window_left: int, window_right: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+def varlen_heads_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Optional[Tensor], cu_seqlens: Tensor, group_name: str, window_left: int,
+                          window_right: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     tiles = group_tiles(q, cu_seqlens, group_name, window_left, window_right)
     grads = tiles_attn_backward(_thd(dout), _thd(q), _thd(k), _thd(v), _thd(out), _thd(lse),
                                 None if dlse is None else _thd(dlse), tiles, scale)
-    return tuple(_bhsd(g).contiguous() for g in grads)
+    return tuple(_bhsd(g) for g in grads)
 
 
-@varlen_heads_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, group_name, window_left, window_right, scale):
-    dt = acc_dtype(q.dtype)
-    return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-
-
-def packed_ulysses_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, scale, enable_gqa):
-    varlen._start(q, k, v, cu_seqlens, group_name, world_size, "ulysses", *window, scale, enable_gqa)
-    check_heads(q.shape[1], world_size, "the query")
-
-    def attend(qh, kh, vh):
-        return torch.ops.cp.varlen_heads_attn(qh, kh, vh, cu_seqlens, group_name, *window, scale)
-
-    out, lse = exchange_forward(_bhsd(q), _bhsd(k), _bhsd(v), group_name, world_size, RANK_ORDER, attend)[:2]
-    return _thd(out), _thd(lse)
-
-
-def packed_ulysses_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
-    qh, kh, vh, out_h, lse_h = _head_sharded(*(_bhsd(t) for t in (q, k, v, out, lse)), group_name, world_size)
-
-    def attend_backward(dout_h, dlse_h):
-        return torch.ops.cp.varlen_heads_attn_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, cu_seqlens,
-                                                       group_name, *window, scale)
-
-    grads = exchange_backward(_bhsd(dout), None if dlse is None else _bhsd(dlse), group_name, world_size,
-                              RANK_ORDER, k.shape[1], attend_backward)
-    return tuple(_thd(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
-
-
-varlen._FORWARD["ulysses"] = packed_ulysses_forward
-varlen._BACKWARD["ulysses"] = packed_ulysses_backward
+def _packed_start(q, k, v, extra, call: HeadsCall, world_size: int, enable_gqa: bool, what: str) -> None:
+    (cu_seqlens,) = extra
+    varlen._start(_thd(q), _thd(k), _thd(v), cu_seqlens, call.group_name, world_size, what, *_window(call),
+                  call.scale, enable_gqa)
 
 
 # ----------------------------------------------------------------------------
@@ -309,113 +286,37 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens, step, ring_group, a2a_group, wi
     return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
 
 
-def _ring_forward(qh, kh, vh, ring_group: str, attend_step):
-    """The K/V ring over the R groups, ``attend_step(q, k, v, step) -> (out, lse)`` merged online."""
-    out, lse = ring_pass_forward(qh, kh, vh, lambda step, k, v: attend_step(qh, k, v, step),
-                                 group_name=ring_group, world_size=resolve_group(ring_group).size())
-    return out.to(qh.dtype), lse
-
-
-def _ring_backward(kh, vh, ring_group: str, attend_step_backward):
-    """K/V travel the ring again, each block's dK/dV so far riding along;
-    ``attend_step_backward(k, v, step) -> (dq, dk, dv)``."""
-    # the first argument only sets the accumulation dtype, which q shares with k
-    return ring_pass_backward(kh, kh, vh, lambda step, k, v: attend_step_backward(k, v, step),
-                              group_name=ring_group, world_size=resolve_group(ring_group).size())
-
-
-def packed_hybrid_forward(q, k, v, cu_seqlens, *, group_name, ring_group, a2a_group, window, scale, enable_gqa):
-    a2a = resolve_group(a2a_group).size()
-    world_size = resolve_group(ring_group).size() * a2a
-    varlen._start(q, k, v, cu_seqlens, group_name, world_size, f"hybrid a2a={a2a}", *window, scale, enable_gqa)
-    check_heads(q.shape[1], a2a, "the query")
+def _packed_ring_forward(qh, kh, vh, extra, call: HeadsCall):
+    (cu_seqlens,) = extra
 
     def attend_step(q, k, v, step):
-        return torch.ops.cp.varlen_hybrid_block_attn(q, k, v, cu_seqlens, step, ring_group, a2a_group, *window,
-                                                     scale)
+        return torch.ops.cp.varlen_hybrid_block_attn(q, k, v, cu_seqlens, step, call.ring_group, call.a2a_group,
+                                                     *_window(call), call.scale)
 
-    def attend(qh, kh, vh):
-        return _ring_forward(qh, kh, vh, ring_group, attend_step)
-
-    out, lse = exchange_forward(_bhsd(q), _bhsd(k), _bhsd(v), a2a_group, a2a, RANK_ORDER, attend)[:2]
-    return _thd(out), _thd(lse)
+    return _ring_forward(qh, kh, vh, call.ring_group, attend_step)
 
 
-def packed_hybrid_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, ring_group, a2a_group, window, scale):
-    a2a = resolve_group(a2a_group).size()
-    qh, kh, vh, out_h, lse_h = _head_sharded(*(_bhsd(t) for t in (q, k, v, out, lse)), a2a_group, a2a)
+def _packed_ring_backward(dout, qh, kh, vh, out, lse, dlse, extra, call: HeadsCall):
+    (cu_seqlens,) = extra
 
-    def attend_backward(dout_h, dlse_h):
-        def step_backward(k, v, step):
-            return torch.ops.cp.varlen_hybrid_block_attn_backward(dout_h, qh, k, v, out_h, lse_h, dlse_h, cu_seqlens,
-                                                                  step, ring_group, a2a_group, *window, scale)
+    def step_backward(k, v, step):
+        return torch.ops.cp.varlen_hybrid_block_attn_backward(dout, qh, k, v, out, lse, dlse, cu_seqlens, step,
+                                                              call.ring_group, call.a2a_group, *_window(call),
+                                                              call.scale)
 
-        return _ring_backward(kh, vh, ring_group, step_backward)
-
-    grads = exchange_backward(_bhsd(dout), None if dlse is None else _bhsd(dlse), a2a_group, a2a, RANK_ORDER,
-                              k.shape[1], attend_backward)
-    return tuple(_thd(g).to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    return _ring_backward(kh, vh, call.ring_group, step_backward)
 
 
-@torch.library.custom_op("cp::varlen_hybrid_attention", mutates_args=())
-def varlen_hybrid_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group_name: str, ring_group: str, a2a_group: str,
-    window_left: int, window_right: int, scale: float, enable_gqa: bool,
-) -> tuple[Tensor, Tensor]:
-    """Packed attention of this rank's slots on a (ring, a2a) mesh: (out, lse [T, H])."""
-    out, lse = packed_hybrid_forward(q, k, v, cu_seqlens, group_name=group_name, ring_group=ring_group,
-                                     a2a_group=a2a_group, window=(window_left, window_right), scale=scale,
-                                     enable_gqa=enable_gqa)
-    return out.contiguous(), lse.contiguous()
-
-
-@varlen_hybrid_attention_op.register_fake
-def _(q, k, v, cu_seqlens, group_name, ring_group, a2a_group, window_left, window_right, scale, enable_gqa):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
-
-
-@torch.library.custom_op("cp::varlen_hybrid_attention_backward", mutates_args=())
-def varlen_hybrid_attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    cu_seqlens: Tensor, ring_group: str, a2a_group: str, window_left: int, window_right: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = packed_hybrid_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, ring_group=ring_group,
-                                        a2a_group=a2a_group, window=(window_left, window_right), scale=scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
-@varlen_hybrid_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, ring_group, a2a_group, window_left, window_right, scale):
-    return dense_like(q), dense_like(k), dense_like(v)
-
-
-def _hybrid_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, _, ring_group, a2a_group, left, right, scale, _ = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
-    ctx.options = (ring_group, a2a_group, left, right, scale)
-    ctx.set_materialize_grads(False)
-
-
-def _hybrid_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.cp.varlen_hybrid_attention_backward(dout, q, k, v, out, lse, dlse, cu_seqlens,
-                                                               *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-varlen_hybrid_attention_op.register_autograd(_hybrid_backward, setup_context=_hybrid_setup)
-
-
-def varlen_hybrid_attention(q, k, v, cu_seqlens, mesh, left: int, right: int, scale: float, enable_gqa: bool):
-    """``varlen_attention(..., group=mesh, schedule="hybrid")``: ``mesh`` is a 2-D (ring, a2a) DeviceMesh
-    or its (flattened, ring, a2a) group names."""
-    from .hybrid import mesh_groups
-
-    group_name, ring_group, a2a_group = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
-    return varlen_hybrid_attention_op(q, k, v, cu_seqlens, group_name, ring_group, a2a_group, left, right, scale,
-                                      enable_gqa)[0]
+INNER["packed"] = Inner(
+    forward=lambda q, k, v, extra, call: varlen_heads_forward(q, k, v, extra[0], call.group_name, *_window(call),
+                                                              call.scale),
+    backward=lambda dout, q, k, v, out, lse, dlse, extra, call: varlen_heads_backward(
+        dout, q, k, v, out, lse, dlse, extra[0], call.group_name, *_window(call), call.scale),
+    start=_packed_start,
+    ring_forward=_packed_ring_forward,
+    ring_backward=_packed_ring_backward,
+    rank_order=True,
+)
 
 
 # ----------------------------------------------------------------------------
@@ -466,77 +367,86 @@ def _(dout, q, k, v, out, lse, dlse, buffers, step, group_name, a2a_group, mods,
     return tuple(torch.empty(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
 
 
-def flex_hybrid_forward(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h, scale):
-    ops, a2a = torch.ops.cp, resolve_group(a2a_group).size()
-    if resolve_group(group_name).size() > 1:
-        ops.agree(q, k, v, group_name, f"flex hybrid a2a={a2a} layout={layout} mask={mask_b}x{mask_h} scale={scale!r}")
-    check_heads(q.shape[1], a2a, "the query")
-    step_args = (group_name, a2a_group, mods, layout, mask_b, mask_h, scale)
-
-    def attend(qh, kh, vh):
-        return _ring_forward(qh, kh, vh, ring_group,
-                             lambda q_, k_, v_, step: ops.flex_hybrid_block_attn(q_, k_, v_, buffers, step, *step_args))
-
-    return exchange_forward(q, k, v, a2a_group, a2a, RANK_ORDER, attend)[:2]
+def _flex_step_args(call: HeadsCall) -> tuple:
+    mods, mask_b, mask_h = _flex_settings(call)
+    return (call.group_name, call.a2a_group, mods, call.layout, mask_b, mask_h, call.scale)
 
 
-def flex_hybrid_backward(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group, mods, layout,
-                         mask_b, mask_h, scale):
-    a2a = resolve_group(a2a_group).size()
-    qh, kh, vh, out_h, lse_h = _head_sharded(q, k, v, out, lse, a2a_group, a2a)
-    step_args = (group_name, a2a_group, mods, layout, mask_b, mask_h, scale)
-
-    def attend_backward(dout_h, dlse_h):
-        def step_backward(k_, v_, step):
-            return torch.ops.cp.flex_hybrid_block_attn_backward(dout_h, qh, k_, v_, out_h, lse_h, dlse_h, buffers,
-                                                                step, *step_args)
-
-        return _ring_backward(kh, vh, ring_group, step_backward)
-
-    dq, dk, dv = exchange_backward(dout, dlse, a2a_group, a2a, RANK_ORDER, k.shape[1], attend_backward)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+def _flex_ring_forward(qh, kh, vh, buffers, call: HeadsCall):
+    args = _flex_step_args(call)
+    return _ring_forward(qh, kh, vh, call.ring_group, lambda q, k, v, step: torch.ops.cp.flex_hybrid_block_attn(
+        q, k, v, buffers, step, *args))
 
 
-@torch.library.custom_op("cp::flex_hybrid_attention", mutates_args=())
-def flex_hybrid_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, buffers: list[Tensor], group_name: str, ring_group: str, a2a_group: str,
-    mods: str, layout: str, mask_b: int, mask_h: int, scale: float,
-) -> tuple[Tensor, Tensor]:
-    """FlexAttention of this rank's queries on a (ring, a2a) mesh: (out, lse)."""
-    out, lse = flex_hybrid_forward(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b,
-                                   mask_h, scale)
-    return out.contiguous(), lse.contiguous()
+def _flex_ring_backward(dout, qh, kh, vh, out, lse, dlse, buffers, call: HeadsCall):
+    args = _flex_step_args(call)
+
+    def step_backward(k, v, step):
+        return torch.ops.cp.flex_hybrid_block_attn_backward(dout, qh, k, v, out, lse, dlse, buffers, step, *args)
+
+    return _ring_backward(kh, vh, call.ring_group, step_backward)
 
 
-@flex_hybrid_attention_op.register_fake
-def _(q, k, v, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h, scale):
-    return result_like(q, v)
+INNER["flex"] = Inner(
+    forward=flex_heads_forward,
+    backward=flex_heads_backward,
+    start=_flex_start,
+    ring_forward=_flex_ring_forward,
+    ring_backward=_flex_ring_backward,
+    rank_order=True,
+)
+
+# listing names starting with "attend" carry the step number, the first int argument
+register_compute_ops({
+    torch.ops.cp.flex_hybrid_block_attn.default: "attend",
+    torch.ops.cp.flex_hybrid_block_attn_backward.default: "attend_backward",
+    torch.ops.cp.varlen_hybrid_block_attn.default: "packed attend",
+    torch.ops.cp.varlen_hybrid_block_attn_backward.default: "packed attend_backward",
+})
 
 
-@torch.library.custom_op("cp::flex_hybrid_attention_backward", mutates_args=())
-def flex_hybrid_attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    buffers: list[Tensor], group_name: str, ring_group: str, a2a_group: str, mods: str, layout: str, mask_b: int,
-    mask_h: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = flex_hybrid_backward(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group,
-                                      mods, layout, mask_b, mask_h, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+# ----------------------------------------------------------------------------
+# Entry points: which op a "ulysses" or "hybrid" flex / packed call becomes.
+# ----------------------------------------------------------------------------
 
 
-@flex_hybrid_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, buffers, group_name, ring_group, a2a_group, mods, layout, mask_b, mask_h,
-      scale):
-    return dense_like(q), dense_like(k), dense_like(v)
+def heads_schedule(schedule: str, group_name: str, mesh_groups: tuple = ()):
+    """(whole forward op, its group arguments) for ``schedule`` over the plan's group: the op is
+    called as ``op(q, k, v, extra, *groups, is_causal, layout, scale, enable_gqa, inner, options)``."""
+    if schedule == "ulysses":
+        return torch.ops.cp.ulysses_attention.default, (group_name,)
+    if schedule == "hybrid":
+        if len(mesh_groups) != 2:
+            raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as the group")
+        return torch.ops.cp.hybrid_attention.default, (group_name, *mesh_groups)
+    raise ValueError(f"schedule {schedule!r} does not shard heads; expected one of {HEAD_SCHEDULES}")
 
 
-flex.register_flex_autograd(flex_hybrid_attention_op, torch.ops.cp.flex_hybrid_attention_backward)
-
-
-def flex_hybrid_attention(q, k, v, buffers, mesh, mods: str, layout: str, mask_b: int, mask_h: int, scale: float):
-    """``flex_attention(..., group=mesh, schedule="hybrid")``: (out, lse); ``mesh`` is a 2-D (ring, a2a)
-    DeviceMesh or its (flattened, ring, a2a) group names."""
+def _groups_of(group, schedule: str) -> tuple[str, tuple]:
+    """(group name, mesh groups) of an eager call's ``group``: a group (name) or, for the hybrid,
+    a 2-D (ring, a2a) DeviceMesh or its (flattened, ring, a2a) group names."""
+    if schedule != "hybrid":
+        return group_name_of(group), ()
     from .hybrid import mesh_groups
 
-    names = mesh if isinstance(mesh, tuple) else mesh_groups(mesh)
-    return flex_hybrid_attention_op(q, k, v, buffers, *names, mods, layout, mask_b, mask_h, scale)
+    names = group if isinstance(group, tuple) else mesh_groups(group)
+    return names[0], tuple(names[1:])
+
+
+def flex_heads_attention(q, k, v, buffers, group, schedule: str, mods: str, layout: str, mask_b: int, mask_h: int,
+                         scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """``flex_attention(..., schedule="ulysses" | "hybrid")``: (out, lse)."""
+    op, groups = heads_schedule(schedule, *_groups_of(group, schedule))
+    res = op(q, k, v, list(buffers), *groups, False, layout, scale, bool(enable_gqa), "flex",
+             flex_options(mods, mask_b, mask_h))
+    return res[0], res[1]
+
+
+def packed_heads_attention(q, k, v, cu_seqlens, group, schedule: str, left: int, right: int, scale: float,
+                           enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """``varlen_attention(..., schedule="ulysses" | "hybrid")``: (out [T, H, D], lse [T, H])."""
+    op, groups = heads_schedule(schedule, *_groups_of(group, schedule))
+    # causality is the window's (right = 0); the slots are per-document zigzag whatever the plan's layout
+    res = op(_bhsd(q), _bhsd(k), _bhsd(v), [cu_seqlens], *groups, False, RANK_ORDER, scale, bool(enable_gqa),
+             "packed", packed_options(left, right))
+    return _thd(res[0]), _thd(res[1])

@@ -22,7 +22,9 @@ views (``ops.tiles``): fused kernels for full and causal tiles, the math path
 only for window edges, so memory is per tile. A ring step whose K/V block is
 outside every query's window has no tile and computes nothing.
 
-Schedules:
+Schedules (``ulysses`` and ``hybrid`` shard heads instead: they run as the
+``"packed"`` inner attention of ``cp::ulysses_attention`` /
+``cp::hybrid_attention``, ``ops.ulysses_masks``):
 
 - ``allgather``: gather K/V once and put it in global packed order
   (``cp::packed_sequence_order``), so each local query chunk attends to one
@@ -52,7 +54,8 @@ from .registry import Traceable, register_schedule
 from .ring import group_name_of, ring_pass_backward, ring_pass_forward
 from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 
-PACKED_SCHEDULES = ("allgather", "ring", "ulysses")  # ulysses: ops.ulysses_masks
+# ulysses and hybrid run as cp::ulysses_attention / cp::hybrid_attention (inner "packed", ops.ulysses_masks)
+PACKED_SCHEDULES = ("allgather", "ring", "ulysses", "hybrid")
 GATHERED = -1  # the ``step`` of a call whose K/V hold every rank's slots, in global packed order
 
 
@@ -239,6 +242,9 @@ _BACKWARD = {"allgather": packed_allgather_backward, "ring": packed_ring_backwar
 def _check_schedule(schedule: str) -> None:
     if schedule not in PACKED_SCHEDULES:
         raise ValueError(f"unknown packed schedule {schedule!r}; expected one of {PACKED_SCHEDULES}")
+    if schedule not in _FORWARD:
+        raise ValueError(f"schedule={schedule!r} shards heads: it runs as cp::{schedule}_attention with "
+                         f"inner='packed' (ops.ulysses_masks.packed_heads_attention), not as cp::varlen_attention")
 
 
 # ----------------------------------------------------------------------------
@@ -372,16 +378,15 @@ def varlen_attention(
     from ..passes.cost import choose_packed_schedule
 
     left, right = window_of(window_size, is_causal)
-    if schedule == "hybrid":
-        from .ulysses_masks import varlen_hybrid_attention
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if schedule in ("ulysses", "hybrid"):
+        from .ulysses_masks import packed_heads_attention
 
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return varlen_hybrid_attention(q, k, v, cu_seqlens, group, left, right, scale, bool(enable_gqa))
+        return packed_heads_attention(q, k, v, cu_seqlens, group, schedule, left, right, scale, bool(enable_gqa))[0]
     group_name = group_name_of(group)
     if schedule == "auto":
         world_size = resolve_group(group_name).size()
         schedule, _ = choose_packed_schedule(q.shape[1], k.shape[1], q.shape[0], (left, right), world_size)
     _check_schedule(schedule)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, _ = varlen_attention_op(q, k, v, cu_seqlens, group_name, schedule, left, right, scale, bool(enable_gqa))
     return out

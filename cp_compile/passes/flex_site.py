@@ -1,4 +1,6 @@
-"""Stage 1 for FlexAttention: the ``flex_attention`` higher-order op becomes ``cp::flex_attention``.
+"""Stage 1 for FlexAttention: the ``flex_attention`` higher-order op becomes ``cp::flex_attention``
+(ring, all-gather) or, for the head-sharding schedules, ``cp::ulysses_attention`` /
+``cp::hybrid_attention`` (a 2-D mesh plan) with the ``"flex"`` inner attention.
 
 The HOP carries its mods as subgraphs (``get_attr`` submodules) and the
 tensors they read as explicit buffers. The rewrite registers the subgraphs
@@ -109,12 +111,25 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     if schedule not in FLEX_SCHEDULES:
         raise UnsupportedAttention(f"schedule {schedule!r} is not available for flex_attention at {site.source}")
     scale = float(args["scale"])
+    q = site.shape("query")
+    enable_gqa = q[1] != site.shape("key")[1]
+    buffers = mask_buffers + score_buffers
+    if schedule in ("ulysses", "hybrid"):  # head sharding: the "flex" inner attention of those ops
+        from ..ops.ulysses_masks import flex_options, heads_schedule
+
+        try:
+            target, groups = heads_schedule(schedule, options.group_name, options.mesh_groups)
+        except ValueError as e:
+            raise UnsupportedAttention(f"flex_attention at {site.source}: {e}") from None
+        op_args = (args["query"], args["key"], args["value"], buffers, *groups, False, options.layout, scale,
+                   enable_gqa, "flex", flex_options(key, mask_b, mask_h))
+    else:
+        target = torch.ops.cp.flex_attention.default
+        op_args = (args["query"], args["key"], args["value"], buffers, options.group_name, schedule, key,
+                   options.layout, int(mask_b), int(mask_h), scale)
     graph = site.owner.graph
     with graph.inserting_before(site.node):
-        op = graph.call_function(torch.ops.cp.flex_attention.default, (
-            args["query"], args["key"], args["value"], mask_buffers + score_buffers, options.group_name, schedule,
-            key, options.layout, int(mask_b), int(mask_h), scale,
-        ))
+        op = graph.call_function(target, op_args)
         out = graph.call_function(operator.getitem, (op, 0))
         lse = graph.call_function(operator.getitem, (op, 1))
         lse2 = graph.call_function(torch.mul, (lse, 1.0 / math.log(2.0)))  # the HOP's lse is base 2
@@ -132,8 +147,7 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     for attr in (block_mask[-1], args["score_mod"]):
         if not attr.users:
             graph.erase_node(attr)
-    q = site.shape("query")
-    site.args = {**args, "is_causal": False, "enable_gqa": q[1] != site.shape("key")[1]}
+    site.args = {**args, "is_causal": False, "enable_gqa": enable_gqa}
     site.decision = {"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key}
 
 

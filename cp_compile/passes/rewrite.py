@@ -183,16 +183,16 @@ def _ring_sdpa(site: AttentionSite, options: CPOptions, scale: float):
 def _ulysses_sdpa(site: AttentionSite, options: CPOptions, scale: float):
     args = site.args
     return torch.ops.cp.ulysses_attention.default, (
-        args["query"], args["key"], args["value"], options.group_name, bool(args["is_causal"]), options.layout,
-        scale, bool(args["enable_gqa"]),
+        args["query"], args["key"], args["value"], [], options.group_name, bool(args["is_causal"]),
+        options.layout, scale, bool(args["enable_gqa"]), "sdpa", "",
     )
 
 
 def _hybrid_sdpa(site: AttentionSite, options: CPOptions, scale: float):
     args = site.args
     return torch.ops.cp.hybrid_attention.default, (
-        args["query"], args["key"], args["value"], options.group_name, *options.mesh_groups,
-        bool(args["is_causal"]), options.layout, scale, bool(args["enable_gqa"]),
+        args["query"], args["key"], args["value"], [], options.group_name, *options.mesh_groups,
+        bool(args["is_causal"]), options.layout, scale, bool(args["enable_gqa"]), "sdpa", "",
     )
 
 

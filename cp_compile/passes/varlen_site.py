@@ -7,7 +7,10 @@ itself has no kernel). It returns (out, lse [H, T], rng_state). The wrapper
 passes ``is_causal = window_size == (-1, 0)`` and the window as a list.
 
 The rewrite inserts one ``cp::varlen_attention`` with the schedule chosen for
-the site; its ``cu_seqlens`` is the model's own global ``cu_seq_q``.
+the site (ring, all-gather), or for the head-sharding schedules one
+``cp::ulysses_attention`` / ``cp::hybrid_attention`` (a 2-D mesh plan) with the
+``"packed"`` inner attention on ``[1, H, T, D]`` views; its ``cu_seqlens`` is
+the model's own global ``cu_seq_q``.
 """
 
 from __future__ import annotations
@@ -74,11 +77,14 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
     left, right = args["window_left"], args["window_right"]
-    op, out, lse = replace_node(site, torch.ops.cp.varlen_attention.default, (
-        args["query"], args["key"], args["value"], args["cu_seq_q"], options.group_name, schedule,
-        left, right, scale, bool(args["enable_gqa"]),
-    ), n_outputs_used=2)
     graph = site.owner.graph
+    if schedule in ("ulysses", "hybrid"):
+        op, out, lse = _replace_with_heads_op(site, options, schedule, scale, left, right)
+    else:
+        op, out, lse = replace_node(site, torch.ops.cp.varlen_attention.default, (
+            args["query"], args["key"], args["value"], args["cu_seq_q"], options.group_name, schedule,
+            left, right, scale, bool(args["enable_gqa"]),
+        ), n_outputs_used=2)
     for user in list(site.node.users):
         if not user.users:
             pass
@@ -92,6 +98,30 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     graph.erase_node(site.node)
     site.decision = {"schedule": schedule, "why": why, "is_causal": right == 0, "scale": scale,
                      "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)}
+
+
+def _replace_with_heads_op(site: AttentionSite, options: CPOptions, schedule: str, scale: float, left: int,
+                           right: int):
+    """The head-sharding op with the "packed" inner attention, on [1, H, T, D] views of the packed
+    tensors (as ``ops.ulysses_masks.packed_heads_attention``); returns (op, out [T, H, D], lse [T, H])."""
+    from ..ops.ulysses_masks import RANK_ORDER, heads_schedule, packed_options
+
+    args, graph = site.args, site.owner.graph
+    try:
+        target, groups = heads_schedule(schedule, options.group_name, options.mesh_groups)
+    except ValueError as e:
+        raise UnsupportedAttention(f"varlen_attn at {site.source}: {e}") from None
+    with graph.inserting_before(site.node):
+        q, k, v = (graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (args[name], 0, 1)), 0))
+                   for name in ("query", "key", "value"))
+    op, out_h, lse_h = replace_node(site, target, (
+        q, k, v, [args["cu_seq_q"]], *groups, False, RANK_ORDER, scale, bool(args["enable_gqa"]), "packed",
+        packed_options(left, right),
+    ), n_outputs_used=2)
+    with graph.inserting_before(site.node):
+        out, lse = (graph.call_function(torch.transpose, (graph.call_function(torch.squeeze, (t, 0)), 0, 1))
+                    for t in (out_h, lse_h))
+    return op, out, lse
 
 
 SITE_KINDS.append(SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen))
