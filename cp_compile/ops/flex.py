@@ -595,13 +595,16 @@ def eager_mods(block_mask, score_mod) -> tuple[str, list[Tensor], int, int]:
 def flex_attention(
     q: Tensor, k: Tensor, v: Tensor, score_mod=None, block_mask=None, scale: Optional[float] = None,
     enable_gqa: bool = False, return_lse: bool = False, *, group=None, schedule: str = "auto",
-    layout: str = "zigzag",
+    layout: str = "zigzag", machine=None,
 ):
     """FlexAttention over a sequence sharded across ``group``, with torch's signature.
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
     comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
-    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``,
+    global indices. ``schedule`` is ``"auto"`` (the cost model's choice,
+    ``passes.masked.choose_flex``, from the global mask's block counts recorded
+    by the shard and ``machine``, a ``cp_compile.Machine``, default: the device
+    type's profile; the same choice a compiled site makes), ``"ring"``,
     ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
     (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
     size); ``layout`` matters only without a block_mask.
@@ -616,15 +619,16 @@ def flex_attention(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
     key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
+    if schedule == "auto":
+        from ..passes.masked import choose_flex
+
+        schedule, _, _ = choose_flex(q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)
     if schedule == "hybrid":
         from .ulysses_masks import flex_hybrid_attention
 
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out, lse = flex_hybrid_attention(q, k, v, buffers, group, key, layout, mask_b, mask_h, scale)
         return (out, lse) if return_lse else out
-    if schedule == "auto":
-        info = shard_info(block_mask)
-        schedule = info.schedule if info is not None else "ring"
     _check_schedule(schedule)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = flex_attention_op(q, k, v, buffers, group_name_of(group), schedule, key, layout, mask_b, mask_h,
