@@ -242,8 +242,9 @@ def estimate_ring(w: Workload, m: Machine) -> Estimate:
     exposed = sum(max(0.0, m.transfer(kv, 2) - s) for s in hops)
     sent = (c - 1) * kv
     if w.backward and c > 1:
-        exposed += sum(max(0.0, m.transfer(kv + dkv, 2) - 2.5 * s) for s in hops) + m.transfer(dkv, 2)
-        sent += (c - 1) * kv + c * dkv  # the last dK/dV hop home is exposed
+        exposed += sum(max(0.0, m.transfer(kv + dkv, 2) - 2.5 * s) for s in hops)
+        exposed += m.transfer(dkv, 2)  # the last dK/dV hop home
+        sent += (c - 1) * kv + c * dkv
     memory = 2 * kv + w.nbytes(w.q_heads, w.v_dim, w.acc_itemsize) + w.out_bytes + 2 * w.lse_bytes
     if w.backward:
         memory = max(memory, 3 * kv + 2 * dkv + w.nbytes(w.q_heads, w.head_dim, w.acc_itemsize) + w.q_bytes)
@@ -251,7 +252,8 @@ def estimate_ring(w: Workload, m: Machine) -> Estimate:
     if w.tiles is not None:
         why = "masked ring: each step as long as its busiest rank's visible work, K/V transfer overlapped with it"
         if empty:
-            notes.append(f"{empty} of {c} ring steps have no visible work on any rank: their transfers are exposed")
+            notes.append(f"{empty} of {c} ring steps have no visible work on any rank: nothing to hide the next "
+                         "transfer under")
     elif w.causal:
         why = "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
     else:
