@@ -233,7 +233,8 @@ def test_explain_shows_masked_estimates(fake_group):
 
     (site,) = capture_sites(packed, [*local, cu], plan)
     text = str(site_report(site, c))
-    assert f"over C={c} (auto:" in text and "window (16, 0) over 4 documents (cu_seqlens recorded by plan.shard)" in text
+    assert f"over C={c} (auto:" in text
+    assert "window (16, 0) over 4 documents (cu_seqlens recorded by plan.shard)" in text
     assert "candidates (cpu (default)" in text
     for row in ("ring  ", "allgather", "ulysses", "hybrid    not possible"):
         assert row in text

@@ -29,6 +29,7 @@ calls with the same facts choose the same.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -143,13 +144,19 @@ def _packed_tiles(cu: tuple, world_size: int, left: int, right: int) -> Tiles:
     return tuple(tuple(x / local ** 2 for x in row) for row in counts)
 
 
-# cu_seqlens seen by ContextParallel.shard, per (local length, C): a compiled site's only way to its documents
-_CU_SEQLENS: dict[tuple[int, int], tuple[int, ...]] = {}
+# cu_seqlens seen by ContextParallel.shard, per (local length, C): a compiled site's only way to its
+# documents. The most recent lengths only, so batches of ever new lengths do not pile up.
+_CU_SEQLENS: "OrderedDict[tuple[int, int], tuple[int, ...]]" = OrderedDict()
+MAX_RECORDS = 64
 
 
 def remember_cu_seqlens(cu_seqlens, world_size: int) -> None:
     cu = check_cu_seqlens(cu_seqlens)
-    _CU_SEQLENS[(packed_local_len(cu, world_size), world_size)] = tuple(cu)
+    key = (packed_local_len(cu, world_size), world_size)
+    _CU_SEQLENS[key] = tuple(cu)
+    _CU_SEQLENS.move_to_end(key)
+    while len(_CU_SEQLENS) > MAX_RECORDS:
+        _CU_SEQLENS.popitem(last=False)
 
 
 def recorded_cu_seqlens(local_len: int, world_size: int) -> Optional[tuple[int, ...]]:
