@@ -14,8 +14,8 @@ an ordinary tensor: the traced graph holds no rank, and everything CP reads
 from it beyond the first ``S_local`` entries is the same on every rank.
 
 The shard also records, from the global BlockMask's block counts (identical on
-every rank), which (rank, K/V source) tiles have any visible pair: the input
-to the ring vs all-gather choice.
+every rank), how much of each (rank, K/V source) tile lies in visible blocks:
+what the cost model (``passes.masked``) chooses a schedule from.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ class ShardInfo:
     table: Tensor
     world_size: int
     chunk: int  # tokens per layout chunk: the granularity of skipped work
-    tiles: list  # tiles[r][j]: rank r's queries see some key of rank j (global block counts)
-    schedule: str  # "ring" | "allgather"
-    why: str
+    # tiles[r][j]: fraction of (query of rank r, key of rank j) pairs in visible blocks (global block counts)
+    tiles: tuple
 
 
 def layout_perm(seq_len: int, world_size: int, layout: str) -> Tensor:
@@ -53,29 +52,20 @@ def layout_chunk(seq_len: int, world_size: int, layout: str) -> int:
     return _layout.chunk_length(seq_len, world_size, layout)
 
 
-def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> list[list[bool]]:
-    """tiles[r][j]: some block holding a query of rank r and a key of rank j is visible (full or partial)."""
-    dense = block_mask.to_dense().flatten(0, 1).any(0)  # [q blocks, kv blocks], any batch/head
+def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> tuple[tuple[float, ...], ...]:
+    """tiles[r][j]: fraction of the scores between rank r's queries and rank j's keys that lie in visible
+    blocks (full or partial), over batch and heads. Counted in integers: the same numbers on every rank."""
+    dense = block_mask.to_dense().to(device="cpu", dtype=torch.int64)  # [B, H, q blocks, kv blocks]
+    b, h, n_q, n_kv = dense.shape
     bq, bkv = block_mask.BLOCK_SIZE
+    perm = perm.to("cpu")
     local = perm.numel() // world_size
-    q_blocks = [torch.unique(perm[r * local:(r + 1) * local] // bq) for r in range(world_size)]
-    kv_blocks = [torch.unique(perm[r * local:(r + 1) * local] // bkv) for r in range(world_size)]
-    return [[bool(dense[q_blocks[r]][:, kv_blocks[j]].any()) for j in range(world_size)] for r in range(world_size)]
-
-
-def choose_flex_schedule(tiles: list[list[bool]]) -> tuple[str, str]:
-    """Ring when most off-diagonal (rank, source) tiles have work to hide a transfer behind; else all-gather."""
-    c = len(tiles)
-    if c == 1:
-        return "ring", "one rank: local attention"
-    busy = sum(tiles[r][j] for r in range(c) for j in range(c) if r != j)
-    total = c * (c - 1)
-    if 2 * busy >= total:
-        return "ring", f"{busy} of {total} remote tiles have visible pairs: transfers overlap with compute"
-    return "allgather", (
-        f"only {busy} of {total} remote tiles have visible pairs: a ring would wait on transfers with little "
-        "to compute, one all-gather of K/V moves the same bytes in one step"
-    )
+    mine = [perm[r * local:(r + 1) * local] for r in range(world_size)]
+    q_blocks = torch.stack([torch.bincount(p // bq, minlength=n_q) for p in mine])  # tokens per block and rank
+    kv_blocks = torch.stack([torch.bincount(p // bkv, minlength=n_kv) for p in mine])
+    pairs = q_blocks @ dense.sum((0, 1)) @ kv_blocks.t()
+    whole = b * h * local * local
+    return tuple(tuple(int(pairs[r, j]) / whole for j in range(world_size)) for r in range(world_size))
 
 
 def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Tensor, chunk: int) -> BlockMask:
@@ -101,9 +91,7 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
 
     batch, heads = block_mask.kv_num_blocks.shape[:2]
     sharded = create_block_mask(local_mod, batch, heads, local, local, device=device, BLOCK_SIZE=block_mask.BLOCK_SIZE)
-    tiles = rank_tiles(block_mask, perm, world_size)
-    schedule, why = choose_flex_schedule(tiles)
-    local_mod.cp_shard = ShardInfo(table, world_size, chunk, tiles, schedule, why)
+    local_mod.cp_shard = ShardInfo(table, world_size, chunk, rank_tiles(block_mask, perm, world_size))
     _remember(local, world_size, local_mod.cp_shard)
     return sharded
 
@@ -112,7 +100,7 @@ def shard_info(block_mask) -> ShardInfo | None:
     return None if block_mask is None else getattr(block_mask.mask_mod, "cp_shard", None)
 
 
-# The compiled rewrite sees only fake tensors; the choice for a site comes from
+# The compiled rewrite sees only fake tensors; the choice for a site is costed from
 # the last mask sharded for the same local length and C (identical on every rank).
 _LAST: dict[tuple[int, int], ShardInfo] = {}
 

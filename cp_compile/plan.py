@@ -80,7 +80,9 @@ class ContextParallel:
 
         With ``cu_seqlens`` (packed documents), every document is split into 2C
         chunks on its own and this rank gets chunks r and 2C-1-r of each, padding
-        slots zero (``layout.packed_slots``).
+        slots zero (``layout.packed_slots``). The documents are also recorded for
+        compiled ``varlen_attn`` sites of this local length, whose ``schedule="auto"``
+        choice is costed from them (``passes.masked``).
 
         A FlexAttention ``BlockMask`` built for the global sequence gives this
         rank's BlockMask: valid for the local q/k, meaning the global mask.
@@ -100,7 +102,11 @@ class ContextParallel:
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         if cu_seqlens is not None:
-            return _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size)
+            from .passes.masked import remember_cu_seqlens
+
+            local = _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size)
+            remember_cu_seqlens(cu_seqlens, self.world_size)  # what a compiled varlen site is costed from
+            return local
         if self.balanced is not None:
             return x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)

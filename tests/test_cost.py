@@ -1,5 +1,7 @@
 """The cost model: per-schedule estimates, the choice, its explanation, and the same choice on every rank."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,3 +100,153 @@ def test_calibration_gives_every_rank_the_same_profile(ranks):
     assert machines[0] == machines[1]  # max-reduced over the group: the choice cannot differ by rank
     m = machines[0]
     assert m.source == "calibrated" and m.flops > 0 and m.bandwidth > 0 and m.latency > 0
+
+
+# ----------------------------------------------------------------------------
+# Masked sites: packed documents and FlexAttention.
+# ----------------------------------------------------------------------------
+
+
+def packed_choice(lengths, window, hq, hkv, c=8, machine="cuda"):
+    """(schedule, reason, estimates by name) of a packed site over documents of ``lengths``, from cu_seqlens."""
+    from cp_compile.layout import packed_local_len
+    from cp_compile.passes.masked import choose_masked, packed_facts
+
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    local = packed_local_len(cu, c)
+    facts = packed_facts(cu, local, c, window)
+    shapes = [(local, h, 128) for h in (hq, hkv, hkv)]
+    schedule, why, estimates = choose_masked("varlen", *shapes, torch.bfloat16, c, facts, causal=window[1] == 0,
+                                             backward=True, machine=MACHINES[machine])
+    return schedule, why, {e.schedule: e for e in estimates}
+
+
+def test_masked_choices_follow_the_regimes():
+    docs = [16384] * 8  # 16384 slots a rank at C=8: chunks of 1024 per document and rank
+    # a window shorter than a chunk: only the neighbouring ranks' K/V are visible, 5 of 8 ring steps are
+    # empty and their transfers exposed; one gather moves the same bytes with fewer latencies
+    schedule, why, rows = packed_choice(docs, (128, 0), 12, 12)
+    assert schedule == "allgather" and "window (128, 0) over 8 documents" in why
+    assert any("5 of 8 ring steps have no visible work" in n for n in rows["ring"].notes)
+    assert rows["ring"].compute_s < rows["allgather"].exposed_comm_s  # latency/bandwidth-bound, not compute
+    # long causal documents: every step has work to hide (part of) the next transfer under
+    schedule, why, rows = packed_choice(docs, (-1, 0), 12, 12)
+    assert schedule == "ring" and rows["ring"].exposed_comm_s < rows["allgather"].exposed_comm_s
+    assert not rows["ring"].notes  # no empty step
+    assert "ulysses" in rows and not rows["ulysses"].feasible and "12 query heads" in rows["ulysses"].reason
+    # heads that split over C: Ulysses sees every token of its heads, one exchange each way
+    for window in ((128, 0), (-1, 0)):
+        assert packed_choice(docs, window, 16, 16)[0] == "ulysses"
+    # few K/V heads make the gather cheap: short documents, latency-bound, 32 query heads over C=8
+    assert packed_choice([256] * 128, (-1, 0), 32, 32)[0] == "ulysses"
+    assert packed_choice([256] * 128, (-1, 0), 32, 2)[0] == "allgather"  # Ulysses would replicate K/V x4
+    # K/V heads that do not split are replicated, as ops.ulysses does
+    assert any("replicated x4 (2 -> 8)" in n for n in packed_choice(docs, (-1, 0), 16, 2)[2]["ulysses"].notes)
+
+
+def test_masked_ring_pays_transfers_of_empty_steps():
+    """A ring step with no visible work costs its transfer and no compute; Ulysses and the gather do not care."""
+    gpu = MACHINES["cuda"]
+    busy = [[0.5, 0.5, 0.5, 0.5]] * 4
+    empty_step = [[0.5 if j in (r, (r - 1) % 4) else 0.0 for j in range(4)] for r in range(4)]  # steps 2, 3 empty
+    for tiles in (busy, empty_step):
+        w = workload(c=4, s_local=4096, backward=False)
+        w = replace(w, tiles=tuple(map(tuple, tiles)), visible=sum(map(sum, tiles)) / 16)
+        ring = ESTIMATORS["ring"](w, gpu)
+        step = w.tile_flops() / gpu.flops_for(w.dtype) * 0.5 + gpu.kernel_overhead
+        transfer = gpu.transfer(w.kv_bytes(), 2)
+        if tiles is busy:
+            assert ring.compute_s == pytest.approx(4 * step) and ring.exposed_comm_s == pytest.approx(0.0)
+        else:  # step i + 1's K/V travel during step i: step 3's find nothing to hide under (step 2 is empty)
+            assert ring.compute_s == pytest.approx(2 * step)
+            assert ring.exposed_comm_s == pytest.approx(transfer)
+            assert ring.notes == ["2 of 4 ring steps have no visible work on any rank: nothing to hide the next "
+                                  "transfer under"]
+
+
+def test_uniform_tiles_cost_like_the_sdpa_model():
+    """Tiles spreading ``visible`` evenly reproduce the SDPA estimates (ring exactly; one kernel call less
+    for the masked gather)."""
+    w = workload(c=4, s_local=2048)
+    uniform = replace(w, tiles=((w.visible,) * 4,) * 4)
+    for m in MACHINES.values():
+        assert ESTIMATORS["ring"](uniform, m).time_s == pytest.approx(ESTIMATORS["ring"](w, m).time_s)
+        gap = ESTIMATORS["allgather"](w, m).time_s - ESTIMATORS["allgather"](uniform, m).time_s
+        assert gap == pytest.approx(3.5 * m.kernel_overhead)
+        assert ESTIMATORS["ulysses"](uniform, m).time_s == pytest.approx(ESTIMATORS["ulysses"](w, m).time_s)
+    # the hybrid's ring runs between groups: tiles averaged over each group's ranks
+    hybrid = ESTIMATORS["hybrid"](replace(uniform, mesh=(2, 2)), MACHINES["cuda"])
+    assert hybrid.feasible and hybrid.time_s == pytest.approx(ESTIMATORS["hybrid"](replace(w, mesh=(2, 2)),
+                                                                                   MACHINES["cuda"]).time_s)
+
+
+def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
+    from cp_compile.passes import masked
+
+    masked._CU_SEQLENS.clear()
+    guess = masked.packed_facts(None, 64, 4, (8, 0))
+    assert "no cu_seqlens recorded" in guess.source and "one document of 256 tokens" in guess.source
+    assert guess.tiles == masked.packed_tiles([0, 256], 4, 8, 0)
+    cu = [0, 100, 130, 256]
+    masked.remember_cu_seqlens(torch.tensor(cu, dtype=torch.int32), 4)
+    local = cp_compile.layout.packed_local_len(cu, 4)
+    recorded = masked.packed_facts(None, local, 4, (8, 0))
+    assert "recorded by plan.shard" in recorded.source and recorded.tiles == masked.packed_tiles(cu, 4, 8, 0)
+    assert masked.packed_facts(None, local, 2, (8, 0)).source.startswith("window (8, 0); no cu_seqlens")  # other C
+    masked._CU_SEQLENS.clear()
+
+
+def capture_sites(fn, args, plan):
+    """Stage 1 only, on the graph Dynamo captures: the rewritten sites (the compiled function returns zeros,
+    so nothing runs on the fake process group)."""
+    from cp_compile.passes.rewrite import CPOptions, rewrite_attention
+
+    options = CPOptions(plan.group_name, plan.load_balance, plan.schedule, plan.mesh_groups, plan.machine)
+    sites = []
+
+    def backend(gm, example_inputs):
+        outputs = [n.meta["example_value"] for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
+        sites.extend(rewrite_attention(gm, options))
+        return lambda *a: tuple(torch.zeros(o.shape, dtype=o.dtype) for o in outputs)
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return sites
+
+
+@pytest.mark.parametrize("fake_group", [4], indirect=True)
+def test_explain_shows_masked_estimates(fake_group):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.varlen import varlen_attn
+
+    from cp_compile import masks
+    from cp_compile.inspect import site_report
+
+    c, _ = fake_group
+    plan = cp_compile.ContextParallel()
+    cu = torch.tensor([0, 40, 41, 200, 256], dtype=torch.int32)
+    q, k = torch.randn(256, 8, 16), torch.randn(256, 2, 16)
+    local = [plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, k)]  # records cu for the compiled site
+
+    def packed(q, k, v, cu):
+        return varlen_attn(q, k, v, cu, cu, 159, 159, window_size=(16, 0), enable_gqa=True)
+
+    (site,) = capture_sites(packed, [*local, cu], plan)
+    text = str(site_report(site, c))
+    assert f"over C={c} (auto:" in text
+    assert "window (16, 0) over 4 documents (cu_seqlens recorded by plan.shard)" in text
+    assert "candidates (cpu (default)" in text
+    for row in ("ring  ", "allgather", "ulysses", "hybrid    not possible"):
+        assert row in text
+    assert sum(line.lstrip().startswith("* ") for line in text.splitlines()) == 1
+
+    seq = 256
+    doc = torch.arange(seq) // 48
+    block_mask = create_block_mask(masks.and_(masks.causal(), masks.document(doc)), None, None, seq, seq,
+                                   device="cpu", BLOCK_SIZE=16)
+    local_mask = plan.shard(block_mask)
+    qs = [plan.shard(torch.randn(1, 4, seq, 16), 2) for _ in range(3)]
+    (site,) = capture_sites(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm), [*qs, local_mask], plan)
+    text = str(site_report(site, c))
+    assert "global BlockMask's block counts (plan.shard)" in text and "candidates" in text
+    assert "ulysses" in text and sum(line.lstrip().startswith("* ") for line in text.splitlines()) == 1

@@ -269,11 +269,16 @@ def test_opcheck_flex_ops(ranks):
 
 
 def test_schedule_choice_from_global_block_counts():
-    """Short documents leave most remote tiles empty (all-gather); a prefix-LM mask fills them (ring)."""
+    """The cost model reads the tiles the shard records from the global block counts. Short documents leave
+    most remote tiles empty, so most ring steps would wait on transfers: all-gather (or Ulysses, balanced
+    whatever the mask, when the heads split over C and K/V are as many as queries); a prefix-LM mask keeps
+    every ring step busy: ring. The tiles are fractions; the workload is the same mask at 4096 tokens a rank."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from cp_compile import masks
-    from cp_compile.flex_mask import choose_flex_schedule, layout_perm, rank_tiles
+    from cp_compile.flex_mask import layout_perm, rank_tiles
+    from cp_compile.passes.cost import MACHINES
+    from cp_compile.passes.masked import MaskFacts, choose_masked
 
     c, seq = 4, 32
     perm = layout_perm(seq, c, "zigzag")
@@ -281,9 +286,15 @@ def test_schedule_choice_from_global_block_counts():
     chosen = {}
     for name, mod in {"documents": docs, "prefix-lm": masks.prefix_lm(seq // 2)}.items():
         bm = create_block_mask(mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK)
-        chosen[name] = choose_flex_schedule(rank_tiles(bm, perm, c))
-    assert chosen["documents"][0] == "allgather" and "4 of 12" in chosen["documents"][1]
-    assert chosen["prefix-lm"][0] == "ring"
+        facts = MaskFacts(rank_tiles(bm, perm, c), "test mask")
+        for hq, hkv in ((12, 2), (8, 8)):
+            shapes = [(1, h, 4096, 128) for h in (hq, hkv, hkv)]
+            chosen[name, hq, hkv] = choose_masked("flex", *shapes, torch.bfloat16, c, facts, causal=False,
+                                                  backward=True, machine=MACHINES["cuda"])[:2]
+    schedule, why = chosen["documents", 12, 2]
+    assert schedule == "allgather" and "4 of 12 remote tiles" in why, why
+    assert chosen["documents", 8, 8][0] == "ulysses"
+    assert chosen["prefix-lm", 12, 2][0] == "ring"
 
 
 def run_balanced(seq: int = 48, block: int = 4):

@@ -273,8 +273,15 @@ def compiled_varlen(inner: str):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     import cp_compile
+    from cp_compile.passes.masked import choose_packed
 
-    plan = cp_compile.ContextParallel()
+    # A profile (slow kernel launches, a fast link) under which the estimates pick the all-gather for
+    # the windowed GQA site (one kernel instead of C, and its busiest ring steps carry more than its
+    # busiest row) and the ring for the causal one (its transfers hide under compute), so both compiled
+    # schedules run here. The default CPU profile picks the all-gather for both: at 44 tokens every
+    # transfer is latency-bound.
+    machine = cp_compile.Machine("cpu", flops=1e9, bandwidth=3e8, latency=1e-6, kernel_overhead=1e-5)
+    plan = cp_compile.ContextParallel(machine=machine)
     lengths = [13, 1, 0, 3, 22, 5]
     q, k, v, do, cu = packed_inputs(lengths, 4, 1, 8)
     max_len = max(lengths)
@@ -311,7 +318,10 @@ def compiled_varlen(inner: str):
     from cp_compile.inspect import site_report
 
     reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
-    return errs, decisions, sum(counters["graph_break"].values()), reports, lse_ok
+    # eager varlen_attention(schedule="auto") decides with the same function from the same facts
+    eager = [choose_packed(local[0], kv, kv, cu, plan.world_size, window, machine)[0]
+             for kv, window in ((local[1].detach(), (2, 0)), (local[1].detach().repeat_interleave(4, 1), (-1, 0)))]
+    return errs, decisions, sum(counters["graph_break"].values()), reports, lse_ok, eager
 
 
 def per_document_reference_out(q, k, v, cu, window):
@@ -342,13 +352,19 @@ def per_document_lse(q, k, cu, window):
 # (inner="inductor"), which the SDPA all-gather test exercises on every run.
 @pytest.mark.parametrize("inner", ["aot_eager"])
 def test_compiled_varlen_attn_rewrite(ranks, inner):
-    for errs, decisions, breaks, reports, lse_ok in ranks(3, compiled_varlen, inner, timeout=600):
+    results = ranks(3, compiled_varlen, inner, timeout=600)
+    assert all(r[1] == results[0][1] for r in results)  # every rank: the same schedules, for the same reasons
+    for errs, decisions, breaks, reports, lse_ok, eager in results:
         assert breaks == 0
         assert lse_ok
-        assert "schedule: allgather over C=3 (window (2, 0)" in reports[0] and "causal" in reports[0]
-        assert "schedule: ring over C=3" in reports[1]
+        assert "schedule: allgather over C=3 (auto:" in reports[0] and "window (2, 0) over 6 documents" in reports[0]
+        assert "schedule: ring over C=3" in reports[1] and "causal" in reports[1]
+        for report in reports:  # the cost model's table, as for SDPA sites
+            assert "candidates (cpu (default)" in report and "ulysses   not possible: 4 query heads" in report
+        assert "* allgather" in reports[0] and "* ring" in reports[1]
         assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
-        assert "window" in decisions[0][2]
+        assert "cu_seqlens recorded by plan.shard" in decisions[0][2]
+        assert eager == ["allgather", "ring"]
         assert max(errs) < 1e-10, errs
 
 
@@ -492,15 +508,31 @@ def test_ranks_with_different_cu_seqlens_all_raise(ranks):
         assert message is not None and "cu_seqlens differs across ranks" in message
 
 
-def test_packed_schedule_choice():
-    from cp_compile.passes.cost import choose_packed_schedule
+def test_packed_cost_tiles_count_the_kernels_mask():
+    """What the cost model reads for a packed site: visible (query rank, key rank) pairs, in closed form from
+    cu_seqlens and the window, equal to counting the mask the kernels evaluate (padding, empty documents,
+    lengths that do not divide by 2C, C = 1 included)."""
+    from cp_compile.passes.masked import packed_tiles
 
-    schedule, why = choose_packed_schedule(8, 8, 1024, (128, 0), 4)
-    assert schedule == "allgather" and "window (128, 0)" in why
-    schedule, why = choose_packed_schedule(8, 2, 1024, (-1, 0), 4)
-    assert schedule == "allgather" and "few K/V heads" in why
-    assert choose_packed_schedule(8, 8, 1024, (-1, 0), 4)[0] == "ring"
-    assert choose_packed_schedule(8, 8, 1024, (4096, 0), 4)[0] == "ring"  # window wider than a rank's share
+    def visible_pairs(cu, r, j, c, left, right):
+        a, b = layout.packed_slots(cu, r, c), layout.packed_slots(cu, j, c)
+        behind = a["pos"][:, None] - b["pos"][None, :]
+        mask = (a["doc"][:, None] == b["doc"][None, :]) & a["real"][:, None] & b["real"][None, :]
+        if left >= 0:
+            mask &= behind <= left
+        if right >= 0:
+            mask &= -behind <= right
+        return int(mask.sum())
+
+    for lengths, c in (([13, 1, 0, 3, 22, 5], 3), ([50, 7, 1, 33], 4), ([9, 17], 2), ([100], 4), ([0, 5], 1)):
+        cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+        local = layout.packed_local_len(cu, c)
+        for window in WINDOWS + [(5, 0), (0, 0), (40, 3)]:
+            tiles = packed_tiles(cu, c, *window)
+            for r in range(c):
+                for j in range(c):
+                    pairs = visible_pairs(cu, r, j, c, *window)
+                    assert tiles[r][j] == pairs / local ** 2, (lengths, c, window, r, j)
 
 
 def test_varlen_with_other_key_documents_is_rejected_at_compile_time():

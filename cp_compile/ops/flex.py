@@ -602,19 +602,22 @@ def eager_mods(block_mask, score_mod) -> tuple[str, list[Tensor], int, int]:
 def flex_attention(
     q: Tensor, k: Tensor, v: Tensor, score_mod=None, block_mask=None, scale: Optional[float] = None,
     enable_gqa: bool = False, return_lse: bool = False, *, group=None, schedule: str = "auto",
-    layout: str = "zigzag",
+    layout: str = "zigzag", machine=None,
 ):
     """FlexAttention over a sequence sharded across ``group``, with torch's signature.
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
     comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
-    global indices. ``schedule`` is ``"auto"`` (the shard's choice), ``"ring"``,
+    global indices. ``schedule`` is ``"auto"`` (the cost model's choice,
+    ``passes.masked.choose_flex``, from the global mask's block counts recorded
+    by the shard and ``machine``, a ``cp_compile.Machine``, default: the device
+    type's profile; the same choice a compiled site makes), ``"ring"``,
     ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
     (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
     size); ``layout`` matters only without a block_mask.
     Differentiable (mask and score mods; tensors the mods capture get no gradient).
     """
-    from .ring import group_name_of
+    from .ring import group_name_of, is_2d_mesh
 
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(
@@ -624,8 +627,10 @@ def flex_attention(
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
     key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
     if schedule == "auto":
-        info = shard_info(block_mask)
-        schedule = info.schedule if info is not None else "ring"
+        from ..passes.masked import choose_flex
+
+        schedule = "hybrid" if is_2d_mesh(group) else choose_flex(
+            q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if schedule in ("ulysses", "hybrid"):
         from .ulysses_masks import flex_heads_attention

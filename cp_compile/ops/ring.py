@@ -360,6 +360,11 @@ register_schedule(
 # ----------------------------------------------------------------------------
 
 
+def is_2d_mesh(group) -> bool:
+    """A 2-D (ring, a2a) DeviceMesh: eagerly only the hybrid schedule runs on one."""
+    return hasattr(group, "get_group") and group.ndim == 2
+
+
 def group_name_of(group) -> str:
     """Name of a ProcessGroup, a 1-D DeviceMesh, a group name, or None (the default group)."""
     if isinstance(group, str):

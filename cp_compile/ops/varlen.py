@@ -51,7 +51,7 @@ from .allgather import gather_dim0, reduce_scatter_dim0
 from .block import acc_dtype, dense_like
 from .comm import resolve_group
 from .registry import Traceable, register_schedule
-from .ring import group_name_of, ring_pass_backward, ring_pass_forward
+from .ring import group_name_of, is_2d_mesh, ring_pass_backward, ring_pass_forward
 from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 
 # ulysses and hybrid run as cp::ulysses_attention / cp::hybrid_attention (inner "packed", ops.ulysses_masks)
@@ -363,7 +363,7 @@ def window_of(window_size, is_causal: bool) -> tuple[int, int]:
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group=None, *, is_causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), scale: Optional[float] = None, enable_gqa: bool = False,
-    schedule: str = "auto",
+    schedule: str = "auto", machine=None,
 ) -> Tensor:
     """CP attention over packed documents. Differentiable.
 
@@ -373,20 +373,23 @@ def varlen_attention(
     ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
     ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
     must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
-    query heads must divide by its a2a size) or ``"auto"`` (``passes.cost``).
+    query heads must divide by its a2a size) or ``"auto"``: the cost model's
+    choice (``passes.masked.choose_packed``) from the documents, the window and
+    ``machine`` (a ``cp_compile.Machine``; default: the device type's profile),
+    the same choice a compiled ``varlen_attn`` site makes.
     """
-    from ..passes.cost import choose_packed_schedule
-
     left, right = window_of(window_size, is_causal)
+    if schedule == "auto":
+        from ..passes.masked import choose_packed
+
+        schedule = "hybrid" if is_2d_mesh(group) else choose_packed(
+            q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine)[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if schedule in ("ulysses", "hybrid"):
         from .ulysses_masks import packed_heads_attention
 
         return packed_heads_attention(q, k, v, cu_seqlens, group, schedule, left, right, scale, bool(enable_gqa))[0]
     group_name = group_name_of(group)
-    if schedule == "auto":
-        world_size = resolve_group(group_name).size()
-        schedule, _ = choose_packed_schedule(q.shape[1], k.shape[1], q.shape[0], (left, right), world_size)
     _check_schedule(schedule)
     out, _ = varlen_attention_op(q, k, v, cu_seqlens, group_name, schedule, left, right, scale, bool(enable_gqa))
     return out

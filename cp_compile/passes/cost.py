@@ -20,10 +20,15 @@ Model (per rank, forward plus backward when any input requires grad):
   are exposed in full (the compute needs their result);
 - memory: what the schedule holds beyond its inputs and outputs.
 
-Sites of other kinds (FlexAttention, packed varlen) are costed alike: their
-kind puts the mask's visible fraction of the S x S score matrix in
-``site.args["visible_fraction"]`` (block-mask density, or the sum of squared
-document lengths over S^2).
+Masked sites (FlexAttention, packed varlen) are costed by the same
+estimators from a ``Workload`` that also carries ``tiles``: the visible
+fraction of every (query rank, key rank) tile of the score matrix, from the
+global BlockMask's block counts or from ``cu_seqlens`` and the window
+(``passes.masked``). With tiles, a ring step lasts as long as its busiest
+rank's visible work, or its transfer when that is longer (a step nobody has
+work in still pays its transfer); the all-gather waits for the busiest rank's
+whole row; Ulysses sees every token of its heads, so its work is the average
+whatever the mask.
 
 Every input (shapes, dtype, mask, C, the plan's options and machine
 profile) is the same on every rank, and the arithmetic is deterministic, so
@@ -106,6 +111,9 @@ class Workload:
     causal: bool
     backward: bool  # forward and backward, or forward only
     mesh: tuple[int, ...] = ()  # (ring size, all-to-all size) of a 2-D plan, else ()
+    # tiles[r][j]: fraction of the (local x local) scores between rank r's queries and rank j's keys
+    # the mask keeps; None: ``visible`` spread evenly over ranks and ring steps (a zigzag SDPA site)
+    tiles: Optional[tuple[tuple[float, ...], ...]] = None
 
     @property
     def itemsize(self) -> int:
@@ -137,6 +145,26 @@ class Workload:
     def forward_flops(self) -> float:
         s = self.local_len * self.world_size
         return 2.0 * self.batch * self.q_heads * s * s * (self.head_dim + self.v_dim) * self.visible / self.world_size
+
+    def tile_flops(self) -> float:
+        """Forward FLOPs of one fully visible (local x local) tile."""
+        return 2.0 * self.batch * self.q_heads * self.local_len ** 2 * (self.head_dim + self.v_dim)
+
+    def ring_step_work(self) -> list[float]:
+        """Per ring step, the visible fraction of the busiest rank's tile (step i: rank r sees rank r-i's K/V)."""
+        c, t = self.world_size, self.tiles
+        return [max(t[r][(r - i) % c] for r in range(c)) for i in range(c)]
+
+    def row_work(self) -> float:
+        """The busiest rank's visible fraction summed over every rank's keys (its all-gathered work)."""
+        return max(sum(row) for row in self.tiles)
+
+    def group_tiles(self, groups: int) -> tuple[tuple[float, ...], ...]:
+        """Tiles between groups of ``world_size / groups`` consecutive ranks (the hybrid's ring members)."""
+        size = self.world_size // groups
+        return tuple(tuple(sum(self.tiles[r][j] for r in range(g * size, (g + 1) * size)
+                               for j in range(h * size, (h + 1) * size)) / size ** 2
+                           for h in range(groups)) for g in range(groups))
 
 
 @dataclass
@@ -175,11 +203,6 @@ def _compute(w: Workload, m: Machine, kernel_calls: int) -> tuple[float, float]:
     return fwd, (2.5 * fwd if w.backward else 0.0)
 
 
-def _ring_exposed(m: Machine, steps: int, step_bytes: float, step_compute: float) -> float:
-    """Transfers of ``steps - 1`` ring hops, each hidden under one step's compute."""
-    return max(steps - 1, 0) * max(0.0, m.transfer(step_bytes, 2) - step_compute)
-
-
 def _exchange(m: Machine, nbytes: float, group: int) -> tuple[float, float]:
     """(seconds, bytes sent) of an all-to-all / all-gather moving ``nbytes`` of buffer over ``group`` ranks."""
     if group <= 1:
@@ -194,26 +217,54 @@ def _exchange(m: Machine, nbytes: float, group: int) -> tuple[float, float]:
 # ----------------------------------------------------------------------------
 
 
+def _ring_steps(w: Workload, m: Machine) -> tuple[float, list[float], int]:
+    """(forward seconds, forward seconds of each step, steps with no visible work on any rank)."""
+    c = w.world_size
+    if w.tiles is None:
+        fwd = _compute(w, m, kernel_calls=c)[0]
+        return fwd, [fwd / c] * c, 0
+    full = w.tile_flops() / m.flops_for(w.dtype)
+    work = w.ring_step_work()
+    steps = [x * full + (m.kernel_overhead if x > 0 else 0.0) for x in work]
+    return sum(steps), steps, sum(1 for x in work if x == 0)
+
+
 def estimate_ring(w: Workload, m: Machine) -> Estimate:
     c = w.world_size
-    fwd, bwd = _compute(w, m, kernel_calls=c)
+    fwd, steps, empty = _ring_steps(w, m)
+    bwd = 2.5 * fwd if w.backward else 0.0
     kv, dkv = w.kv_bytes(), w.kv_bytes(itemsize=w.acc_itemsize)
-    exposed = _ring_exposed(m, c, kv, fwd / c)
+    # the transfer for step i + 1 runs under step i's compute
+    hops = steps[:-1]
+    exposed = sum(max(0.0, m.transfer(kv, 2) - s) for s in hops)
     sent = (c - 1) * kv
     if w.backward and c > 1:
-        exposed += _ring_exposed(m, c, kv + dkv, bwd / c) + m.transfer(dkv, 2)  # the last dK/dV hop home
+        exposed += sum(max(0.0, m.transfer(kv + dkv, 2) - 2.5 * s) for s in hops)
+        exposed += m.transfer(dkv, 2)  # the last dK/dV hop home
         sent += (c - 1) * kv + c * dkv
     memory = 2 * kv + w.nbytes(w.q_heads, w.v_dim, w.acc_itemsize) + w.out_bytes + 2 * w.lse_bytes
     if w.backward:
         memory = max(memory, 3 * kv + 2 * dkv + w.nbytes(w.q_heads, w.head_dim, w.acc_itemsize) + w.q_bytes)
-    why = ("causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
-           if w.causal else "ring: K/V transfer overlapped with compute")
-    return Estimate("ring", True, why, fwd + bwd + exposed, fwd + bwd, exposed, sent, memory)
+    notes = []
+    if w.tiles is not None:
+        why = "masked ring: each step as long as its busiest rank's visible work, K/V transfer overlapped with it"
+        if empty:
+            notes.append(f"{empty} of {c} ring steps have no visible work on any rank: nothing to hide the next "
+                         "transfer under")
+    elif w.causal:
+        why = "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
+    else:
+        why = "ring: K/V transfer overlapped with compute"
+    return Estimate("ring", True, why, fwd + bwd + exposed, fwd + bwd, exposed, sent, memory, notes)
 
 
 def estimate_allgather(w: Workload, m: Machine) -> Estimate:
     c = w.world_size
-    fwd, bwd = _compute(w, m, kernel_calls=2)
+    if w.tiles is None:
+        fwd, bwd = _compute(w, m, kernel_calls=2)
+    else:  # one kernel over every rank's keys: the busiest rank's row sets the time
+        fwd = w.row_work() * w.tile_flops() / m.flops_for(w.dtype) + m.kernel_overhead
+        bwd = 2.5 * fwd if w.backward else 0.0
     kv_all = c * w.kv_bytes()
     t, sent = _exchange(m, kv_all, c)
     exposed = t
@@ -268,7 +319,8 @@ def estimate_hybrid(w: Workload, m: Machine) -> Estimate:
     # the ring then runs over ``rings`` ranks on head-sharded blocks as large as the local ones
     kv_heads = w.kv_heads * replicate_kv_heads(w.kv_heads, w.q_heads, group)
     inner = replace(w, world_size=rings, local_len=w.local_len * group, q_heads=w.q_heads // group,
-                    kv_heads=kv_heads // group, mesh=())
+                    kv_heads=kv_heads // group, mesh=(),
+                    tiles=None if w.tiles is None else w.group_tiles(rings))
     ring = estimate_ring(inner, m)
     return Estimate("hybrid", True, f"all-to-all over {group} ranks, then a ring over {rings}",
                     ring.time_s + comm, ring.compute_s, ring.exposed_comm_s + comm, ring.bytes_sent + sent,
@@ -347,60 +399,49 @@ def _available(site) -> Optional[set]:
     return None if table is None else set(table)
 
 
-def choose_schedule(site, options) -> tuple[str, str]:
-    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
-    check_schedule(options.schedule)
-    if site.kind in ("varlen", "flex"):
-        return _choose_masked(site, options)
-    w = workload(site, options)
-    machine = getattr(options, "machine", None) or default_machine(site.query.meta.get(
-        "example_value", site.query.meta.get("val")).device.type if w is not None else "cpu")
-    estimates = estimate_all(w, machine, _available(site)) if w is not None else []
-    site.decision["estimates"] = estimates
-    site.decision["machine"] = machine
-    if options.schedule != "auto":
-        forced = next((e for e in estimates if e.schedule == options.schedule), None)
-        if forced is not None and not forced.feasible:
-            raise ValueError(f"schedule={options.schedule!r} cannot run the attention at {site.source}: "
-                             f"{forced.reason}")
+def machine_for(options, device: str) -> Machine:
+    """The plan's machine profile, or the default one for ``device``."""
+    return getattr(options, "machine", None) or default_machine(device)
+
+
+def decide(w: Optional[Workload], machine: Machine, schedule: str, available=None, where: str = "",
+           facts: str = "") -> tuple[str, str, list[Estimate]]:
+    """(schedule, reason, estimates): the fastest feasible candidate for ``w``, or the forced ``schedule``.
+
+    ``facts`` (what the workload was built from, e.g. a mask's visible fraction) ends the reason.
+    A forced schedule that the site's kind offers but cannot run here raises ``ValueError``.
+    """
+    check_schedule(schedule)
+    estimates = estimate_all(w, machine, available) if w is not None else []
+    tail = f"; {facts}" if facts else ""
+    if schedule != "auto":
+        forced = next((e for e in estimates if e.schedule == schedule), None)
+        offered = available is None or schedule in available
+        if forced is not None and offered and not forced.feasible:
+            raise ValueError(f"schedule={schedule!r} cannot run the attention at {where}: {forced.reason}")
         why = "chosen by the plan (schedule=...)"
-        return options.schedule, why + (f"; {'; '.join(forced.notes)}" if forced is not None and forced.notes else "")
+        notes = f"; {'; '.join(forced.notes)}" if forced is not None and forced.notes else ""
+        return schedule, why + notes + tail, estimates
     best = pick(estimates)
     others = [e for e in estimates if e.feasible and e is not best]
     runner = min(others, key=lambda e: e.time_s) if others else None
     margin = f", {runner.time_s / best.time_s:.2f}x faster than {runner.schedule}" if runner else ""
     notes = f"; {'; '.join(best.notes)}" if best.notes else ""
-    return best.schedule, f"auto: {best.reason}; estimated {best.time_s * 1e3:.3f} ms{margin}{notes}"
+    return best.schedule, f"auto: {best.reason}; estimated {best.time_s * 1e3:.3f} ms{margin}{notes}{tail}", estimates
 
 
-def choose_packed_schedule(q_heads: int, kv_heads: int, local_len: int, window: tuple[int, int],
-                           world_size: int) -> tuple[str, str]:
-    """Ring or all-gather for packed documents (every argument is the same on every rank)."""
-    left, right = window
-    if world_size > 1 and left >= 0 and right >= 0 and left + right < local_len:
-        return "allgather", (
-            f"window ({left}, {right}) is shorter than a rank's {local_len} slots: each query sees only neighbouring "
-            "chunks, so most ring steps would be empty; one K/V gather replaces C-1 latency-bound ring steps"
-        )
-    if kv_heads * 4 <= q_heads:
-        return "allgather", (
-            f"few K/V heads ({kv_heads} for {q_heads} query heads): the gathered K/V is small, and one gather "
-            "replaces C-1 ring steps"
-        )
-    return "ring", "packed ring: K/V transfer overlapped with compute, memory flat in C"
+def choose_schedule(site, options) -> tuple[str, str]:
+    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
+    check_schedule(options.schedule)
+    example = site.query.meta.get("example_value", site.query.meta.get("val"))
+    machine = machine_for(options, example.device.type if example is not None else "cpu")
+    if site.kind in ("varlen", "flex"):
+        from .masked import choose_site
 
-
-def _choose_masked(site, options) -> tuple[str, str]:
-    """Packed and FlexAttention sites: ring or all-gather, from what the mask leaves visible."""
-    if options.schedule != "auto":
-        return options.schedule, "chosen by the plan (schedule=...)"
-    if site.kind == "flex":
-        from .flex_site import choose_flex_site_schedule
-
-        return choose_flex_site_schedule(site, options)
-    from ..ops.comm import resolve_group
-
-    q_shape, k_shape = site.shape("query"), site.shape("key")
-    window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
-    return choose_packed_schedule(q_shape[1], k_shape[1], q_shape[0], window,
-                                  resolve_group(options.group_name).size())
+        schedule, why, estimates = choose_site(site, options, machine)
+    else:
+        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, _available(site),
+                                          site.source)
+    site.decision["estimates"] = estimates
+    site.decision["machine"] = machine
+    return schedule, why

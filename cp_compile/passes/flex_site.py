@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..flex_mask import HEADER
-from ..ops.flex import Mods, register_mods
+from ..ops.flex import FLEX_SCHEDULES, Mods, register_mods
 from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
@@ -106,8 +106,6 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
-    from ..ops.flex import FLEX_SCHEDULES
-
     if schedule not in FLEX_SCHEDULES:
         raise UnsupportedAttention(f"schedule {schedule!r} is not available for flex_attention at {site.source}")
     scale = float(args["scale"])
@@ -148,23 +146,10 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
         if not attr.users:
             graph.erase_node(attr)
     site.args = {**args, "is_causal": False, "enable_gqa": enable_gqa}
-    site.decision = {"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key}
+    site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key})
 
 
-FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex)
+FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex, FLEX_SCHEDULES)
 if all(kind.name != "flex" for kind in SITE_KINDS):
     SITE_KINDS.append(FLEX_KIND)
 
-
-def choose_flex_site_schedule(site: AttentionSite, options: CPOptions) -> tuple[str, str]:
-    """For ``passes.cost``: the choice ``plan.shard`` made from the global mask's block counts."""
-    from ..flex_mask import last_shard_info
-    from ..ops.comm import resolve_group
-
-    if not site.args["mask_mod_buffers"]:
-        return "ring", "no block_mask: every pair visible, K/V transfers overlap with compute"
-    world_size = resolve_group(options.group_name).size()
-    info = last_shard_info(site.shape("query")[2], world_size)
-    if info is None:
-        return "ring", "no sharded mask recorded for this length: ring"
-    return info.schedule, info.why

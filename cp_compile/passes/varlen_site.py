@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 
+from ..ops.varlen import PACKED_SCHEDULES
 from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, replace_node
 
 VARLEN_OP = torch.ops.torch_attn._varlen_attn
@@ -65,7 +66,6 @@ def _check_varlen(site: AttentionSite) -> None:
 
 
 def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
-    from ..ops.varlen import PACKED_SCHEDULES
     from .cost import choose_schedule
 
     args = site.args
@@ -96,8 +96,8 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
             user.replace_all_uses_with(lse_ht)
         graph.erase_node(user)
     graph.erase_node(site.node)
-    site.decision = {"schedule": schedule, "why": why, "is_causal": right == 0, "scale": scale,
-                     "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)}
+    site.decision.update({"schedule": schedule, "why": why, "is_causal": right == 0, "scale": scale,
+                          "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)})
 
 
 def _replace_with_heads_op(site: AttentionSite, options: CPOptions, schedule: str, scale: float, left: int,
@@ -124,4 +124,4 @@ def _replace_with_heads_op(site: AttentionSite, options: CPOptions, schedule: st
     return op, out, lse
 
 
-SITE_KINDS.append(SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen))
+SITE_KINDS.append(SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen, PACKED_SCHEDULES))
