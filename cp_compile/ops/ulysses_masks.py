@@ -12,7 +12,7 @@ keeps those and moves only dout (and dlse) in and dq, dk, dv out over the
 all-to-all group (the hybrid's K/V and dK/dV still travel its ring).
 
 After the exchange every rank holds every token of the group for H/C heads.
-A dense mask kernel does not care in which order those tokens sit, so both
+The masked kernels do not care in which order those tokens sit, so both
 inner attentions exchange in plain rank order (``Inner.rank_order``: every
 rank's shard concatenated, the ``"contiguous"`` exchange) rather than
 restoring the zigzag's sequence order. Two reasons: for a BlockMask sharded
