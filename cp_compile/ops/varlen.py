@@ -115,9 +115,14 @@ def varlen_block_attn(
     return tiles_attn(q, k, v, tiles, scale)
 
 
+def packed_result_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised packed (out [T, Hq, Dv], lse [T, Hq]): what the fakes return."""
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+
+
 @varlen_block_attn.register_fake
 def _(q, k, v, cu_seqlens, step, group_name, window_left, window_right, scale):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+    return packed_result_like(q, v)
 
 
 @torch.library.custom_op("cp::varlen_block_attn_backward", mutates_args=())
@@ -268,7 +273,7 @@ def varlen_attention_op(
 
 @varlen_attention_op.register_fake
 def _(q, k, v, cu_seqlens, group_name, schedule, window_left, window_right, scale, enable_gqa):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[:2], dtype=acc_dtype(q.dtype))
+    return packed_result_like(q, v)
 
 
 @torch.library.custom_op("cp::varlen_attention_backward", mutates_args=())
