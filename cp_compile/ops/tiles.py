@@ -25,6 +25,7 @@ Padding rows are in no run: out = 0, lse = -inf, zero gradients.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import torch
@@ -92,8 +93,11 @@ def _coalesce(tiles: list[Tile], along_keys: bool) -> list[Tile]:
     return joined
 
 
-def plan_tiles(q_runs: Sequence[Segment], k_runs: Sequence[Segment], left: int, right: int) -> list[Tile]:
-    """Every tile with something visible (window ``(left, right)``, -1 unbounded)."""
+@functools.lru_cache(maxsize=256)
+def plan_tiles(q_runs: tuple[Segment, ...], k_runs: tuple[Segment, ...], left: int, right: int) -> tuple[Tile, ...]:
+    """Every tile with something visible (window ``(left, right)``, -1 unbounded).
+
+    Cached: a step's forward and backward, and every layer of a model, plan the same tiles."""
     by_doc: dict[int, list[Segment]] = {}
     for ks in k_runs:
         by_doc.setdefault(ks.doc, []).append(ks)
@@ -101,7 +105,7 @@ def plan_tiles(q_runs: Sequence[Segment], k_runs: Sequence[Segment], left: int, 
     for qs in q_runs:
         for ks in by_doc.get(qs.doc, ()):
             tiles += _tiles(qs, ks, left, right)
-    return _coalesce(_coalesce(tiles, along_keys=True), along_keys=False)
+    return tuple(_coalesce(_coalesce(tiles, along_keys=True), along_keys=False))
 
 
 def _bhld(t: Tensor, row: int, length: int) -> Tensor:
@@ -109,7 +113,7 @@ def _bhld(t: Tensor, row: int, length: int) -> Tensor:
     return t.narrow(0, row, length).transpose(0, 1).unsqueeze(0)
 
 
-def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: list[Tile], scale: float) -> tuple[Tensor, Tensor]:
+def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: Sequence[Tile], scale: float) -> tuple[Tensor, Tensor]:
     """(out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] fp32/fp64)."""
     dt = acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)
@@ -125,7 +129,7 @@ def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: list[Tile], scale: float)
     return out.to(q.dtype), lse
 
 
-def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: list[Tile], scale: float):
+def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: Sequence[Tile], scale: float):
     """(dq, dk, dv) in the accumulator dtype, given the final out and lse (and an lse gradient)."""
     dt = acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))

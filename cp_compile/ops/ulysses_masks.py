@@ -183,7 +183,7 @@ def _thd(t: Tensor) -> Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
-def group_tiles(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right: int) -> list:
+def group_tiles(q: Tensor, cu_seqlens: Tensor, group_name: str, left: int, right: int) -> tuple:
     """Tiles between every rank's slots, rank order: from cu_seqlens alone, the same on every rank."""
     size = resolve_group(group_name).size()
     cu = check_cu_seqlens(cu_seqlens)
@@ -236,7 +236,7 @@ def _group_runs(cu: list[int], group: int, a2a: int, world_size: int) -> tuple:
 
 
 def hybrid_step_tiles(q: Tensor, cu_seqlens: Tensor, step: int, ring_group: str, a2a_group: str,
-                      left: int, right: int) -> list:
+                      left: int, right: int) -> tuple:
     ring = resolve_group(ring_group)
     j, rings, a2a = ring.rank(), ring.size(), resolve_group(a2a_group).size()
     cu = check_cu_seqlens(cu_seqlens)
