@@ -29,11 +29,18 @@ def expected_forward(c):
     return listing
 
 
-def expected_backward(c):
+def expected_backward(c, halves=True):
+    """With ``halves``, steps after the first run in two head halves: the first while
+    the dK/dV hop finishes, the second while the next K/V block travels."""
     listing = []
     for i in range(c):
-        listing += (["shift"] if i < c - 1 else []) + [f"attend_backward step={i}"]
-        listing += ["wait"] * 4 if i else []          # dK/dV accumulated so far arrives (and ours left)
+        next_kv = ["shift"] if i < c - 1 else []
+        step = [f"attend_backward step={i}"]
+        dkv_arrives = ["wait"] * 4 if i else []  # dK/dV accumulated so far (and ours left)
+        if i == 0 or not halves:
+            listing += next_kv + step + dkv_arrives
+        else:
+            listing += step + dkv_arrives + next_kv + step
         listing += ["shift"] if c > 1 else []         # ... and leaves with this step's share
         listing += ["wait"] * 4 if i < c - 1 else []  # next K/V
     return listing + (["wait"] * 4 if c > 1 else [])  # own dK/dV home
@@ -55,7 +62,9 @@ def test_forward_expands_to_overlapped_ring(fake_group):
     assert expansion.count(torch.ops.cp.ring_shift.default) == c - 1
     assert schedule_listing(gm.graph) == expected_forward(c)
     edges = pin_overlap_order(gm.graph)
-    assert edges == 5 * (c - 1)  # per shift: compute after it; its four waits (2 sent, 2 received) after that
+    # per shift: compute after it; its four waits (2 sent, 2 received) after that;
+    # a later shift also stays after the waits on what the previous one sent
+    assert edges == 5 * (c - 1) + 2 * max(c - 2, 0)
     assert schedule_listing(gm.graph) == expected_forward(c)  # pinned, order unchanged
     gm.graph.lint()
 
@@ -75,9 +84,11 @@ def test_backward_expands_with_travelling_dkv(fake_group):
     assert schedule_listing(gm.graph) == expected_backward(c)
     deps = overlap_edges(gm.graph)
     computes = [n for n in deps if n.target == torch.ops.cp.ring_block_attn_backward.default]
-    assert len(computes) == (c if c > 1 else 0)  # every step's compute hides some transfer
-    # K/V shifts (C-1) and all dK/dV hops but the last (C-1): each pins 5 edges
-    assert pin_overlap_order(gm.graph) == 10 * (c - 1)
+    # every compute hides a transfer but the very last half step
+    assert len(computes) == (2 * c - 2 if c > 1 else 0)
+    # K/V shifts (C-1) and all dK/dV hops but the last (C-1): each pins 5 edges;
+    # a K/V shift of a middle step also stays after the 4 dK/dV waits before it
+    assert pin_overlap_order(gm.graph) == 10 * (c - 1) + 4 * max(c - 2, 0)
     assert schedule_listing(gm.graph) == expected_backward(c)
 
 

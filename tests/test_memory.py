@@ -43,7 +43,7 @@ def fresh_ranks():
     fragmented heap would measure that history, not the schedule."""
     from cp_compile.launch import RankPool
 
-    pools = {c: RankPool(c) for c in (3, 4)}
+    pools = {c: RankPool(c) for c in (2, 4)}
     yield lambda c, fn, *args: pools[c].run(fn, *args, timeout=300)
     for pool in pools.values():
         pool.close()
@@ -51,11 +51,15 @@ def fresh_ranks():
 
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_peak_memory_flat_in_c(fresh_ranks, kv_heads):
-    """From C=3 on every rank runs middle steps (current + incoming K/V, dK/dV in flight),
-    so the peak must not grow from there. C=2 has no middle step and peaks lower
-    (the README gives the numbers)."""
+    """C=4 runs middle steps, which a 2-ring never does: K/V arriving for the next
+    step while this step's arrived K/V is in use (and, in backward, dK/dV travelling).
+    The backward's head halves keep those from piling up, so forward+backward peaks
+    the same. The forward holds one more K/V pair (2 units) from C=3 on: the block
+    it computes with is no longer its own input."""
     s_local = 2048  # one local q is 4 MiB, so ~1 MiB of allocator and gloo noise stays small
-    peaks = {c: max(fresh_ranks(c, ring_peaks, s_local, kv_heads), key=lambda p: p[1]) for c in (3, 4)}
-    (fwd3, both3), (fwd4, both4) = peaks[3], peaks[4]
-    assert fwd4 <= 1.10 * fwd3 and both4 <= 1.10 * both3, peaks
-    assert max(fwd3, fwd4) < 8.0, peaks  # the forward holds under 8 local-q units
+    peaks = {c: max(fresh_ranks(c, ring_peaks, s_local, kv_heads), key=lambda p: p[1]) for c in (2, 4)}
+    (fwd2, both2), (fwd4, both4) = peaks[2], peaks[4]
+    assert both4 <= 1.10 * both2, peaks
+    unit_kv = 2 * kv_heads / 8  # one K/V pair in local-q units
+    assert fwd4 <= fwd2 + unit_kv + 0.5, peaks
+    assert max(fwd2, fwd4) < 8.0, peaks  # the forward holds under 8 local-q units

@@ -82,17 +82,18 @@ def start_accumulator(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.custom_op("cp::accumulate_", mutates_args=("acc",))
-def accumulate_(acc: Tensor, x: Tensor) -> None:
-    """``acc += x`` as one opaque step.
+def accumulate_(acc: Tensor, x: Tensor, heads_from: int = 0) -> None:
+    """``acc += x`` as one opaque step; ``x`` may cover only the heads (dim 1)
+    ``[heads_from, heads_from + x.shape[1])`` of ``acc``.
 
     As a plain ``add_`` in a compiled backward, Inductor turns the chain of
     per-step dQ additions into one fused sum at the end of the ring, which
     keeps every step's partial dQ alive at once (memory growing with C). An
     opaque in-place op is done when it is reached, and the partial can go.
     """
-    acc.add_(x)
+    acc.narrow(1, heads_from, x.shape[1]).add_(x)
 
 
 @accumulate_.register_fake
-def _(acc, x):
+def _(acc, x, heads_from=0):
     return None

@@ -21,8 +21,10 @@ layout (rank r holds chunk r) is supported; under causality it leaves rank 0
 idle for most steps. Non-causal attention is full Q against full K/V.
 
 Memory: the forward holds the current and the incoming K/V and one fp32
-accumulator whatever C is; the backward holds K/V twice, the travelling fp32
-dK/dV twice and an fp32 dQ accumulator.
+accumulator whatever C is. The backward holds the current K/V, an fp32 dQ
+accumulator, and either the incoming K/V or the travelling fp32 dK/dV (sent and
+received), never both: a step after the first runs its heads in two halves,
+one per transfer (``ring_pass_backward``). A 2-ring peaks as high as a long one.
 """
 
 from __future__ import annotations
@@ -89,19 +91,23 @@ def section_attn_backward(dout, q, k, v, out, lse, dlse, section: str, scale: fl
     if section in (FULL, DIAGONAL):
         mask = "causal" if section == DIAGONAL else "none"
         return block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # zeros only where the section leaves gradients untouched: each full-size
+    # temporary here is one more local-q unit at the backward's peak
     if section == KV_FIRST_HALF:
         first, _ = _halves(k.shape[2])
-        dq, dk[:, :, first], dv[:, :, first] = block_attn_backward_impl(
+        dq, dk_half, dv_half = block_attn_backward_impl(
             dout, q, k[:, :, first], v[:, :, first], out, lse, "none", scale, dlse
         )
-    elif section == Q_SECOND_HALF:
+        dk, dv = (torch.cat([g, g.new_zeros(g.shape)], dim=2) for g in (dk_half, dv_half))
+        return dq, dk, dv
+    if section == Q_SECOND_HALF:
         _, rows = _halves(q.shape[2])
-        dq[:, :, rows], dk, dv = block_attn_backward_impl(
+        dq_half, dk, dv = block_attn_backward_impl(
             dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows].contiguous(), "none", scale,
             None if dlse is None else dlse[:, :, rows],
         )
-    return dq, dk, dv
+        return torch.cat([dq_half.new_zeros(dq_half.shape), dq_half], dim=2), dk, dv
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 @torch.library.custom_op("cp::ring_block_attn", mutates_args=())
@@ -185,37 +191,78 @@ def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, group_name: st
     return acc
 
 
-def ring_pass_backward(q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int):
+def head_halves(kv_heads: int) -> list[Optional[slice]]:
+    """The K/V heads of a backward step in two parts, or one part (``None``: all) for a single head."""
+    if kv_heads < 2:
+        return [None]
+    return [slice(0, kv_heads // 2), slice(kv_heads // 2, kv_heads)]
+
+
+def q_heads(heads: Optional[slice], group: int) -> Optional[slice]:
+    """The query heads that attend to K/V heads ``heads`` (``group`` queries per K/V head)."""
+    return None if heads is None else slice(heads.start * group, heads.stop * group)
+
+
+def narrow_heads(heads: Optional[slice], *tensors: Optional[Tensor]) -> list[Optional[Tensor]]:
+    """The heads (dim 1, in both [B, H, S, D] and packed [T, H, D]) of each tensor; ``None`` stays."""
+    if heads is None:
+        return list(tensors)
+    return [None if t is None else t.narrow(1, heads.start, heads.stop - heads.start) for t in tensors]
+
+
+def ring_pass_backward(
+    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int, split_heads: bool = False,
+):
     """The ring's backward over any per-step gradient compute.
 
     K/V go around the ring again; each block's dK/dV accumulated so far rides
     along with it and, after C steps, arrives back at its owner.
-    ``attend_backward(step, k_block, v_block)`` returns the step's (dq, dk, dv);
-    the sums come back in the accumulation dtype.
+    ``attend_backward(step, k_block, v_block, heads)`` returns the step's
+    (dq, dk, dv) for the K/V heads ``heads`` (a slice, or ``None`` for all;
+    ``k_block``/``v_block`` are already narrowed to them); the sums come back in
+    the accumulation dtype.
+
+    With ``split_heads``, a step after the first computes its heads in two
+    halves: the first half while the previous step's dK/dV hop finishes, the
+    second while the next K/V block arrives. The incoming K/V and the travelling
+    dK/dV are then never on the wire at once, so a middle step of a long ring
+    holds no more than the last step of a 2-ring: peak memory is the same for
+    every C. The transfers still overlap compute, each with half a step.
     """
     ops = torch.ops.cp
     dt = acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
     kv = [k, v]
-    dq = dkv = dkv_incoming = None
+    dq = dkv = dkv_incoming = kv_incoming = None
     dkv_sent: list[Tensor] = []
-    for step in range(world_size):
-        kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
-        dq_i, dk_i, dv_i = attend_backward(step, kv[0], kv[1])
-        # accumulate in place: dq is ours, and so are received dK/dV (never the ones in flight)
+
+    def add(heads, dq_i, dk_i, dv_i):
+        nonlocal dq, dkv
         if dq is None:
             dq = dq_i.to(dt)
         else:
-            ops.accumulate_(dq, dq_i)
-        if dkv_incoming is None:
+            ops.accumulate_(dq, dq_i, 0 if heads is None else heads.start * group)
+        if dkv is None:
             dkv = [dk_i.to(dt), dv_i.to(dt)]
         else:
-            dk_acc, dv_acc = wait(dkv_incoming, sent=dkv_sent)
-            dkv = [dk_acc.add_(dk_i), dv_acc.add_(dv_i)]
-        del dq_i, dk_i, dv_i  # as in the forward: free this step's partials before the next step
+            for acc, grad in zip(dkv, (dk_i, dv_i)):
+                ops.accumulate_(acc, grad, 0 if heads is None else heads.start)
+
+    for step in range(world_size):
+        parts = head_halves(k.shape[1]) if split_heads and dkv_incoming is not None else [None]
+        for n, heads in enumerate(parts):
+            if n == len(parts) - 1 and step + 1 < world_size:
+                kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV)
+            grads = attend_backward(step, *narrow_heads(heads, *kv), heads)
+            if dkv_incoming is not None:
+                dkv = wait(dkv_incoming, sent=dkv_sent)  # ours now: never add into tensors in flight
+                dkv_incoming, dkv_sent = None, []
+            add(heads, *grads)
+            del grads  # free this part's partials before the next part runs
         if world_size > 1:
-            dkv_incoming, dkv_sent = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv
+            dkv_incoming, dkv_sent, dkv = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv, None
         if kv_incoming is not None:
-            kv = wait(kv_incoming, sent=kv)
+            kv, kv_incoming = wait(kv_incoming, sent=kv), None
     dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
     return dq, dk, dv
 
@@ -240,12 +287,17 @@ def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], *,
     group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    def attend_backward(step, k_block, v_block):
+    group = q.shape[1] // k.shape[1]
+
+    def attend_backward(step, k_block, v_block, heads):
+        d, q_part, o, l, dl = narrow_heads(q_heads(heads, group), dout, q, out, lse, dlse)
         return torch.ops.cp.ring_block_attn_backward(
-            dout, q, k_block, v_block, out, lse, dlse, step, group_name, is_causal, layout, scale
+            d, q_part, k_block, v_block, o, l, dl, step, group_name, is_causal, layout, scale
         )
 
-    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=group_name, world_size=world_size)
+    dq, dk, dv = ring_pass_backward(
+        q, k, v, attend_backward, group_name=group_name, world_size=world_size, split_heads=True
+    )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -86,7 +86,7 @@ def _ring_backward(kh, vh, ring_group: str, attend_step_backward):
     """K/V travel the ring again, each block's dK/dV so far riding along;
     ``attend_step_backward(k, v, step) -> (dq, dk, dv)``."""
     # the first argument only sets the accumulation dtype, which q shares with k
-    return ring_pass_backward(kh, kh, vh, lambda step, k, v: attend_step_backward(k, v, step),
+    return ring_pass_backward(kh, kh, vh, lambda step, k, v, _heads: attend_step_backward(k, v, step),
                               group_name=ring_group, world_size=resolve_group(ring_group).size())
 
 

@@ -9,6 +9,11 @@ This pass records the two edges per shift as explicit control dependencies
 
     compute(step i)   after  ring_shift(for step i+1)
     waits             after  compute(step i), on the received and the sent tensors
+
+and one more for memory: a shift issued after a wait stays after it. The
+backward waits for the travelling dK/dV before it starts the next K/V hop, so
+the two pairs of receive buffers are never held at once; nothing else orders
+those two.
 """
 
 from __future__ import annotations
@@ -30,13 +35,21 @@ def overlap_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
     position = {n: i for i, n in enumerate(graph.nodes)}
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     pending: list[fx.Node] = []  # shifts issued since the last compute
+    waited: list[fx.Node] = []  # waits issued since the last compute
     for node in graph.nodes:
-        if node.target == cp.ring_shift.default:
+        if node.target == WAIT:
+            waited.append(node)
+        elif node.target == cp.ring_shift.default:
             pending.append(node)
+            # a wait the shift reads from orders itself; pin only the others
+            inputs = set(node.all_input_nodes) | {t for t in node.args[0] if isinstance(t, fx.Node)}
+            for wait in waited:
+                if wait not in inputs:
+                    deps.setdefault(node, OrderedSet()).add(wait)
         elif node.target in COMPUTE_OPS:
             for shift in pending:
                 _pin_to_compute(shift, node, position, deps)
-            pending = []
+            pending, waited = [], []
     return deps  # shifts still pending (the last dK/dV hop) have nothing to overlap with
 
 
