@@ -408,7 +408,7 @@ def flex_ring_forward(q, k, v, buffers, o: FlexOptions) -> tuple[Tensor, Tensor]
 def flex_ring_backward(dout, q, k, v, out, lse, dlse, buffers, o: FlexOptions):
     """As the SDPA ring's backward: dK/dV accumulated so far ride home with the K/V."""
     # one part per step (no head split): a score_mod may index by head
-    def attend_backward(step, k_block, v_block, _heads):
+    def attend_backward(step, k_block, v_block):
         return torch.ops.cp.flex_block_attn_backward(
             dout, q, k_block, v_block, out, lse, dlse, buffers, step, o.group_name, *o.step_args
         )

@@ -191,19 +191,14 @@ def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, group_name: st
     return acc
 
 
-def head_halves(kv_heads: int) -> list[Optional[slice]]:
+def _head_halves(kv_heads: int) -> list[Optional[slice]]:
     """The K/V heads of a backward step in two parts, or one part (``None``: all) for a single head."""
     if kv_heads < 2:
         return [None]
     return [slice(0, kv_heads // 2), slice(kv_heads // 2, kv_heads)]
 
 
-def q_heads(heads: Optional[slice], group: int) -> Optional[slice]:
-    """The query heads that attend to K/V heads ``heads`` (``group`` queries per K/V head)."""
-    return None if heads is None else slice(heads.start * group, heads.stop * group)
-
-
-def narrow_heads(heads: Optional[slice], *tensors: Optional[Tensor]) -> list[Optional[Tensor]]:
+def _narrow_heads(heads: Optional[slice], tensors) -> list[Optional[Tensor]]:
     """The heads (dim 1, in both [B, H, S, D] and packed [T, H, D]) of each tensor; ``None`` stays."""
     if heads is None:
         return list(tensors)
@@ -211,23 +206,25 @@ def narrow_heads(heads: Optional[slice], *tensors: Optional[Tensor]) -> list[Opt
 
 
 def ring_pass_backward(
-    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int, split_heads: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int,
+    q_side: tuple = (), split_heads: bool = False,
 ):
     """The ring's backward over any per-step gradient compute.
 
     K/V go around the ring again; each block's dK/dV accumulated so far rides
     along with it and, after C steps, arrives back at its owner.
-    ``attend_backward(step, k_block, v_block, heads)`` returns the step's
-    (dq, dk, dv) for the K/V heads ``heads`` (a slice, or ``None`` for all;
-    ``k_block``/``v_block`` are already narrowed to them); the sums come back in
-    the accumulation dtype.
+    ``attend_backward(step, k_block, v_block, *q_side)`` returns the step's
+    (dq, dk, dv); the sums come back in the accumulation dtype. ``q_side`` are
+    the per-query-head tensors the step reads (dout, q, out, lse, dlse: heads at
+    dim 1, ``None`` allowed).
 
     With ``split_heads``, a step after the first computes its heads in two
-    halves: the first half while the previous step's dK/dV hop finishes, the
-    second while the next K/V block arrives. The incoming K/V and the travelling
-    dK/dV are then never on the wire at once, so a middle step of a long ring
-    holds no more than the last step of a 2-ring: peak memory is the same for
-    every C. The transfers still overlap compute, each with half a step.
+    halves (``k_block``/``v_block`` and ``q_side`` narrowed alike): the first
+    half while the previous step's dK/dV hop finishes, the second while the next
+    K/V block arrives. The incoming K/V and the travelling dK/dV are then never
+    on the wire at once, so a middle step of a long ring holds no more than the
+    last step of a 2-ring: peak memory is the same for every C. The transfers
+    still overlap compute, each with half a step.
     """
     ops = torch.ops.cp
     dt = acc_dtype(q.dtype)
@@ -249,11 +246,12 @@ def ring_pass_backward(
                 ops.accumulate_(acc, grad, 0 if heads is None else heads.start)
 
     for step in range(world_size):
-        parts = head_halves(k.shape[1]) if split_heads and dkv_incoming is not None else [None]
+        parts = _head_halves(k.shape[1]) if split_heads and dkv_incoming is not None else [None]
         for n, heads in enumerate(parts):
             if n == len(parts) - 1 and step + 1 < world_size:
                 kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV)
-            grads = attend_backward(step, *narrow_heads(heads, *kv), heads)
+            q_heads = None if heads is None else slice(heads.start * group, heads.stop * group)
+            grads = attend_backward(step, *_narrow_heads(heads, kv), *_narrow_heads(q_heads, q_side))
             if dkv_incoming is not None:
                 dkv = wait(dkv_incoming, sent=dkv_sent)  # ours now: never add into tensors in flight
                 dkv_incoming, dkv_sent = None, []
@@ -287,17 +285,13 @@ def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor], *,
     group_name: str, world_size: int, is_causal: bool, layout: str, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    group = q.shape[1] // k.shape[1]
-
-    def attend_backward(step, k_block, v_block, heads):
-        d, q_part, o, l, dl = narrow_heads(q_heads(heads, group), dout, q, out, lse, dlse)
+    def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
         return torch.ops.cp.ring_block_attn_backward(
-            d, q_part, k_block, v_block, o, l, dl, step, group_name, is_causal, layout, scale
+            dout, q, k_block, v_block, out, lse, dlse, step, group_name, is_causal, layout, scale
         )
 
-    dq, dk, dv = ring_pass_backward(
-        q, k, v, attend_backward, group_name=group_name, world_size=world_size, split_heads=True
-    )
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=group_name, world_size=world_size,
+                                    q_side=(dout, q, out, lse, dlse), split_heads=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -66,7 +66,7 @@ from . import flex, varlen
 from .block import acc_dtype, result_like
 from .comm import resolve_group
 from .registry import register_compute_ops
-from .ring import group_name_of, narrow_heads, q_heads, ring_pass_backward, ring_pass_forward
+from .ring import group_name_of, ring_pass_backward, ring_pass_forward
 from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from .ulysses import INNER, HeadsCall, Inner
 
@@ -82,13 +82,13 @@ def _ring_forward(qh, kh, vh, ring_group: str, attend_step):
     return out.to(qh.dtype), lse
 
 
-def _ring_backward(qh, kh, vh, ring_group: str, attend_step_backward, split_heads: bool = False):
+def _ring_backward(qh, kh, vh, ring_group: str, attend_step_backward, q_side: tuple = ()):
     """K/V travel the ring again, each block's dK/dV so far riding along;
-    ``attend_step_backward(k, v, step, heads) -> (dq, dk, dv)`` for K/V heads ``heads``
-    (``None``: all; a slice only with ``split_heads``)."""
-    return ring_pass_backward(qh, kh, vh, lambda step, k, v, heads: attend_step_backward(k, v, step, heads),
+    ``attend_step_backward(k, v, step, *q_side) -> (dq, dk, dv)``. Given ``q_side``
+    (dout, q, out, lse, dlse), a step runs in head halves (``ring_pass_backward``)."""
+    return ring_pass_backward(qh, kh, vh, lambda step, k, v, *q_part: attend_step_backward(k, v, step, *q_part),
                               group_name=ring_group, world_size=resolve_group(ring_group).size(),
-                              split_heads=split_heads)
+                              q_side=q_side, split_heads=bool(q_side))
 
 
 # ----------------------------------------------------------------------------
@@ -300,16 +300,13 @@ def _packed_ring_forward(qh, kh, vh, extra, call: HeadsCall):
 def _packed_ring_backward(dout, qh, kh, vh, out, lse, dlse, extra, call: HeadsCall):
     (cu_seqlens,) = extra
 
-    group = qh.shape[1] // kh.shape[1]
-
-    def step_backward(k, v, step, heads):
-        # the tiles depend on tokens only, so a step splits into head halves as the SDPA ring's does
-        d, q, o, l, dl = narrow_heads(q_heads(heads, group), dout, qh, out, lse, dlse)
-        return torch.ops.cp.varlen_hybrid_block_attn_backward(d, q, k, v, o, l, dl, cu_seqlens, step,
+    def step_backward(k, v, step, dout, q, out, lse, dlse):
+        return torch.ops.cp.varlen_hybrid_block_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, step,
                                                               call.ring_group, call.a2a_group, *_window(call),
                                                               call.scale)
 
-    return _ring_backward(qh, kh, vh, call.ring_group, step_backward, split_heads=True)
+    # the tiles depend on tokens only, so a step splits into head halves as the SDPA ring's does
+    return _ring_backward(qh, kh, vh, call.ring_group, step_backward, q_side=(dout, qh, out, lse, dlse))
 
 
 INNER["packed"] = Inner(
@@ -386,7 +383,7 @@ def _flex_ring_forward(qh, kh, vh, buffers, call: HeadsCall):
 def _flex_ring_backward(dout, qh, kh, vh, out, lse, dlse, buffers, call: HeadsCall):
     args = _flex_step_args(call)
 
-    def step_backward(k, v, step, _heads):  # one part per step: a score_mod may read the head index
+    def step_backward(k, v, step):  # one part per step: a score_mod may read the head index
         return torch.ops.cp.flex_hybrid_block_attn_backward(dout, qh, k, v, out, lse, dlse, buffers, step, *args)
 
     return _ring_backward(qh, kh, vh, call.ring_group, step_backward)

@@ -51,7 +51,7 @@ from .allgather import gather_dim0, reduce_scatter_dim0
 from .block import acc_dtype, dense_like
 from .comm import resolve_group
 from .registry import Traceable, register_schedule
-from .ring import group_name_of, is_2d_mesh, narrow_heads, q_heads, ring_pass_backward, ring_pass_forward
+from .ring import group_name_of, is_2d_mesh, ring_pass_backward, ring_pass_forward
 from .tiles import plan_tiles, tiles_attn, tiles_attn_backward
 
 # ulysses and hybrid run as cp::ulysses_attention / cp::hybrid_attention (inner "packed", ops.ulysses_masks)
@@ -231,17 +231,14 @@ def packed_ring_forward(q, k, v, cu_seqlens, *, group_name, world_size, window, 
 
 def packed_ring_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, *, group_name, world_size, window, scale):
     """As ``ring_backward``: K/V travel again, each block's dK/dV so far riding along."""
-    group = q.shape[1] // k.shape[1]
-
-    def attend_backward(step, k_block, v_block, heads):
-        d, q_part, o, l, dl = narrow_heads(q_heads(heads, group), dout, q, out, lse, dlse)
+    def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
         return torch.ops.cp.varlen_block_attn_backward(
-            d, q_part, k_block, v_block, o, l, dl, cu_seqlens, step, group_name, *window, scale
+            dout, q, k_block, v_block, out, lse, dlse, cu_seqlens, step, group_name, *window, scale
         )
 
-    dq, dk, dv = ring_pass_backward(
-        q, k, v, attend_backward, group_name=group_name, world_size=world_size, split_heads=True
-    )
+    # the tiles depend on tokens only, so a step splits into head halves as the SDPA ring's does
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=group_name, world_size=world_size,
+                                    q_side=(dout, q, out, lse, dlse), split_heads=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

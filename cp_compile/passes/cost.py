@@ -114,6 +114,9 @@ class Workload:
     # tiles[r][j]: fraction of the (local x local) scores between rank r's queries and rank j's keys
     # the mask keeps; None: ``visible`` spread evenly over ranks and ring steps (a zigzag SDPA site)
     tiles: Optional[tuple[tuple[float, ...], ...]] = None
+    # the ring's backward steps run in K/V-head halves (ops.ring.ring_pass_backward); flex
+    # sites do not split: a score_mod may read the head index
+    head_halves: bool = True
 
     @property
     def itemsize(self) -> int:
@@ -238,13 +241,21 @@ def estimate_ring(w: Workload, m: Machine) -> Estimate:
     hops = steps[:-1]
     exposed = sum(max(0.0, m.transfer(kv, 2) - s) for s in hops)
     sent = (c - 1) * kv
+    halves = w.head_halves and w.kv_heads > 1
     if w.backward and c > 1:
-        exposed += sum(max(0.0, m.transfer(kv + dkv, 2) - 2.5 * s) for s in hops)
+        if halves:  # the dK/dV hop under one half of a step, the next K/V under the other
+            exposed += sum(max(0.0, m.transfer(t, 2) - 1.25 * s) for s in hops for t in (kv, dkv))
+        else:
+            exposed += sum(max(0.0, m.transfer(kv + dkv, 2) - 2.5 * s) for s in hops)
         exposed += m.transfer(dkv, 2)  # the last dK/dV hop home
         sent += (c - 1) * kv + c * dkv
     memory = 2 * kv + w.nbytes(w.q_heads, w.v_dim, w.acc_itemsize) + w.out_bytes + 2 * w.lse_bytes
     if w.backward:
-        memory = max(memory, 3 * kv + 2 * dkv + w.nbytes(w.q_heads, w.head_dim, w.acc_itemsize) + w.q_bytes)
+        # current K/V, and the incoming K/V with the dK/dV so far, or the dK/dV sent and received;
+        # without halves all of those at once. Then the step's partial gradients and the dQ sum.
+        travelling = max(kv + dkv, 2 * dkv) if halves else kv + 2 * dkv
+        partials = (kv + w.q_bytes) / (2 if halves else 1)
+        memory = max(memory, kv + travelling + partials + w.nbytes(w.q_heads, w.head_dim, w.acc_itemsize))
     notes = []
     if w.tiles is not None:
         why = "masked ring: each step as long as its busiest rank's visible work, K/V transfer overlapped with it"

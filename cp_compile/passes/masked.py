@@ -210,7 +210,7 @@ def masked_workload(kind: str, q_shape, k_shape, v_shape, dtype: torch.dtype, wo
     else:
         (batch, q_heads, local, head_dim), kv_heads, v_dim = q_shape, k_shape[1], v_shape[-1]
     return Workload(batch, q_heads, kv_heads, local, head_dim, v_dim, dtype, world_size, facts.visible, causal,
-                    backward, tuple(mesh), tiles=facts.tiles)
+                    backward, tuple(mesh), tiles=facts.tiles, head_halves=kind == "varlen")
 
 
 def offered(kind: str) -> tuple[str, ...]:
