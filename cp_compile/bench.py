@@ -240,18 +240,25 @@ def _take_grads(leaves: list[Tensor]) -> list[Tensor]:
     return grads
 
 
+def fwd_bwd_step(attention, inputs, dout):
+    """A variant's ``step``: ``attention(q, k, v) -> out`` forward and backward on
+    fresh leaf copies of ``inputs``; returns (out, dq, dk, dv), detached."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+
+    def step():
+        out = attention(*leaves)
+        out.backward(dout)
+        return (out.detach(), *_take_grads(leaves))
+
+    return step
+
+
 # -- single device -------------------------------------------------------------
 
 
 def _single_setup(p: Problem, x: Inputs):
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q_full, x.k_full, x.v_full)]
-
-    def step():
-        out = F.scaled_dot_product_attention(*leaves, is_causal=p.causal)
-        out.backward(x.do_full)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(functools.partial(F.scaled_dot_product_attention, is_causal=p.causal),
+                        (x.q_full, x.k_full, x.v_full), x.do_full)
 
 
 # -- ours ------------------------------------------------------------------------
@@ -260,14 +267,7 @@ def _single_setup(p: Problem, x: Inputs):
 def _ours_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-
-    def step():
-        out = cp_compile.ring_attention(*leaves, is_causal=p.causal)
-        out.backward(x.do)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(functools.partial(cp_compile.ring_attention, is_causal=p.causal), (x.q, x.k, x.v), x.do)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ rank are not metered (``count_traffic`` counts ring transfers only).
 
 from __future__ import annotations
 
-from .bench import Inputs, Problem, Variant, _take_grads, register_variant
+import functools
+
+from .bench import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_ALLGATHER = "ours allgather"
 
@@ -15,14 +17,8 @@ OURS_ALLGATHER = "ours allgather"
 def _ours_allgather_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-
-    def step():
-        out = cp_compile.allgather_attention(*leaves, is_causal=p.causal)
-        out.backward(x.do)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(functools.partial(cp_compile.allgather_attention, is_causal=p.causal),
+                        (x.q, x.k, x.v), x.do)
 
 
 register_variant(Variant(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Inputs, Problem, Variant, _ours_meter, _take_grads, register_variant
+from .bench import Inputs, Problem, Variant, _ours_meter, fwd_bwd_step, register_variant
 
 OURS_COMPILED = "ours compiled"
 
@@ -24,14 +24,7 @@ def _ours_compiled_setup(p: Problem, x: Inputs):
         return F.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
 
     compiled = torch.compile(attention, backend=plan.backend("inductor"), fullgraph=True)
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-
-    def step():
-        out = compiled(*leaves)
-        out.backward(x.do)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(compiled, (x.q, x.k, x.v), x.do)
 
 
 register_variant(Variant(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .bench import Inputs, Problem, Variant, _take_grads, register_variant
+from .bench import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_PACKED = "ours packed"
 
@@ -26,14 +26,12 @@ def _ours_packed_setup(p: Problem, x: Inputs):
 
     b, h, s_local, d = x.q.shape
     cu = torch.arange(b + 1, dtype=torch.int32) * p.seq_len
-    leaves = [_packed(t).detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-    dout = _packed(x.do)
-    unpack = lambda t: t.view(b, s_local, h, -1).transpose(1, 2)  # noqa: E731
+    packed_step = fwd_bwd_step(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=p.causal,
+                                                                           schedule="ring"),
+                               [_packed(t) for t in (x.q, x.k, x.v)], _packed(x.do))
 
-    def step():
-        out = cp_compile.varlen_attention(*leaves, cu, is_causal=p.causal, schedule="ring")
-        out.backward(dout)
-        return tuple(unpack(t) for t in (out.detach(), *_take_grads(leaves)))
+    def step():  # results back in [B, H, S_local, D], as the reference is
+        return tuple(t.view(b, s_local, h, -1).transpose(1, 2) for t in packed_step())
 
     return step
 

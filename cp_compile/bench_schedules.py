@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .bench import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, _take_grads, register_variant
+from .bench import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_ULYSSES = "ours ulysses"
 OURS_HYBRID = "ours hybrid"
@@ -33,14 +33,7 @@ def hybrid_mesh_shape(world_size: int) -> tuple[int, int]:
 def _ulysses_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-
-    def step():
-        out = cp_compile.ulysses_attention(*leaves, is_causal=p.causal)
-        out.backward(x.do)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(functools.partial(cp_compile.ulysses_attention, is_causal=p.causal), (x.q, x.k, x.v), x.do)
 
 
 @functools.cache
@@ -55,14 +48,8 @@ def _hybrid_setup(p: Problem, x: Inputs):
     from .ops.hybrid import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
-    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v)]
-
-    def step():
-        out = cp_compile.hybrid_attention(*leaves, groups, is_causal=p.causal)
-        out.backward(x.do)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
+    return fwd_bwd_step(lambda q, k, v: cp_compile.hybrid_attention(q, k, v, groups, is_causal=p.causal),
+                        (x.q, x.k, x.v), x.do)
 
 
 register_variant(Variant(OURS_ULYSSES, _ulysses_setup, "cp_compile.ulysses_attention, eager, zigzag",
