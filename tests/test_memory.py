@@ -57,7 +57,9 @@ def test_peak_memory_flat_in_c(fresh_ranks, kv_heads):
     the same. The forward holds one more K/V pair (2 units) from C=3 on: the block
     it computes with is no longer its own input."""
     s_local = 2048  # one local q is 4 MiB, so ~1 MiB of allocator and gloo noise stays small
-    peaks = {c: max(fresh_ranks(c, ring_peaks, s_local, kv_heads), key=lambda p: p[1]) for c in (2, 4)}
+    # The worst rank of each measure: ranks run different zigzag steps, so the rank with
+    # the highest forward need not be the one with the highest forward+backward.
+    peaks = {c: tuple(map(max, zip(*fresh_ranks(c, ring_peaks, s_local, kv_heads)))) for c in (2, 4)}
     (fwd2, both2), (fwd4, both4) = peaks[2], peaks[4]
     assert both4 <= 1.10 * both2, peaks
     unit_kv = 2 * kv_heads / 8  # one K/V pair in local-q units
