@@ -22,22 +22,18 @@ the eager torch merge allocates. Everywhere else (CPU, fp64 accumulators, no
 triton) the op runs ``merge_into_`` from ``merge.py`` (the same arithmetic, in
 place), so results agree across devices.
 
-How a ring schedule uses it (not wired in yet)::
+Every ring schedule (SDPA, packed, flex, the hybrids' inner rings) folds each
+step after the first into its accumulators with this op and ``row_start=0``.
+The step's partial is full-size even where the zigzag step touches only the
+second half of the queries (rows it skips are out = 0, lse = -inf): which
+section a step computes depends on the rank, read at run time, and a traced
+schedule must give the partial one shape on every rank. ``row_start`` serves a
+caller that holds a partial for the trailing rows only.
 
-    acc_out, acc_lse = start_accumulator(out0, lse0)       # fp32 copies of step 0
-    for step in 1 .. C-1:
-        if the step's section is "second Q half only" (zigzag, K/V from a later rank):
-            out_i, lse_i = attention(q[:, :, S//2:], k, v)   # half-size partial
-            torch.ops.cp.merge_(acc_out, acc_lse, out_i, lse_i, S // 2)
-        else:
-            out_i, lse_i = attention(q, k_part, v_part)      # full-size partial
-            torch.ops.cp.merge_(acc_out, acc_lse, out_i, lse_i, 0)
-
-The partial for the "second half" step is only half the size, so the step
-neither computes nor merges empty rows. The op has no autograd formula: it is
-meant for the inside of a schedule whose differentiable wrapper (e.g.
-``cp::ring_attention``) owns the backward. Under ``torch.compile`` the mutation
-is functionalised and re-inplaced by Inductor like any mutating custom op.
+The op has no autograd formula: it is meant for the inside of a schedule
+whose differentiable wrapper (e.g. ``cp::ring_attention``) owns the backward.
+Under ``torch.compile`` the mutation is functionalised and re-inplaced by
+Inductor like any mutating custom op.
 
 Triton is optional: importing ``cp_compile`` never imports it. The kernel
 module is imported on the first CUDA call (or by ``merge_triton_`` directly).
