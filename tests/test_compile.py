@@ -258,3 +258,54 @@ def test_cache_shared_by_world_sizes_never_serves_another_c(ranks, tmp_path):
         for err, hits in ranks(world_size, attention_with_cache, cache, 8, timeout=600):
             assert err < 1e-10, f"C={world_size}"
     assert hits >= 2  # the second C=2 run came from the cache: the key still hits where it should
+
+
+def prefill_parity(grad_mode: str):
+    """Inference prefill: the compiled model under no_grad / inference_mode against one device;
+    the eager op under the same mode."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    import cp_compile
+    from cp_compile.llama import Llama, LlamaConfig
+    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from helpers import make_qkv, max_err
+
+    torch._dynamo.reset()
+    counters.clear()
+    plan = cp_compile.ContextParallel(schedule="ring")
+    torch.manual_seed(0)
+    cfg = LlamaConfig()
+    model = Llama(cfg).double()
+    tokens = torch.randint(0, cfg.vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_logits = model(tokens, torch.arange(SEQ))
+    backend = plan.backend("inductor")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    # a warm FX cache would skip the passes, and with them the records checked below
+    with mode, torch._inductor.config.patch(force_disable_caches=True), cp_compile.count_traffic() as traffic:
+        logits = compiled(plan.shard(tokens, 1), plan.positions(SEQ))
+    q, k, v, _ = make_qkv(1, 4, 2, 8 * plan.world_size, 8)
+    with mode:
+        eager_out = cp_compile.ring_attention(*(plan.shard(t, 2) for t in (q, k, v)), is_causal=True,
+                                              enable_gqa=True)
+    eager_ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return {
+        "logits_err": (logits - plan.shard(ref_logits, 1)).abs().max().item(),
+        "eager_err": max_err(eager_out, plan.shard(eager_ref, 2)),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "expansions": sorted(e.direction for r in backend.records for e in r.expansions),
+        "kv_shifts": traffic.by_tag.get(TAG_KV, 0),
+        "dkv_shifts": traffic.by_tag.get(TAG_DKV, 0),
+    }
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_prefill_without_grad_compiled(ranks, grad_mode):
+    """No joint graph is traced without grad: the inference graph takes the forward ring alone."""
+    for result in ranks(2, prefill_parity, grad_mode, timeout=600):
+        assert result["graph_breaks"] == 0
+        assert result["expansions"] == ["forward", "forward"]
+        assert result["kv_shifts"] == 2 and result["dkv_shifts"] == 0  # two layers, C - 1 hops each
+        assert result["logits_err"] < 1e-10 and result["eager_err"] < 1e-10
