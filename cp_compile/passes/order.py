@@ -42,9 +42,8 @@ def overlap_edges(graph: fx.Graph) -> dict[fx.Node, OrderedSet[fx.Node]]:
         elif node.target == cp.ring_shift.default:
             pending.append(node)
             # a wait the shift reads from orders itself; pin only the others
-            inputs = set(node.all_input_nodes) | {t for t in node.args[0] if isinstance(t, fx.Node)}
             for wait in waited:
-                if wait not in inputs:
+                if wait not in node.all_input_nodes:  # nodes inside the tensor list included
                     deps.setdefault(node, OrderedSet()).add(wait)
         elif node.target in COMPUTE_OPS:
             for shift in pending:
