@@ -23,11 +23,22 @@ disagrees is reported invalid and not timed.
 
 What is measured, per configuration and variant
 -----------------------------------------------
-time          fwd+bwd wall time. Each repeat runs every variant once, in an order
-              that rotates from repeat to repeat, so slow drift of a shared
-              machine hits all variants alike. A variant's time in one repeat is
-              the slowest rank's time (ranks start together after a barrier);
-              the reported time is the median over repeats.
+time          fwd+bwd wall time per step. Each repeat runs every variant once, in
+              an order that rotates from repeat to repeat, so slow drift of a
+              shared machine hits all variants alike. One sample is the mean of
+              ``n`` back-to-back steps, ``n`` chosen per variant after warm-up so
+              that a sample lasts at least ``--min-sample-ms`` (short steps are
+              otherwise dominated by scheduling noise and barrier skew; every
+              rank uses the same ``n``). A variant's time in one repeat is the
+              slowest rank's sample (ranks start together after a barrier); the
+              reported time is the median over repeats.
+host/step     host time per ring step: the same fwd+bwd step, timed the same way,
+              with the attention kernels replaced by zero-cost stand-ins (zeros of
+              the right shapes; transfers, merges and dispatch stay real), divided
+              by the 2C ring steps of a fwd+bwd (C forward, C backward). On a GPU
+              this is what the host needs to issue one step; once it exceeds the
+              device time of a step, CP runs at Python speed. On CPU with gloo it
+              also contains the (blocking) transfers of the step's K/V.
 efficiency    single-device time / (C x variant time).
 time ratio    variant time / torch ring time (< 1: faster than torch), per rotate method.
 peak memory   growth of the peak RSS (``PeakMemory``) during one fwd+bwd after
@@ -80,7 +91,12 @@ add its name to :data:`PLUGIN_MODULES`). A variant is, per rank::
     meter()                                 # optional: context manager whose value
                                            # has .bytes after one step
 
-``warmup`` says how many untimed steps it needs (a compiled variant wants 2+).
+    stub()                                  # optional: context manager in which the
+                                           # variant's attention kernels are zero-cost
+                                           # stand-ins (for host time per step)
+
+``warmup`` says how many untimed steps it needs: a compiled variant compiles its
+backward lazily on the first backward and settles after a few steps.
 
 GPU (UNTESTED, no GPU was available when this was written): under ``torchrun``
 the same driver runs on the launched ranks with CUDA and NCCL; C is then the
@@ -192,7 +208,8 @@ class Variant:
     traced_setup: Optional[Callable[[Problem, Inputs, bool], Callable[[], tuple]]] = None
     meter: Optional[Callable[[], ContextManager]] = None
     devices: tuple[str, ...] = ("cpu", "cuda")
-    warmup: int = 1
+    warmup: int = 2
+    stub: Optional[Callable[[], ContextManager]] = None
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -409,7 +426,7 @@ def _torch_meter():
 
 
 register_variant(Variant(OURS, _ours_setup, "cp_compile.ring_attention, eager, zigzag",
-                         traced_setup=_ours_traced_setup, meter=_ours_meter))
+                         traced_setup=_ours_traced_setup, meter=_ours_meter, stub=_stub_our_kernels))
 for _method, _name in (("alltoall", TORCH_A2A), ("allgather", TORCH_AG)):
     register_variant(Variant(
         _name, functools.partial(_torch_ring_setup, rotate_method=_method),
@@ -554,8 +571,37 @@ def _median_summary(tracers: list["OpTracer"]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+def _timed_sample(step: Callable, n: int, device: torch.device) -> float:
+    """Mean wall time of ``n`` back-to-back steps."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = step()
+        del out
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _steps_per_sample(variants: list[Variant], steps: dict, mine, device: torch.device,
+                      min_sample_s: float, most: int = 64) -> dict[str, int]:
+    """Steps per timing sample for each variant, the same on every rank.
+
+    Each variant is timed once more here (after its warm-up); the slowest rank's
+    time decides, so the ranks run the same number of steps (and collectives).
+    """
+    import torch.distributed as dist
+
+    once = torch.zeros(len(variants), dtype=torch.float64)
+    for i, v in enumerate(variants):
+        dist.barrier()
+        if mine(v):
+            once[i] = _timed_sample(steps[v.name], 1, device)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX)
+    return {v.name: max(1, min(most, math.ceil(min_sample_s / max(t, 1e-6)))) for v, t in zip(variants, once.tolist())}
+
+
 def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: str = "cpu",
-               trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1) -> dict:
+               trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1,
+               min_sample_s: float = 0.0) -> dict:
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
@@ -606,18 +652,30 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
     del reference, local_ref
 
     # -- timing: every repeat runs every valid variant once, rotating the order
+    per_sample = _steps_per_sample(valid, steps, mine, device, min_sample_s)
     times: dict[str, list[float]] = {v.name: [] for v in valid}
     for r in range(repeats):
         order = valid[r % len(valid):] + valid[: r % len(valid)] if valid else []
         for v in order:
             dist.barrier()
-            if not mine(v):
-                continue
-            t0 = time.perf_counter()
-            out = steps[v.name]()
-            _sync(device)
-            times[v.name].append(time.perf_counter() - t0)
-            del out
+            if mine(v):
+                times[v.name].append(_timed_sample(steps[v.name], per_sample[v.name], device))
+    for v in valid:
+        result["variants"][v.name]["steps_per_sample"] = per_sample[v.name]
+    # -- host time per ring step: the same steps with zero-cost attention kernels
+    stubbed = [v for v in valid if v.stub is not None and not v.single_rank]
+    if stubbed:
+        with contextlib.ExitStack() as stack:
+            for v in stubbed:
+                stack.enter_context(v.stub())
+            host_n = _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
+            host: dict[str, list[float]] = {v.name: [] for v in stubbed}
+            for r in range(repeats):
+                for v in stubbed[r % len(stubbed):] + stubbed[: r % len(stubbed)]:
+                    dist.barrier()
+                    host[v.name].append(_timed_sample(steps[v.name], host_n[v.name], device))
+        for v in stubbed:
+            result["variants"][v.name]["host_s_per_step"] = statistics.median(host[v.name]) / (2 * world)
     # -- peak memory of one step, after warm-up
     for v in valid:
         dist.barrier()
@@ -722,6 +780,10 @@ def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
             entry["gflops_per_rank"] = p.flops / world / entry["time_s"] / 1e9
         if "bytes_per_rank" in first:
             entry["bytes_per_rank"] = max(r["bytes_per_rank"] for r in per_rank)
+        if "host_s_per_step" in first:
+            entry["host_s_per_step"] = max(r["host_s_per_step"] for r in per_rank)
+        if "steps_per_sample" in first:
+            entry["steps_per_sample"] = first["steps_per_sample"]
         traces = [r["trace"] for r in per_rank if "trace" in r]
         if traces:
             exposed = [t["run"]["exposed_comm_s"] for t in traces]
@@ -771,6 +833,9 @@ def _progress_line(index: int, total: int, p: Problem, res: dict, elapsed: float
         extra += f" | ours/torch-a2a {ours[f'time_ratio_vs {TORCH_A2A}']:.2f}"
     if ours.get("comm_hidden_fraction") is not None:
         extra += f" | hidden {ours['comm_hidden_fraction']:.2f}"
+    hosts = [(short.get(n, n), e["host_s_per_step"]) for n, e in res.items() if e.get("host_s_per_step") is not None]
+    if hosts:
+        extra += " | host/step " + ", ".join(f"{label} {t * 1e3:.2f} ms" for label, t in hosts)
     return f"[{index}/{total}] {p.label():<22} " + " | ".join(parts) + extra + f"  ({elapsed:.0f}s)"
 
 
@@ -786,12 +851,13 @@ class BenchOptions:
     repeats: int = 5
     trace: bool = True
     trace_repeats: int = 3  # instrumented (real, comm-only) pairs per variant; medians reported
+    min_sample_ms: float = 50.0  # a timing sample averages back-to-back steps until it lasts this long
     variants: Optional[tuple[str, ...]] = None  # None: every registered variant
     device: str = "cpu"
     threads_per_rank: int = 1
 
 
-TINY = dict(world_sizes=(1, 2), seq_lens=(256,), heads=2, head_dim=32, repeats=2, trace_repeats=1)
+TINY = dict(world_sizes=(1, 2), seq_lens=(256,), heads=2, head_dim=32, repeats=2, trace_repeats=1, min_sample_ms=0.0)
 
 
 def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None] = print) -> dict:
@@ -822,7 +888,7 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
     for i, p in enumerate(problems, 1):
         keep = (OURS,) if p == timeline_problem else ()
         rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep,
-                      opts.trace_repeats)
+                      opts.trace_repeats, opts.min_sample_ms / 1e3)
         res = summarise(p, variants, rows)
         extras = {name: hook(p, res, runner) for name, hook in CONFIG_HOOKS.items()}
         configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res, "extras": extras})
@@ -846,7 +912,9 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
 
 def _definitions() -> dict:
     return {
-        "time_s": "median over repeats of the slowest rank's fwd+bwd wall time; variants interleaved per repeat",
+        "time_s": "median over repeats of the slowest rank's fwd+bwd wall time per step (a sample averages "
+                  "steps_per_sample back-to-back steps); variants interleaved per repeat",
+        "host_s_per_step": "fwd+bwd time with zero-cost attention kernels / 2C ring steps, slowest rank",
         "parallel_efficiency": "single-device time / (C * time)",
         "time_ratio_vs": "time / that torch ring variant's time (< 1: faster)",
         "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, / bytes of one local q",
@@ -863,7 +931,7 @@ def _definitions() -> dict:
 
 def table(results: dict) -> str:
     head = (f"{'config':<22} {'variant':<24} {'time s':>8} {'eff':>5} {'/a2a':>5} {'/ag':>5} "
-            f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7}")
+            f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7} {'host ms/step':>12}")
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for cfg in results["configs"]:
@@ -878,7 +946,8 @@ def table(results: dict) -> str:
                 f"{fmt(e.get('parallel_efficiency'), '5.2f')} {fmt(e.get(f'time_ratio_vs {TORCH_A2A}'), '5.2f')} "
                 f"{fmt(e.get(f'time_ratio_vs {TORCH_AG}'), '5.2f')} {fmt(e.get('peak_q_units'), '7.1f')} "
                 f"{fmt(None if mib is None else mib / 2**20, '9.1f')} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
-                f"{fmt(e.get('gflops_per_rank'), '7.1f')}"
+                f"{fmt(e.get('gflops_per_rank'), '7.1f')} "
+                f"{fmt(None if e.get('host_s_per_step') is None else e['host_s_per_step'] * 1e3, '12.2f')}"
             )
         for name, extra in cfg.get("extras", {}).items():
             if extra and extra.get("line"):
@@ -1002,16 +1071,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the comm-overlap re-runs")
     p.add_argument("--trace-repeats", type=int, default=d.trace_repeats,
                    help="instrumented (real, comm-only) run pairs per variant; medians are reported")
+    p.add_argument("--min-sample-ms", type=float, default=d.min_sample_ms,
+                   help="a timing sample averages back-to-back steps until it lasts this long (default 50)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke configuration")
     p.add_argument("--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it")
     p.add_argument("--list", action="store_true", help="list registered variants and exit")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda (without torchrun): the ring's decomposition on one GPU, C virtual ranks "
+                        "(cp_compile.bench_virtual); under torchrun: the launched ranks' device")
+    p.add_argument("--virtual", action="store_true",
+                   help="C virtual ranks on one device (implied by --device cuda outside torchrun)")
 
 
 def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOptions:
     opts = BenchOptions(
         world_sizes=args.world_sizes, seq_lens=args.seq_lens, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, trace=args.trace,
-        trace_repeats=args.trace_repeats,
+        trace_repeats=args.trace_repeats, min_sample_ms=args.min_sample_ms,
         causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
         variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
         device=device,
@@ -1029,6 +1105,27 @@ def write_outputs(results: dict, out: Path) -> Path:
     return png
 
 
+def _main_virtual(args: argparse.Namespace) -> int:
+    from . import bench_virtual
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+        return 2
+    device = torch.device(args.device)
+    defaults = BenchOptions()
+    given = {a for a in ("world_sizes", "seq_lens", "heads", "head_dim", "dtype") if getattr(args, a) != getattr(defaults, a)}
+    cfg = {a: getattr(args, a) for a in ("world_sizes", "seq_lens", "batch", "heads", "head_dim", "dtype")}
+    if device.type == "cuda" and not args.tiny:  # the GPU defaults unless set on the command line
+        cfg.update({a: val for a, val in bench_virtual.CUDA_DEFAULTS.items() if a not in given})
+    if args.tiny:
+        cfg.update(world_sizes=(2,), seq_lens=(256,), heads=2, head_dim=32)
+    causal = {"both": (True, False), "causal": (True,), "full": (False,)}[args.mask]
+    rows = bench_virtual.run(device, causal=causal, repeats=args.repeats, out=args.out, **cfg)
+    print(bench_virtual.table(rows))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     load_plugins(args.imports)
     if args.list:
@@ -1036,6 +1133,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name:<26} {v.description}")
         return 0
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if args.virtual or (args.device == "cuda" and not under_torchrun):
+        return _main_virtual(args)
     if under_torchrun:  # UNTESTED GPU path (see module docstring)
         import torch.distributed as dist
 

@@ -113,3 +113,54 @@ def test_cli_options():
     assert opts.variants == ("ours eager",)
     default = bench.options_from_args(parser.parse_args(["-C", "2,4", "-S", "1024"]))
     assert default.world_sizes == (2, 4) and default.seq_lens == (1024,) and default.repeats == 5
+
+
+def test_host_time_per_step_reported_for_stubbed_variants(tiny_results):
+    data, _, lines, _ = tiny_results
+    for cfg in data["configs"]:
+        ours = cfg["variants"][bench.OURS]
+        assert math.isfinite(ours["host_s_per_step"]) and ours["host_s_per_step"] > 0, ours
+        assert ours["steps_per_sample"] >= 1
+        assert "host_s_per_step" not in cfg["variants"][bench.TORCH_A2A]  # no stand-ins registered for it
+    assert all("host/step ours" in line for line in lines[1:])
+
+
+def test_samples_average_enough_steps(ranks):
+    """A short step is timed over several back-to-back runs, the same number on every rank."""
+    p = bench.Problem(1, 2, 32, 128, 2, True)
+    rows = ranks(2, bench.bench_rank, p, [bench.VARIANTS[bench.OURS], bench.VARIANTS[bench.SINGLE]], 2, "cpu",
+                 False, (), 1, 0.2)
+    counts = {r["variants"][bench.OURS]["steps_per_sample"] for r in rows}
+    assert len(counts) == 1 and counts.pop() > 1
+
+
+def test_virtual_ranks_decomposition(tmp_path):
+    from cp_compile import bench_virtual
+
+    rows = bench_virtual.run(torch.device("cpu"), world_sizes=(2, 3), seq_lens=(96,), causal=(True, False), batch=1,
+                             heads=2, head_dim=16, dtype="float32", repeats=2, out=tmp_path / "v.json", log=lambda s: None)
+    assert len(rows) == 4 and json.loads((tmp_path / "v.json").read_text())["configs"] == rows
+    for row in rows:
+        assert len(row["per_rank"]) == row["config"]["world_size"]
+        assert row["efficiency"] > 0 and row["tflops_per_rank"] > 0
+        assert row["host_ms_per_step"] > 0 and row["device_ms_per_step"] > 0
+    assert len(bench_virtual.table(rows).splitlines()) == 2 + len(rows)
+
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_virtual_rank_computes_its_share(world_size, causal):
+    """The kernels the decomposition times give each rank its exact output and dq (fp64)."""
+    from cp_compile import bench_virtual, layout
+    from helpers import make_qkv, max_err, sdpa_with_grads
+
+    q, k, v, do = make_qkv(1, 4, 2, 12 * world_size, 8)
+    reference = sdpa_with_grads(q, k, v, do, is_causal=causal)
+    shard = lambda t, r: layout.shard(t, 2, r, world_size, "zigzag")  # noqa: E731
+    kv = [(shard(k, r), shard(v, r)) for r in range(world_size)]
+    for rank in range(world_size):
+        out, lse = bench_virtual.rank_forward(shard(q, rank), kv, rank, causal, 8**-0.5)
+        dq, _ = bench_virtual.rank_backward(shard(do, rank), shard(q, rank), kv, out, lse, rank, causal, 8**-0.5)
+        assert max_err(out, shard(reference[0], rank)) < 1e-12
+        assert max_err(dq, shard(reference[1], rank)) < 1e-12

@@ -106,3 +106,40 @@ def opcheck_comm_ops():
 
 def test_opcheck_comm_ops(ranks):
     assert ranks(2, opcheck_comm_ops) == [[[1.0] * 3], [[0.0] * 3]]
+
+
+def ring_hops_as_groups():
+    """Every ring_shift of an eager fwd+bwd, as the batches handed to ``dist.batch_isend_irecv``."""
+    import torch.distributed as dist
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    rank, size = plan.rank, plan.world_size
+    q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, 8 * size, 8))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    batches = []
+    original = dist.batch_isend_irecv
+
+    def recorded(p2p_ops):
+        batches.append([("send" if op.op is dist.isend else "recv", op.peer) for op in p2p_ops])
+        return original(p2p_ops)
+
+    dist.batch_isend_irecv = recorded
+    try:
+        with cp_compile.count_traffic() as traffic:
+            cp_compile.ring_attention(*leaves, is_causal=True, enable_gqa=True).backward(do)
+    finally:
+        dist.batch_isend_irecv = original
+    nxt, prev = (rank + 1) % size, (rank - 1) % size
+    # each hop moves two tensors (K and V, or dK and dV): send both to the next rank, receive both from the previous
+    expected_hop = [("send", nxt), ("recv", prev)] * 2
+    return traffic.shifts, batches, expected_hop
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_hop_is_one_grouped_operation(ranks, world_size):
+    for shifts, batches, expected_hop in ranks(world_size, ring_hops_as_groups):
+        # forward C-1 K/V hops; backward C-1 K/V hops and C dK/dV hops
+        assert shifts == len(batches) == 3 * world_size - 2
+        assert all(batch == expected_hop for batch in batches), batches

@@ -14,6 +14,40 @@ instead of leaving some ranks waiting in a collective.
 
 Both talk to other ranks, so both are registered side-effectful: the compiler
 must never drop or duplicate them on one rank only.
+
+Transport rules (what keeps a hop correct on NCCL as well as on gloo)
+--------------------------------------------------------------------
+* One hop is one grouped operation. Every tensor of a ``ring_shift`` is sent
+  to rank + shift and received from rank - shift inside one
+  ``dist.batch_isend_irecv`` (an NCCL group). NCCL matches point-to-point
+  messages by order, ignores tags, and may block a send until its receive is
+  posted, so two ranks that each post "send, then receive" as separate
+  operations can deadlock; inside one group NCCL runs them as one sendrecv.
+  gloo has no groups and runs the same list as individual tagged operations.
+* Concurrent hops stay matched by order. The backward has a K/V hop and a
+  dK/dV hop on the wire at once, both to rank + 1. Tags tell them apart on
+  gloo; on NCCL they are matched because every rank posts its hops in the same
+  program order (the SPMD rule), and within a hop the tensors are posted in
+  list order on both sides.
+* Streams (CUDA). NCCL runs the group on its own stream, ordered after the
+  work already queued on the current stream when the hop is posted (so the
+  sent tensors are complete). ``wait`` (``_c10d_functional.wait_tensor``)
+  makes the *current* stream wait for the transfer; the host does not block.
+  Reading a received buffer or writing a sent one is therefore only legal
+  after its ``wait``, and the schedules wait on both.
+* Memory of a tensor in flight. Eager: the NCCL work keeps its tensors
+  (including ``contiguous()`` copies made here) alive until it is waited, and
+  the wait orders the current stream after the transfer, so the caching
+  allocator can only hand the memory out again to work that runs after the
+  transfer. Compiled: Inductor frees a buffer after its last use in the graph;
+  the schedules wait on every sent tensor after the overlapped compute, which
+  makes that wait the last use.
+* gloo with device tensors. gloo moves host memory only, so a hop of CUDA
+  tensors over gloo (several processes sharing one GPU, as the CUDA tests do)
+  is staged: the sent tensors are copied to the host when the hop is posted
+  (the copy waits for the current stream) and each received buffer is filled
+  from its host copy inside ``wait``, on the current stream. NCCL never takes
+  this path.
 """
 
 from __future__ import annotations
@@ -80,6 +114,16 @@ def _wire_tag(tag: int, index: int) -> int:
     return tag * _MAX_TENSORS_PER_SHIFT + index
 
 
+def _stages_through_host(group: dist.ProcessGroup, tensors: list[Tensor]) -> bool:
+    """True when gloo carries device tensors (see the module docstring)."""
+    on_device = [t.device.type != "cpu" for t in tensors]
+    if not any(on_device):
+        return False
+    if not all(on_device) or len({t.device for t in tensors}) > 1:
+        raise ValueError(f"ring_shift moves tensors of one device; got {sorted({str(t.device) for t in tensors})}")
+    return dist.get_backend(group) == "gloo"
+
+
 @torch.library.custom_op("cp::ring_shift", mutates_args=())
 def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> list[Tensor]:
     """Send ``tensors`` to rank + shift, receive the same shapes from rank - shift.
@@ -93,17 +137,24 @@ def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> 
     dst = dist.get_global_rank(group, (rank + shift) % size)
     src = dist.get_global_rank(group, (rank - shift) % size)
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    works = []
-    for i, (t, buf) in enumerate(zip(tensors, received)):
-        # one tag per tensor: matching never depends on both sides posting in the same order
-        works.append(dist.isend(t.contiguous(), dst, group=group, tag=_wire_tag(tag, i)))
-        works.append(dist.irecv(buf, src, group=group, tag=_wire_tag(tag, i)))
+    staged = _stages_through_host(group, tensors)
+    wire_sent = [t.cpu() if staged else t.contiguous() for t in tensors]
+    wire_received = [torch.empty(t.shape, dtype=t.dtype) for t in tensors] if staged else received
+    hop = []
+    for i, (t, buf) in enumerate(zip(wire_sent, wire_received)):
+        # tags only matter to gloo (NCCL matches by order, which the list order fixes on both sides)
+        hop.append(dist.P2POp(dist.isend, t, dst, group=group, tag=_wire_tag(tag, i)))
+        hop.append(dist.P2POp(dist.irecv, buf, src, group=group, tag=_wire_tag(tag, i)))
+    works = list(dist.batch_isend_irecv(hop)) if hop else []
     _record(tensors, tag)
 
     def wait_all(timeout=None):
         # every buffer shares this work, and a gloo work waited twice blocks forever
         while works:
             works.pop(0).wait()
+            if not works and staged:
+                for buf, host in zip(received, wire_received):
+                    buf.copy_(host)
         return True
 
     # One work for every buffer: the functional wait_tensor looks works up by storage.
