@@ -131,7 +131,7 @@ class CPBackend:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
-        from torch._functorch.partitioners import default_partition
+        from .torch_compat import partitioners
 
         def expand_and_run(graph_module: fx.GraphModule, _inputs):
             record.expansions += expand_cp_ops(graph_module.graph)
@@ -143,7 +143,7 @@ class CPBackend:
 
         def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
             save_cp_outputs(joint.graph)
-            return default_partition(joint, joint_inputs, **kwargs)
+            return partitioners().default_partition(joint, joint_inputs, **kwargs)
 
         return aot_autograd(fw_compiler=expand_and_run, bw_compiler=expand_and_run, partition_fn=partition)(
             gm, example_inputs

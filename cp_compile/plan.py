@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import layout as _layout
 from .ops.ring import group_name_of, ring_attention
+from .torch_compat import resolve_process_group
 
 
 class ContextParallel:
@@ -50,7 +51,7 @@ class ContextParallel:
             self.group_name = group_name_of(group_or_mesh)
             if schedule == "hybrid":
                 raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as group_or_mesh")
-        self.group = dist.distributed_c10d._resolve_process_group(self.group_name)
+        self.group = resolve_process_group(self.group_name)
         if isinstance(load_balance, BlockMask):
             from .flex_mask import balance_blocks
 

@@ -59,12 +59,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import PythonCallbackWork, _register_work
-from torch.distributed.distributed_c10d import _resolve_process_group
+from ..torch_compat import PythonCallbackWork, register_work, resolve_process_group
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    return _resolve_process_group(group_name)
+    return resolve_process_group(group_name)
 
 
 # ----------------------------------------------------------------------------
@@ -162,7 +161,7 @@ def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> 
     # keeps a compiled graph from reusing their memory while the send is in flight.
     done = PythonCallbackWork(wait_all)
     for buf in [*received, *tensors]:
-        _register_work(buf, done)
+        register_work(buf, done)
     return received
 
 

@@ -36,9 +36,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
+from ..torch_compat import flex_index_helpers
 from ..flex_mask import HEADER, MAGIC, layout_chunk, layout_perm, shard_info
 from .block import acc_dtype, dense_like, result_like
 from .comm import resolve_group
@@ -171,8 +170,9 @@ def _evaluate(fn: Callable, prefix: tuple, b: int, h: int, q: Tensor, k: Tensor)
     except (RuntimeError, IndexError, TypeError):
         pass
     idx = (torch.arange(b, device=q.device), torch.arange(h, device=q.device), q, k)
-    with TransformGetItemToIndex():
-        return _vmap_for_bhqkv(fn, prefix=(0,) * len(prefix))(*prefix, *idx)
+    index_transform, vmap_for_bhqkv = flex_index_helpers()
+    with index_transform():
+        return vmap_for_bhqkv(fn, prefix=(0,) * len(prefix))(*prefix, *idx)
 
 
 def _dense_mask(call: _Call, rows: Tensor, cols: Tensor) -> Tensor:

@@ -64,11 +64,11 @@ def _pin_to_compute(shift, compute, position, deps) -> None:
 
 def pin_overlap_order(graph: fx.Graph) -> int:
     """Make the overlap order explicit; returns the number of pinned edges."""
-    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from ..torch_compat import preserve_node_ordering
 
     deps = overlap_edges(graph)
     if deps:
-        preserve_node_ordering(graph, deps)
+        preserve_node_ordering()(graph, deps)
     return sum(len(v) for v in deps.values())
 
 

@@ -63,8 +63,9 @@ def recomputed_cp_ops(backward: fx.GraphModule) -> list[fx.Node]:
 def partition_saving_cp(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                         static_lifetime_input_indices=None, **kwargs):
     """Min-cut partition, then, if it recomputes a CP op, the same split with the CP outputs saved."""
-    from torch._functorch import partitioners as P
+    from ..torch_compat import partitioners
 
+    P = partitioners()
     fw, bw = P.min_cut_rematerialization_partition(
         joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_indices=static_lifetime_input_indices, **kwargs,

@@ -1,0 +1,67 @@
+"""The private torch APIs cp_compile depends on, in one place.
+
+Tested with torch 2.13 and 2.14 (``pyproject.toml`` admits ``>=2.13,<2.15``;
+CI runs the suite on both). Everything here is something torch does not promise
+to keep. When a release moves or changes one, this is the file to change, and
+``missing()`` makes the failure name the API and the torch version instead of
+surfacing as an AttributeError deep inside a compile.
+
+Imports that pull in Inductor or functorch are made on first use, so that
+``import cp_compile`` stays as cheap as ``import torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+TESTED_TORCH = ("2.13", "2.14")
+
+# c10d: a Python-side Work, registered on tensors, is what lets the functional
+# ``wait_tensor`` complete our own asynchronous transfers.
+from torch._C._distributed_c10d import PythonCallbackWork, _register_work as register_work  # noqa: E402
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group  # noqa: E402
+
+
+def missing(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"cp_compile needs {what}, which torch {torch.__version__} does not provide "
+        f"(tested with torch {', '.join(TESTED_TORCH)}); see cp_compile/torch_compat.py"
+    )
+
+
+def _attribute(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise missing(f"{module}.{name}") from err
+
+
+@functools.cache
+def preserve_node_ordering():
+    """Inductor's control dependencies: pins the ring's comm/compute order in a graph."""
+    return _attribute("torch._inductor.fx_passes.control_dependencies", "preserve_node_ordering")
+
+
+@functools.cache
+def flex_index_helpers():
+    """(TransformGetItemToIndex, _vmap_for_bhqkv): evaluating a mask_mod over index grids as flex does."""
+    return (_attribute("torch._dynamo._trace_wrapped_higher_order_op", "TransformGetItemToIndex"),
+            _attribute("torch.nn.attention.flex_attention", "_vmap_for_bhqkv"))
+
+
+_PARTITIONER_API = ("min_cut_rematerialization_partition", "default_partition", "is_sym_node", "is_opaque_node",
+                    "classify_nodes", "_extract_fwd_bwd_modules", "reordering_to_mimic_autograd_engine",
+                    "raise_getitems")
+
+
+@functools.cache
+def partitioners():
+    """``torch._functorch.partitioners``, checked for every function the CP partitioner calls."""
+    module = importlib.import_module("torch._functorch.partitioners")
+    absent = [name for name in _PARTITIONER_API if not hasattr(module, name)]
+    if absent:
+        raise missing(f"torch._functorch.partitioners.{{{', '.join(absent)}}}")
+    return module
