@@ -161,16 +161,19 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
     if q.device.type == "cuda":
         if _cuda_use_flash(q, k):
             lq, lk = q.shape[2], k.shape[2]
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout
+            # cumulative lengths: undefined (None), as the dense forward returns them; a defined
+            # tensor would mean packed sequences to the kernel
             return aten._scaled_dot_product_flash_attention_backward(
-                dout.contiguous(), q, k, v, out, lse.float(), empty, empty, lq, lk, 0.0, causal,
+                dout.contiguous(), q, k, v, out, lse.float(), None, None, lq, lk, 0.0, causal,
                 seed, seed, scale=scale,
             )
         kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        # the layout the efficient forward returns (and its backward reads): rows padded to 32
+        lse32 = torch.nn.functional.pad(lse.float(), (0, -lse.shape[-1] % 32)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q, kr, vr, None, out, lse.float().contiguous(), seed, seed, 0.0,
+            dout.contiguous(), q, kr, vr, None, out, lse32, seed, seed, 0.0,
             [True, True, True, False], causal, scale=scale,
         )
         return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
