@@ -35,7 +35,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import layout
-from .bench import DTYPES, _stub_our_kernels
+from .bench import DTYPES, Problem, _stub_our_kernels
 from .memory import PeakMemory
 from .ops.block import acc_dtype
 from .ops.merge import start_accumulator
@@ -52,25 +52,6 @@ from .ops.ring import _head_halves, ring_section, section_attn, section_attn_bac
 
 CUDA_DEFAULTS = dict(world_sizes=(2, 4, 8), seq_lens=(8192, 32768, 131072), batch=1, heads=32, head_dim=128,
                      dtype="bfloat16")
-
-
-@dataclass(frozen=True)
-class VirtualProblem:
-    batch: int
-    heads: int
-    head_dim: int
-    seq_len: int
-    world_size: int
-    causal: bool
-    dtype: str
-
-    @property
-    def flops(self) -> float:
-        fwd = 4.0 * self.batch * self.heads * self.seq_len**2 * self.head_dim
-        return 3.0 * fwd * (0.5 if self.causal else 1.0)
-
-    def label(self) -> str:
-        return f"{'causal' if self.causal else 'full  '} C={self.world_size} S={self.seq_len}"
 
 
 class _Clock:
@@ -193,7 +174,7 @@ def _host_time(step: Callable[[], None], device: torch.device, repeats: int) -> 
     return statistics.median(times)
 
 
-def measure(p: VirtualProblem, device: torch.device, repeats: int = 5, warmup: int = 2) -> dict:
+def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2) -> dict:
     g = torch.Generator().manual_seed(0)
     shape = (p.batch, p.heads, p.seq_len, p.head_dim)
     dtype = DTYPES[p.dtype]
@@ -245,7 +226,7 @@ def table(rows: list[dict]) -> str:
             f"{'peak GiB':>8} {'peak q':>6} {'dev ms/step':>11} {'host ms/step':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        p = VirtualProblem(**r["config"])
+        p = Problem(**r["config"])
         lines.append(
             f"{p.label():<24} {r['single_s'] / p.world_size * 1e3:11.2f} {r['rank_time_s'] * 1e3:9.2f} "
             f"{r['efficiency']:5.2f} {r['tflops_per_rank']:9.1f} {r['single_tflops']:11.1f} {r['peak_gib']:8.2f} "
@@ -257,7 +238,7 @@ def table(rows: list[dict]) -> str:
 def run(device: torch.device, world_sizes, seq_lens, causal, batch: int, heads: int, head_dim: int, dtype: str,
         repeats: int, out: Path, log: Callable[[str], None] = print) -> list[dict]:
     rows = []
-    problems = [VirtualProblem(batch, heads, head_dim, s, c, m, dtype)
+    problems = [Problem(batch, heads, head_dim, s, c, m, dtype)
                 for m in causal for c in world_sizes for s in seq_lens]
     bad = [p.label() for p in problems if p.seq_len % (2 * p.world_size)]
     if bad:
