@@ -98,8 +98,8 @@ add its name to :data:`PLUGIN_MODULES`). A variant is, per rank::
 ``warmup`` says how many untimed steps it needs: a compiled variant compiles its
 backward lazily on the first backward and settles after a few steps.
 
-GPU (UNTESTED, no GPU was available when this was written): under ``torchrun``
-the same driver runs on the launched ranks with CUDA and NCCL; C is then the
+Under ``torchrun`` the same driver runs on the launched ranks: with CUDA and
+NCCL on GPUs (not yet run there), with gloo on CPU (tested). C is then the
 launched world size only, torch's ring variants are skipped (they are wired to
 the CPU kernel), timings synchronise CUDA, peak memory comes from the CUDA
 allocator and the comm-hidden measurement is skipped (host timestamps of
@@ -742,7 +742,7 @@ class LocalPools:
 
 
 def torchrun_runner(world_size: int, fn, *args, timeout: float = 0.0, **kwargs):
-    """UNTESTED (GPU path): run on this already-launched rank, gather every rank's result."""
+    """Run on this already-launched rank (torchrun), gather every rank's result."""
     import torch.distributed as dist
 
     if world_size != dist.get_world_size():
@@ -1135,7 +1135,7 @@ def main(args: argparse.Namespace) -> int:
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if args.virtual or (args.device == "cuda" and not under_torchrun):
         return _main_virtual(args)
-    if under_torchrun:  # UNTESTED GPU path (see module docstring)
+    if under_torchrun:  # NCCL on GPUs, gloo on CPU (see module docstring)
         import torch.distributed as dist
 
         cuda = torch.cuda.is_available()

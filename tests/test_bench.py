@@ -164,3 +164,22 @@ def test_virtual_rank_computes_its_share(world_size, causal):
         dq, _ = bench_virtual.rank_backward(shard(do, rank), shard(q, rank), kv, out, lse, rank, causal, 8**-0.5)
         assert max_err(out, shard(reference[0], rank)) < 1e-12
         assert max_err(dq, shard(reference[1], rank)) < 1e-12
+
+
+def test_torchrun_driver_on_gloo(tmp_path):
+    """The multi-GPU entry point (``torchrun ... -m cp_compile bench``), run here on CPU ranks with gloo."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    # torchrun of this interpreter (python -m torch.distributed.run), whichever torch the suite runs on
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_compile", "bench",
+           "--tiny", "--no-trace", "--mask", "causal", "--variants", "ours eager", "--out", str(out)]
+    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["device"] == "cpu"
+    (cfg,) = data["configs"]  # under torchrun C is the launched world size
+    assert cfg["config"]["world_size"] == 2 and cfg["variants"][bench.OURS]["valid"]
