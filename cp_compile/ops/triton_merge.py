@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import torch
 from torch import Tensor
@@ -119,8 +120,17 @@ def _(acc_out, acc_lse, out, lse, row_start=0):
     check_merge_args(acc_out, acc_lse, out, lse, row_start)
     if acc_out.dtype == torch.float32 and triton_available():
         _kernel().launch(acc_out, acc_lse, out, lse, row_start, 32)
-    else:
-        _merge_torch_(acc_out, acc_lse, out, lse, row_start)
+        return
+    if acc_out.dtype == torch.float32:
+        _warn_no_triton()
+    _merge_torch_(acc_out, acc_lse, out, lse, row_start)
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    # correct either way; said once so that a missing install is not mistaken for the kernel's speed
+    warnings.warn("cp::merge_ on CUDA: triton is not installed, so the merge runs as several torch kernels "
+                  "instead of one Triton kernel (pip install -e '.[triton]')", stacklevel=3)
 
 
 @merge_.register_fake
