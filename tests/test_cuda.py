@@ -59,7 +59,7 @@ def test_block_attn_on_device(device, dtype, mask, heads, head_dim):
 
     (hq, hkv), lq = heads, 48
     lk = 80 if mask == "causal_bottom_right" else lq
-    g = torch.Generator().manual_seed(hash((mask, hq, hkv, head_dim)) % 2**31)
+    g = torch.Generator().manual_seed(0)
     q, do = (torch.randn(2, hq, lq, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, hkv, lk, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
     visible = _visible(lq, lk, mask)
