@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -29,9 +30,11 @@ import torch.nn.functional as F
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[titan]')")
 
 # packed documents of a 128-token sequence; over C=2 each is cut into 4 chunks on its own, and all
-# but the 60-token one end in padding slots (37 -> 4 x 10, 5 -> 4 x 2, 26 -> 4 x 7)
+# but the 60-token one end in padding slots (37 -> 4 x 10, 5 -> 4 x 2, 26 -> 4 x 7): 68 local slots
 LENGTHS = [37, 5, 60, 26]
 SEQ = sum(LENGTHS)
+# the next batch: 64 local slots, so Dynamo compiles each block again with a dynamic length
+NEXT_LENGTHS = [100, 28]
 VOCAB = 2048
 
 
@@ -125,13 +128,13 @@ def fsdp_cp_mesh(cp: int):
     return init_device_mesh("cpu", (cp,), mesh_dim_names=("fsdp",))
 
 
-def packed_batch(seed: int = 1):
+def packed_batch(seed: int = 1, lengths=LENGTHS):
     """Global tokens [1, S], next-token labels, per-document positions and torchtitan's VarlenMetadata."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
-    positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     return tokens[:, :-1], tokens[:, 1:], positions, create_varlen_metadata_for_document(positions)
 
 
@@ -161,10 +164,8 @@ def titan_varlen_case():
     ref64 = fp64_copy(model)
     for block in ref64.layers.values():
         block.attention.inner_attention = Fp64PerDocument()
-    inputs, labels, positions, varlen_meta = packed_batch()
-    cu = varlen_meta.cu_seq_q
 
-    def one_process_step(m):
+    def one_process_step(m, inputs, labels, positions, varlen_meta):
         patched, titan_attention.varlen_attn = titan_attention.varlen_attn, per_document_varlen
         try:
             logits = m(inputs, positions, varlen_meta)
@@ -177,12 +178,13 @@ def titan_varlen_case():
     mesh = fsdp_cp_mesh(2)
     plan = cp_compile.ContextParallel(mesh)
     backend = apply_titan_cp(model, plan, mesh, sac="titan")
-    real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
-    local_inputs = plan.shard(inputs[0], 0, cu_seqlens=cu).unsqueeze(0)  # [1, local slots], padding 0
-    local_labels = plan.shard(labels[0], 0, cu_seqlens=cu).masked_fill(~real, -100).unsqueeze(0)
-    local_positions = plan.positions(cu_seqlens=cu).unsqueeze(0)  # position inside each document
 
-    def cp_step():
+    def cp_step(inputs, labels, positions, varlen_meta):
+        cu = varlen_meta.cu_seq_q  # the global documents, as on one process
+        real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+        local_inputs = plan.shard(inputs[0], 0, cu_seqlens=cu).unsqueeze(0)  # [1, local slots], padding 0
+        local_labels = plan.shard(labels[0], 0, cu_seqlens=cu).masked_fill(~real, -100).unsqueeze(0)
+        local_positions = plan.positions(cu_seqlens=cu).unsqueeze(0)  # position inside each document
         logits = model(local_inputs, local_positions, varlen_meta)
         loss = summed_loss(logits, local_labels, SEQ)
         loss.backward()
@@ -193,15 +195,15 @@ def titan_varlen_case():
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, single, ref64)]
     losses, logits = {"cp": [], "single": [], "ref64": []}, {"cp": [], "single": [], "ref64": []}
     grads = {}
-    for step in range(2):
-        for key, run in (("cp", cp_step), ("single", lambda: one_process_step(single)),
-                         ("ref64", lambda: one_process_step(ref64))):
-            loss, out = run()
+    for step, lengths in enumerate((LENGTHS, NEXT_LENGTHS)):
+        batch = packed_batch(seed=1 + step, lengths=lengths)
+        for key, run in (("cp", cp_step), ("single", functools.partial(one_process_step, single)),
+                         ("ref64", functools.partial(one_process_step, ref64))):
+            loss, out = run(*batch)
             losses[key].append(loss)
             logits[key].append(out)
-        if step == 0:
-            for (name, p), q, r in zip(model.named_parameters(), single.parameters(), ref64.parameters()):
-                grads[name] = (max_err(p.grad.full_tensor(), r.grad), max_err(q.grad, r.grad))
+        for (name, p), q, r in zip(model.named_parameters(), single.parameters(), ref64.parameters()):
+            grads[f"step {step} {name}"] = (max_err(p.grad.full_tensor(), r.grad), max_err(q.grad, r.grad))
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
@@ -210,7 +212,8 @@ def titan_varlen_case():
     report = backend.explain()
     return {"loss": [float(x) for x in losses["cp"]], "single_loss": [float(x) for x in losses["single"]],
             "loss_errs": loss_errs, "logit_errs": logit_errs, "grads": grads,
-            "report": str(report), "sites": [(s.schedule, s.dtype) for s in report.sites]}
+            "report": str(report), "sites": [(s.schedule, s.dtype) for s in report.sites],
+            "local_lengths": [type(r.sites[0].shape("query")[0]).__name__ for r in backend.records]}
 
 
 def test_titan_varlen_trains_like_one_process(ranks):
@@ -218,6 +221,8 @@ def test_titan_varlen_trains_like_one_process(ranks):
     assert results[0]["loss"] == results[1]["loss"]  # the all-reduced loss
     for r in results:
         assert r["sites"] and all(dtype == "bfloat16" for _, dtype in r["sites"])  # torchtitan's cast
+        # 68 local slots, then (the next batch has 64) each block compiled again with a dynamic length
+        assert r["local_lengths"] == ["int", "SymInt"]
         assert "varlen.py" not in r["report"] and "attention.py" in r["report"]  # names torchtitan's line
         # the rule on every tensor: CP error against fp64 at most 2x the one-process error in the same dtypes
         for step, (cp, single) in enumerate(r["logit_errs"]):
