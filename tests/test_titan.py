@@ -4,7 +4,8 @@ activation checkpointing on every block, RoPE positions passed as the model's ``
 
 Configurations (C=2, torchtitan's "debugmodel" cut to 2 layers, 128 tokens):
 
-- ``attn_backend="varlen"`` on packed documents, forward + backward + an optimizer step. torchtitan
+- ``attn_backend="varlen"`` on packed documents, two SGD steps (the second on another document split,
+  so each block is compiled again, with the local length marked dynamic), forward and backward. torchtitan
   casts q/k/v to bf16 and calls ``varlen_attn(..., num_splits=1)``. Against one process with the
   same weights; errors against an fp64 reference at most 2x the one-process error in the same dtypes.
 - ``attn_backend="flex"`` with torchtitan's own causal packed-document BlockMask, sharded by the
@@ -33,7 +34,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 # but the 60-token one end in padding slots (37 -> 4 x 10, 5 -> 4 x 2, 26 -> 4 x 7): 68 local slots
 LENGTHS = [37, 5, 60, 26]
 SEQ = sum(LENGTHS)
-# the next batch: 64 local slots, so Dynamo compiles each block again with a dynamic length
+# the next batch: 64 local slots, so Dynamo compiles each block again, marking the length dynamic
 NEXT_LENGTHS = [100, 28]
 VOCAB = 2048
 
@@ -141,7 +142,8 @@ def packed_batch(seed: int = 1, lengths=LENGTHS):
 def summed_loss(logits, labels, n_tokens):
     """Cross entropy summed over this rank's real tokens, divided by the global token count:
     the sum over ranks is the one-process mean."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=-100) / n_tokens
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=-100)
+    return loss / n_tokens
 
 
 def max_err(a, b) -> float:
@@ -149,7 +151,7 @@ def max_err(a, b) -> float:
 
 
 # ----------------------------------------------------------------------------
-# varlen: packed documents, forward + backward + one optimizer step.
+# varlen: packed documents, two training steps.
 # ----------------------------------------------------------------------------
 
 
@@ -221,7 +223,8 @@ def test_titan_varlen_trains_like_one_process(ranks):
     assert results[0]["loss"] == results[1]["loss"]  # the all-reduced loss
     for r in results:
         assert r["sites"] and all(dtype == "bfloat16" for _, dtype in r["sites"])  # torchtitan's cast
-        # 68 local slots, then (the next batch has 64) each block compiled again with a dynamic length
+        # 68 local slots; the next batch has 64, so Dynamo compiles again with the length dynamic
+        # (the rewrite sees a SymInt and costs it at the call's length)
         assert r["local_lengths"] == ["int", "SymInt"]
         assert "varlen.py" not in r["report"] and "attention.py" in r["report"]  # names torchtitan's line
         # the rule on every tensor: CP error against fp64 at most 2x the one-process error in the same dtypes
@@ -260,8 +263,7 @@ def titan_flex_case():
     plan = cp_compile.ContextParallel(mesh)
     backend = apply_titan_cp(model, plan, mesh, sac="titan")
     with torch.no_grad():
-        # the global positions of this rank's zigzag chunks are also the document positions' indices
-        local_positions = plan.shard(positions, 1)
+        local_positions = plan.shard(positions, 1)  # torchtitan's in-document positions of this rank's tokens
         out = model(plan.shard(inputs, 1), local_positions, plan.shard(block_mask))
     out = plan.unshard(out, 1)
     return max_err(out, ref_out), max_err(single_out, ref_out), [s.schedule for s in backend.explain().sites]
@@ -270,7 +272,7 @@ def titan_flex_case():
 def test_titan_flex_forward_matches_one_process(ranks):
     for cp, single, schedules in ranks(2, titan_flex_case, timeout=600):
         assert schedules and all(s in ("ring", "allgather", "ulysses") for s in schedules)
-        assert cp <= 2 * single + 1e-6, f"logits: CP error {cp:.3g} vs one process {single:.3g}"
+        assert cp <= 2 * single, f"logits: CP error {cp:.3g} vs one process {single:.3g}"
 
 
 # ----------------------------------------------------------------------------
