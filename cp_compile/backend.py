@@ -114,6 +114,24 @@ class CPBackend:
         self.inner = inner
         self.records: list[CompileRecord] = []
 
+    def explain(self):
+        """What this backend did to every graph it compiled so far, as ``cp_compile.explain`` reports it.
+
+        For models compiled piece by piece with one backend object (e.g. each
+        transformer block, as torchtitan's ``apply_compile`` does): run a step,
+        then print ``backend.explain()``. Graph breaks are not counted here
+        (compile with ``fullgraph=True`` to rule them out).
+        """
+        from .inspect import ExplainReport, site_report
+        from .ops.comm import resolve_group
+
+        world_size = resolve_group(self.options.group_name).size()
+        report = ExplainReport(graphs=len(self.records))
+        for record in self.records:
+            report.sites += [site_report(site, world_size) for site in record.sites]
+            report.schedules += record.schedules
+        return report
+
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         record = CompileRecord()
         self.records.append(record)

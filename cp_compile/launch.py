@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -59,7 +60,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int,
             break
         task_id, fn, args, kwargs = task
         try:
-            results.put((task_id, rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            # the queue pickles in a background thread and drops what it cannot pickle (e.g. a SymInt),
+            # which would leave the caller waiting: fail here, with the reason, instead
+            pickle.dumps(value)
+            results.put((task_id, rank, True, value))
         except BaseException as e:  # noqa: BLE001  (reported to the caller)
             results.put((task_id, rank, False, (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -90,18 +91,28 @@ class AttentionSite:
 
     @property
     def source(self) -> str:
-        """The user's source line, from the frame Dynamo recorded."""
+        """The user's source line, from the frame Dynamo recorded: the innermost frame outside torch
+        itself (``varlen_attn`` and ``flex_attention`` are Python wrappers whose own lines say nothing)."""
         trace = self.node.meta.get("stack_trace") or ""
         lines = [ln.strip() for ln in trace.strip().splitlines()]
-        for i in range(len(lines) - 1, -1, -1):
-            if lines[i].startswith("File "):
-                code = lines[i + 1] if i + 1 < len(lines) else ""
-                return f"{lines[i]}: {code}"
+        frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+        outside = [i for i in frames if not _in_torch(lines[i])]
+        for i in (outside or frames)[-1:]:
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i]}: {code}"
         return f"{self.owner.__class__.__name__}.{self.node.name}"
 
     @property
     def location(self) -> str:
         return "top-level graph" if self.owner_path == "" else f"inside {self.owner_path}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(frame_line: str) -> bool:
+    """Whether a 'File "...", line n, in f' line names a file of torch itself."""
+    return frame_line.startswith(f'File "{_TORCH_DIR}')
 
 
 def _example(node) -> Optional[torch.Tensor]:

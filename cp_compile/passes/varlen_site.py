@@ -6,6 +6,11 @@ through; the op has a fake implementation, so this works on CPU, where the op
 itself has no kernel). It returns (out, lse [H, T], rng_state). The wrapper
 passes ``is_causal = window_size == (-1, 0)`` and the window as a list.
 
+``num_splits`` (how many pieces the CUDA kernel splits the keys into;
+torchtitan passes 1) is a kernel hint that does not change the result: it is
+accepted and ignored, as are ``max_q`` / ``max_k`` (the CP ops compute what
+they need from ``cu_seqlens``).
+
 The rewrite inserts one ``cp::varlen_attention`` with the schedule chosen for
 the site (ring, all-gather), or for the head-sharding schedules one
 ``cp::ulysses_attention`` / ``cp::hybrid_attention`` (a 2-D mesh plan) with the
@@ -46,9 +51,12 @@ def _check_varlen(site: AttentionSite) -> None:
             f"varlen_attn(cu_seq_k=...) {where}: CP needs self-attention over the same documents "
             "(pass the same cu_seqlens tensor as cu_seq_q and cu_seq_k)"
         )
-    for name in ("seqused_k", "block_table", "num_splits"):
+    for name in ("seqused_k", "block_table"):
         if args[name] is not None:
             raise UnsupportedAttention(f"varlen_attn({name}=...) {where}: not supported under context parallelism")
+    splits = args["num_splits"]
+    if not (splits is None or isinstance(splits, fx.Node) or (isinstance(splits, int) and splits >= 0)):
+        raise UnsupportedAttention(f"varlen_attn(num_splits={splits!r}) {where}: expected None or an int >= 0")
     for name in ("is_causal", "scale", "window_size", "enable_gqa"):
         value = args[name]
         items = value if isinstance(value, (list, tuple)) else [value]
