@@ -70,8 +70,11 @@ def hf_parity(arch: str, runs: list):
         packed = lengths is not None
         ids, labels, cu, positions = batch(lengths)
         reference.zero_grad()
-        ref_logits = reference(ids, position_ids=positions, use_cache=False).logits
-        ref_loss = loss_of(ref_logits, labels)
+        # transformers' own loss: labels already shifted (shift_labels), mean over every rank's items
+        items = torch.tensor((labels != -100).sum().item())
+        loss_kwargs = lambda lab: dict(labels=lab, shift_labels=lab, num_items_in_batch=items)  # noqa: E731
+        ref = reference(ids, position_ids=positions, use_cache=False, **loss_kwargs(labels))
+        ref_logits, ref_loss = ref.logits, ref.loss
         ref_loss.backward()
 
         if packed:
@@ -96,8 +99,8 @@ def hf_parity(arch: str, runs: list):
             run = compiled[mode]
         model.zero_grad()
         with plan:
-            logits = run(shard(ids), position_ids=local_positions, use_cache=False, **kwargs).logits
-        loss = loss_of(logits, local_labels)
+            out = run(shard(ids), position_ids=local_positions, use_cache=False, **kwargs, **loss_kwargs(local_labels))
+        logits, loss = out.logits, out.loss
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
