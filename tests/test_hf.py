@@ -126,7 +126,7 @@ INDUCTOR = [("inductor", None, False), ("inductor", LENGTHS, False)]
 
 
 @pytest.mark.parametrize("arch,world_size,runs", [
-    ("llama", 2, EAGER + COMPILED + INDUCTOR), ("qwen2", 2, EAGER + COMPILED), ("qwen2", 3, EAGER + COMPILED),
+    ("llama", 2, EAGER + COMPILED + INDUCTOR), ("qwen2", 2, EAGER + COMPILED[:2]), ("qwen2", 3, EAGER + COMPILED),
 ])
 def test_model_matches_sdpa_on_one_process(ranks, arch, world_size, runs):
     for results, breaks, sites in ranks(world_size, hf_parity, arch, runs, timeout=600):
