@@ -13,11 +13,11 @@ from .ops.varlen import varlen_attention
 from .passes import flex_site  # noqa: F401  (registers the flex site kind)
 from .passes.cost import Machine
 from .passes.rewrite import UnsupportedAttention
-from .plan import ContextParallel
+from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy
 
 __all__ = [
-    "ContextParallel", "Machine", "UnsupportedAttention", "allgather_attention", "calibrate", "count_blocks",
+    "ContextParallel", "Machine", "UnsupportedAttention", "active_plan", "allgather_attention", "calibrate", "count_blocks",
     "count_traffic", "explain", "flex_attention", "hybrid_attention", "ring_attention", "sac_context", "sac_policy",
     "ulysses_attention", "varlen_attention",
 ]

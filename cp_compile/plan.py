@@ -12,6 +12,18 @@ from . import layout as _layout
 from .ops.ring import group_name_of, ring_attention
 from .torch_compat import resolve_process_group
 
+_ACTIVE: list = []  # the plans entered with ``with plan:``, innermost last
+
+
+def active_plan() -> Optional["ContextParallel"]:
+    """The innermost plan entered with ``with plan:`` (None outside every one).
+
+    Integrations that call attention through a framework's dispatch (``cp_compile.hf``)
+    read it to know that the model runs under CP; under ``torch.compile`` it is read
+    while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
+    """
+    return _ACTIVE[-1] if _ACTIVE else None
+
 
 class ContextParallel:
     """A context-parallel plan over a process group, a 1-D DeviceMesh or a 2-D ``(ring, a2a)`` DeviceMesh.
@@ -60,6 +72,7 @@ class ContextParallel:
             _layout.check_layout(load_balance)
         self.load_balance = load_balance
         self.machine = machine
+        self._documents: Optional[tuple[Tensor, int]] = None  # (global cu_seqlens, local slots) of positions()
         if calibrate:
             from .calibrate import calibrate as _calibrate
 
@@ -72,6 +85,24 @@ class ContextParallel:
     @property
     def rank(self) -> int:
         return self.group.rank()
+
+    def __enter__(self) -> "ContextParallel":
+        """``with plan:`` makes this the active plan (``cp_compile.active_plan()``), e.g. for a
+        Hugging Face model using ``attn_implementation="cp_compile"`` (``cp_compile.hf``)."""
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for i in range(len(_ACTIVE) - 1, -1, -1):  # the innermost entry of this plan
+            if _ACTIVE[i] is self:
+                del _ACTIVE[i]
+                break
+
+    @property
+    def documents(self) -> Optional[Tensor]:
+        """The global ``cu_seqlens`` of the latest ``positions(cu_seqlens=...)`` call, or None after
+        ``positions(seq_len)``: what the batch being run is, for integrations that get only positions."""
+        return None if self._documents is None else self._documents[0]
 
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
@@ -125,11 +156,18 @@ class ContextParallel:
 
     def positions(self, seq_len: Optional[int] = None, device=None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """Global positions (LongTensor) of this rank's tokens; with ``cu_seqlens``, each
-        local slot's position inside its document (padding slots continue their document)."""
+        local slot's position inside its document (padding slots continue their document).
+
+        The call also records what the batch is (``documents``): packed documents with
+        ``cu_seqlens``, one sequence per row without. ``cp_compile.hf`` reads it when a
+        model is given only ``position_ids``."""
         if cu_seqlens is not None:
-            return _layout.packed_slots(cu_seqlens, self.rank, self.world_size)["pos"].to(device)
+            cu = torch.tensor(_layout.check_cu_seqlens(cu_seqlens), dtype=torch.int32)
+            self._documents = (cu, _layout.packed_local_len(cu, self.world_size))
+            return _layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
+        self._documents = None
         if self.balanced is not None:
             return self._balanced_positions(seq_len, device)
         return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)

@@ -82,8 +82,11 @@ class AttentionSite:
         return self.args["query"]
 
     def shape(self, name: str) -> Optional[tuple[int, ...]]:
+        """The argument's shape as ints (a dynamic dimension as its example value: what the cost model reads)."""
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
         val = _example(self.args[name])
-        return tuple(val.shape) if val is not None else None
+        return tuple(int(optimization_hint(s)) for s in val.shape) if val is not None else None
 
     def dtype(self) -> Optional[torch.dtype]:
         val = _example(self.query)
@@ -160,10 +163,14 @@ def _check_sdpa(site: AttentionSite) -> None:
     args = site.args
     where = f"at {site.source}"
     if args["attn_mask"] is not None:
+        hint = "use is_causal=True, or FlexAttention for custom masks"
+        if "transformers" in (site.node.meta.get("stack_trace") or ""):  # a mask built by Hugging Face
+            hint = ('for a Hugging Face transformers model, `import cp_compile.hf` and load or switch it with '
+                    'attn_implementation="cp_compile" (model.set_attn_implementation("cp_compile")), and run it '
+                    'inside `with plan:`')
         raise UnsupportedAttention(
             f"scaled_dot_product_attention(attn_mask=...) {where}: an explicit attn_mask tensor is not supported "
-            "under context parallelism (each rank holds only its shard of the sequence); use is_causal=True, "
-            "or FlexAttention for custom masks"
+            f"under context parallelism (each rank holds only its shard of the sequence); {hint}"
         )
     dropout = args["dropout_p"]
     if isinstance(dropout, fx.Node) or dropout != 0.0:

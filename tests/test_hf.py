@@ -1,0 +1,220 @@
+"""Hugging Face transformers models with attn_implementation="cp_compile" under CP, against "sdpa" on one process."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
+
+VOCAB, SEQ = 128, 48  # SEQ splits into 2C chunks for C = 2 and 3
+LENGTHS = [13, 5, 1, 22, 7]  # packed documents: no length divides by 2C = 4 or 6; sum is SEQ
+OTHER = [13, 5, 2, 21, 7]  # other documents, the same slots per rank: a compiled graph must read them anew
+TOL = 1e-4  # relative (to the reference's largest magnitude), fp32
+
+
+def tiny_model(arch: str, attn: str):
+    """A 2-layer, hidden-64 model with random weights (seeded; the same on every rank)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:  # layer 0 full attention, layer 1 a sliding window of 8 tokens; q/k/v have biases
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def batch(lengths):
+    """Global ids, shifted labels (-100 where no next token of the same document) and cu_seqlens."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=gen)
+    lengths = lengths or [SEQ]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    labels = torch.full_like(ids, -100)
+    labels[0, :-1] = ids[0, 1:]
+    labels[0, cu[1:].long() - 1] = -100  # the last token of every document predicts nothing
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, labels, cu, positions
+
+
+def loss_of(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                             reduction="sum")
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def hf_parity(arch: str, runs: list):
+    """Each run ``(mode, lengths, packing_kwargs)`` against "sdpa" on one process: logits, loss, summed grads.
+
+    mode: "eager", or the inner compiler of plan.backend() ("aot_eager", "inductor"). One compiled model
+    serves every compiled run of one inner compiler (a new batch kind recompiles, nothing more).
+    """
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+
+    torch._dynamo.reset()
+    counters.clear()
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    compiled, backends, results = {}, [], []
+    for mode, lengths, packing_kwargs in runs:
+        packed = lengths is not None
+        ids, labels, cu, positions = batch(lengths)
+        reference.zero_grad()
+        # transformers' own loss: labels already shifted (shift_labels), mean over every rank's items
+        items = torch.tensor((labels != -100).sum().item())
+        loss_kwargs = lambda lab: dict(labels=lab, shift_labels=lab, num_items_in_batch=items)  # noqa: E731
+        ref = reference(ids, position_ids=positions, use_cache=False, **loss_kwargs(labels))
+        ref_logits, ref_loss = ref.logits, ref.loss
+        ref_loss.backward()
+
+        if packed:
+            real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+            shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
+            local_labels = torch.where(real, shard(labels), -100)  # padding slots stay out of the loss
+            local_positions = plan.positions(cu_seqlens=cu)[None]
+        else:
+            real = torch.ones(SEQ // plan.world_size, dtype=torch.bool)
+            shard = lambda t: plan.shard(t, 1)  # noqa: E731
+            local_labels = shard(labels)
+            local_positions = plan.positions(SEQ)[None]
+        kwargs = {}
+        if packing_kwargs:  # as DataCollatorWithFlattening(return_flash_attn_kwargs=True) emits them: global
+            kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+            plan.positions(SEQ)  # the kwargs alone say the batch is packed: forget the recorded documents
+        run = model
+        if mode != "eager":
+            if mode not in compiled:
+                backends.append(plan.backend(mode))
+                compiled[mode] = torch.compile(model, backend=backends[-1], fullgraph=True)
+            run = compiled[mode]
+        model.zero_grad()
+        with plan:
+            out = run(shard(ids), position_ids=local_positions, use_cache=False, **kwargs, **loss_kwargs(local_labels))
+        logits, loss = out.logits, out.loss
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        grad_err = 0.0
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            summed = p.grad.clone()
+            dist.all_reduce(summed)
+            grad_err = max(grad_err, rel_err(summed, ref.grad))
+        results.append({
+            "run": (mode, lengths, packing_kwargs),
+            "logits": rel_err(logits[0, real], shard(ref_logits.detach())[0, real]),
+            "loss": abs(total.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "grads": grad_err,
+        })
+    sites = [(s.kind, s.decision.get("window")) for b in backends for r in b.records for s in r.sites]
+    return results, sum(counters["graph_break"].values()), sites
+
+
+EAGER = [("eager", None, False), ("eager", LENGTHS, False)]
+COMPILED = [("aot_eager", None, False), ("aot_eager", LENGTHS, False), ("aot_eager", OTHER, False),
+            ("aot_eager", LENGTHS, True)]
+INDUCTOR = [("inductor", None, False), ("inductor", LENGTHS, False)]
+
+
+@pytest.mark.parametrize("arch,world_size,runs", [
+    ("llama", 2, EAGER + COMPILED + INDUCTOR), ("qwen2", 2, EAGER + COMPILED[:2]), ("qwen2", 3, EAGER + COMPILED),
+])
+def test_model_matches_sdpa_on_one_process(ranks, arch, world_size, runs):
+    for results, breaks, sites in ranks(world_size, hf_parity, arch, runs, timeout=600):
+        assert breaks == 0  # fullgraph=True, and no break in a recompile either
+        for r in results:
+            assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
+        print(arch, world_size, results, sites)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_no_plan_behaves_like_sdpa(arch):
+    """Outside every plan "cp_compile" is "sdpa": the same logits and gradients, bit for bit, eager and compiled."""
+    import cp_compile.hf  # noqa: F401
+
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    switched = tiny_model(arch, "sdpa")
+    switched.set_attn_implementation("cp_compile")
+    assert (model.config._attn_implementation, switched.config._attn_implementation) == ("cp_compile",) * 2
+    for lengths, compiled in ((None, False), (LENGTHS, False), (LENGTHS, True)):
+        ids, labels, _, positions = batch(lengths)
+        grads = []
+        for m in (model, reference):
+            m.zero_grad()
+            run = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+            logits = run(ids, position_ids=positions, use_cache=False).logits
+            loss_of(logits, labels).backward()
+            grads.append([logits.detach()] + [p.grad for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), (lengths, compiled)
+
+
+@pytest.fixture
+def fake_plan():
+    """A plan over a fake 2-rank process group: enough to trace and compile, values are not checked."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cp_compile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield cp_compile.ContextParallel()
+    dist.destroy_process_group()
+
+
+def _unsupported_cause(error):
+    from cp_compile import UnsupportedAttention
+
+    cause = error
+    while cause is not None and not isinstance(cause, UnsupportedAttention):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    return cause
+
+
+@pytest.mark.parametrize("attn,in_plan", [("sdpa", True), ("cp_compile", False)])
+def test_mask_from_hf_under_cp_backend_names_the_fix(fake_plan, attn, in_plan):
+    """"sdpa" (or "cp_compile" outside ``with plan:``) gives SDPA the mask HF builds from the local positions."""
+    import contextlib
+
+    import cp_compile.hf  # noqa: F401
+
+    torch._dynamo.reset()
+    plan = fake_plan
+    model = tiny_model("llama", attn)
+    ids, _, _, _ = batch(None)
+    compiled = torch.compile(model, backend=plan.backend("aot_eager"), fullgraph=True)
+    with pytest.raises(Exception) as info, (plan if in_plan else contextlib.nullcontext()):
+        compiled(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
+    cause = _unsupported_cause(info.value)
+    assert cause is not None, info.value
+    message = str(cause)
+    assert "attn_mask" in message and 'attn_implementation="cp_compile"' in message
+    assert "import cp_compile.hf" in message and "with plan:" in message
+
+
+def test_what_cp_cannot_do_is_refused_inside_a_plan(fake_plan):
+    import cp_compile.hf
+    from cp_compile import UnsupportedAttention
+
+    plan = fake_plan
+    model = tiny_model("llama", "cp_compile")
+    ids = plan.shard(batch(None)[0], 1)
+    padding = torch.ones_like(ids)
+    padding[0, -3:] = 0
+    with plan, pytest.raises(UnsupportedAttention, match="padding attention_mask"):
+        model(ids, attention_mask=padding, position_ids=plan.positions(SEQ)[None], use_cache=False)
+    with plan, pytest.raises(UnsupportedAttention, match="KV cache"):  # decoding: 1 new query, 24 cached keys
+        cp_compile.hf.mask(batch_size=1, q_length=1, kv_length=25, q_offset=24, kv_offset=0)
+    plan.positions(cu_seqlens=torch.tensor([0, 13, 18, 19, 41, 48]))  # 30 slots per rank; the model gets 24
+    with plan, pytest.raises(ValueError, match="30 slots per rank"):  # stale documents: said, not used
+        cp_compile.hf.attention(model.model.layers[0].self_attn, *(torch.zeros(1, 4, 24, 16),) * 3, None)
+    assert cp_compile.active_plan() is None
