@@ -6,8 +6,12 @@ import torch
 SEQ = 24  # global tokens; splits into 2C chunks for C = 2 and 3
 
 
-def model_parity(inner: str, checkpoint: str, dtype_name: str = "float64", seq: int = SEQ):
-    """Compiled CP model vs the same model on one device: loss, logits, summed gradients."""
+def model_parity(inner: str, checkpoint: str, dtype_name: str = "float64", seq: int = SEQ, caches: bool = False):
+    """Compiled CP model vs the same model on one device: loss, logits, summed gradients.
+
+    Inductor's caches are off unless ``caches``: another case may already have cached an
+    identical forward graph (full and selective checkpointing can partition alike), and a
+    cache hit skips the passes and their records."""
     import torch._inductor.config
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -34,9 +38,7 @@ def model_parity(inner: str, checkpoint: str, dtype_name: str = "float64", seq: 
 
     backend = plan.backend(inner)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    # Another case may already have cached an identical forward graph (full and selective
-    # checkpointing can partition alike); a cache hit skips the passes and their records.
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._inductor.config.patch(force_disable_caches=not caches):
         logits = compiled(plan.shard(tokens, 1), plan.positions(seq))
         loss = token_loss_sum(logits, plan.shard(labels, 1))
         loss.backward()
@@ -90,7 +92,7 @@ def generated_code(cache_dir: str):
             for _ in range(2):
                 PyCodeCache.cache_clear(purge=False)
                 counters.clear()
-                result = model_parity("inductor", "none")
+                result = model_parity("inductor", "none", caches=True)
                 sources = sorted(open(m.__file__).read() for m in PyCodeCache.modules)
                 runs.append({"result": result, "sources": sources, "hits": counters["inductor"]["fxgraph_cache_hit"]})
     finally:

@@ -147,6 +147,16 @@ def test_merge_op_matches_torch_merge(device, row_start):
 # ----------------------------------------------------------------------------
 
 
+def _shard_errors(plan, out, leaves, single, reference) -> dict:
+    """This rank's CP out and input gradients, and single-device same-dtype results, against fp64 (sharded alike)."""
+    ours = [out.detach()] + [t.grad for t in leaves]
+    return {
+        "devices": sorted({str(t.device.type) for t in ours}),
+        "cp_err": [max_err(o.cpu(), plan.shard(r, 2)) for o, r in zip(ours, reference)],
+        "single_err": [max_err(plan.shard(s.cpu(), 2), plan.shard(r, 2)) for s, r in zip(single, reference)],
+    }
+
+
 def schedule_on_device(device: str, schedule: str, compiled: bool, dtype_name: str = "bfloat16"):
     import cp_compile
     from helpers import make_qkv, sdpa_with_grads
@@ -166,13 +176,7 @@ def schedule_on_device(device: str, schedule: str, compiled: bool, dtype_name: s
     with cp_compile.count_traffic() as traffic:
         out = fn(*leaves)
         out.backward(plan.shard(do, 2).to(device, dtype))
-    ours = [out.detach()] + [t.grad for t in leaves]
-    return {
-        "devices": sorted({str(t.device.type) for t in ours}),
-        "cp_err": [max_err(o.cpu(), plan.shard(r, 2)) for o, r in zip(ours, reference)],
-        "single_err": [max_err(plan.shard(s.cpu(), 2), plan.shard(r, 2)) for s, r in zip(single, reference)],
-        "shifts": traffic.shifts,
-    }
+    return {**_shard_errors(plan, out, leaves, single, reference), "shifts": traffic.shifts}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -208,12 +212,7 @@ def flex_on_device(device: str, schedule: str, dtype_name: str = "bfloat16"):
     leaves = [plan.shard(t, 2).to(device, dtype).requires_grad_() for t in (q, k, v)]
     out = cp_compile.flex_attention(*leaves, block_mask=block_mask, enable_gqa=True, schedule=schedule)
     out.backward(plan.shard(do, 2).to(device, dtype))
-    ours = [out.detach()] + [t.grad for t in leaves]
-    return {
-        "devices": sorted({str(t.device.type) for t in ours}),
-        "cp_err": [max_err(o.cpu(), plan.shard(r, 2)) for o, r in zip(ours, reference)],
-        "single_err": [max_err(plan.shard(s.cpu(), 2), plan.shard(r, 2)) for s, r in zip(single, reference)],
-    }
+    return _shard_errors(plan, out, leaves, single, reference)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "allgather"])

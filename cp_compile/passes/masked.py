@@ -257,26 +257,14 @@ def choose_flex(q, k, v, block_mask, world_size: int, machine: Optional[Machine]
                          machine=machine or default_machine(q.device.type), mesh=mesh)
 
 
-def concrete_shape(shape) -> tuple[int, ...]:
-    """Sizes as ints; a symbolic size (a dynamic sequence length: Dynamo compiles a block again with
-    dynamic shapes once the local length changes, as packed documents make it do) is costed at the
-    length of the call being compiled, the same on every rank."""
-    def size(n):
-        if isinstance(n, torch.SymInt):
-            hint = n.node.hint
-            return int(hint if hint is not None else n.node.shape_env.size_hint(n.node.expr))
-        return int(n)
-
-    return tuple(size(n) for n in shape)
-
-
 def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
     """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
     from ..ops.comm import resolve_group
     from .rewrite import _example
 
     c = resolve_group(options.group_name).size()
-    q, k, v = (concrete_shape(site.shape(name)) for name in ("query", "key", "value"))
+    # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
+    q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     backward = any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
     if site.kind == "varlen":
         window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
