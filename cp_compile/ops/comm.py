@@ -147,13 +147,17 @@ def ring_shift(tensors: list[Tensor], group_name: str, shift: int, tag: int) -> 
     works = list(dist.batch_isend_irecv(hop)) if hop else []
     _record(tensors, tag)
 
+    # What the wait still needs; emptied once it has run, so that a registration nobody
+    # waits on (the registry keeps the work) does not keep the hop's buffers alive.
+    pending = [(buf, host) for buf, host in zip(received, wire_received)] if staged else []
+
     def wait_all(timeout=None):
         # every buffer shares this work, and a gloo work waited twice blocks forever
         while works:
             works.pop(0).wait()
-            if not works and staged:
-                for buf, host in zip(received, wire_received):
-                    buf.copy_(host)
+        for buf, host in pending:
+            buf.copy_(host)
+        pending.clear()
         return True
 
     # One work for every buffer: the functional wait_tensor looks works up by storage.
