@@ -174,6 +174,35 @@ def _(tensors, group_name, shift, tag):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
 
 
+@torch.library.custom_op("cp::send_buffers", mutates_args=())
+def send_buffers(tensors: list[Tensor]) -> list[Tensor]:
+    """Contiguous copies of ``tensors`` for a compiled graph's first hop to send.
+
+    In a compiled graph a schedule's inputs may be views of values Inductor has
+    not materialised (a cast of a fused q/k/v, recomputed under selective
+    checkpointing); Inductor then gives each consumer its own copy, so the wait
+    on "the sent tensor" runs on another buffer than the one in flight, and the
+    real one can be reused before its transfer is done. The outputs of this
+    opaque op are one buffer each, shared by the hop and its wait.
+    """
+    return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+
+
+@send_buffers.register_fake
+def _(tensors):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+
+
+def first_hop_buffers(tensors: list[Tensor]) -> list[Tensor]:
+    """What the first hop of a schedule sends: the inputs themselves eagerly (the
+    transfer's work keeps them alive), buffers of their own when traced into a graph."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return list(torch.ops.cp.send_buffers(tensors))
+    return list(tensors)
+
+
 def wait(received: list[Tensor], sent: list[Tensor] = ()) -> list[Tensor]:
     """Complete a ``ring_shift``: the received tensors, ready to read.
 

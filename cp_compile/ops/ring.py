@@ -40,7 +40,7 @@ from .block import (
     acc_dtype, block_attn_backward_impl, block_attn_impl, check_block_args, dense_like, result_like,
 )
 from ..layout import check_layout
-from .comm import TAG_DKV, TAG_KV, resolve_group, wait
+from .comm import TAG_DKV, TAG_KV, first_hop_buffers, resolve_group, wait
 from .merge import start_accumulator
 from .registry import Traceable, register_schedule
 
@@ -174,7 +174,7 @@ def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, group_name: st
     full-size for the local queries. Returns the fp32 (fp64) accumulator.
     """
     ops = torch.ops.cp
-    kv = [k, v]
+    kv = first_hop_buffers([k, v]) if world_size > 1 else [k, v]
     acc = None
     for step in range(world_size):
         # next step's K/V is on the wire while this step computes
@@ -229,7 +229,7 @@ def ring_pass_backward(
     ops = torch.ops.cp
     dt = acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
-    kv = [k, v]
+    kv = first_hop_buffers([k, v]) if world_size > 1 else [k, v]
     dq = dkv = dkv_incoming = kv_incoming = None
     dkv_sent: list[Tensor] = []
 
