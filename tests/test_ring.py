@@ -93,6 +93,7 @@ def opcheck_comm_ops():
         (torch.ops.cp.ring_block_attn.default, (q, k, v, 1, name, True, "zigzag", 0.4)),
         (torch.ops.cp.ring_block_attn_backward.default, (do, q, k, v, out, lse, None, 1, name, True, "zigzag", 0.4)),
         (torch.ops.cp.agree.default, (q, k, v, name, "x")),
+        (torch.ops.cp.send_buffers.default, ([k.transpose(2, 3), v],)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
