@@ -599,6 +599,21 @@ def _steps_per_sample(variants: list[Variant], steps: dict, mine, device: torch.
     return {v.name: max(1, min(most, math.ceil(min_sample_s / max(t, 1e-6)))) for v, t in zip(variants, once.tolist())}
 
 
+def _interleaved_samples(variants: list[Variant], steps: dict, mine, device: torch.device, repeats: int,
+                         per_sample: dict[str, int]) -> dict[str, list[float]]:
+    """One sample of every variant per repeat, in an order that rotates from repeat to repeat
+    (slow drift of a shared machine hits all alike); ranks start each sample together."""
+    import torch.distributed as dist
+
+    samples: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(repeats if variants else 0):
+        for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+            dist.barrier()
+            if mine(v):
+                samples[v.name].append(_timed_sample(steps[v.name], per_sample[v.name], device))
+    return samples
+
+
 def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: str = "cpu",
                trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1,
                min_sample_s: float = 0.0) -> dict:
@@ -653,13 +668,7 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
 
     # -- timing: every repeat runs every valid variant once, rotating the order
     per_sample = _steps_per_sample(valid, steps, mine, device, min_sample_s)
-    times: dict[str, list[float]] = {v.name: [] for v in valid}
-    for r in range(repeats):
-        order = valid[r % len(valid):] + valid[: r % len(valid)] if valid else []
-        for v in order:
-            dist.barrier()
-            if mine(v):
-                times[v.name].append(_timed_sample(steps[v.name], per_sample[v.name], device))
+    times = _interleaved_samples(valid, steps, mine, device, repeats, per_sample)
     for v in valid:
         result["variants"][v.name]["steps_per_sample"] = per_sample[v.name]
     # -- host time per ring step: the same steps with zero-cost attention kernels
@@ -669,11 +678,7 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
             for v in stubbed:
                 stack.enter_context(v.stub())
             host_n = _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
-            host: dict[str, list[float]] = {v.name: [] for v in stubbed}
-            for r in range(repeats):
-                for v in stubbed[r % len(stubbed):] + stubbed[: r % len(stubbed)]:
-                    dist.barrier()
-                    host[v.name].append(_timed_sample(steps[v.name], host_n[v.name], device))
+            host = _interleaved_samples(stubbed, steps, mine, device, repeats, host_n)
         for v in stubbed:
             result["variants"][v.name]["host_s_per_step"] = statistics.median(host[v.name]) / (2 * world)
     # -- peak memory of one step, after warm-up
