@@ -10,7 +10,7 @@ from cp_compile import bench
 
 
 def plugin_setup(problem, inputs):
-    """A variant registered from outside bench.py: ours again, under another name."""
+    """A variant registered from outside cp_compile.bench: ours again, under another name."""
     return bench._ours_setup(problem, inputs)
 
 
@@ -135,16 +135,16 @@ def test_samples_average_enough_steps(ranks):
 
 
 def test_virtual_ranks_decomposition(tmp_path):
-    from cp_compile import bench_virtual
+    from cp_compile.bench import virtual
 
-    rows = bench_virtual.run(torch.device("cpu"), world_sizes=(2, 3), seq_lens=(96,), causal=(True, False), batch=1,
-                             heads=2, head_dim=16, dtype="float32", repeats=2, out=tmp_path / "v.json", log=lambda s: None)
+    rows = virtual.run(torch.device("cpu"), world_sizes=(2, 3), seq_lens=(96,), causal=(True, False), batch=1,
+                     heads=2, head_dim=16, dtype="float32", repeats=2, out=tmp_path / "v.json", log=lambda s: None)
     assert len(rows) == 4 and json.loads((tmp_path / "v.json").read_text())["configs"] == rows
     for row in rows:
         assert len(row["per_rank"]) == row["config"]["world_size"]
         assert row["efficiency"] > 0 and row["tflops_per_rank"] > 0
         assert row["host_ms_per_step"] > 0 and row["device_ms_per_step"] > 0
-    assert len(bench_virtual.table(rows).splitlines()) == 2 + len(rows)
+    assert len(virtual.table(rows).splitlines()) == 2 + len(rows)
 
 
 
@@ -152,7 +152,8 @@ def test_virtual_ranks_decomposition(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_virtual_rank_computes_its_share(world_size, causal):
     """The kernels the decomposition times give each rank its exact output and dq (fp64)."""
-    from cp_compile import bench_virtual, layout
+    from cp_compile import layout
+    from cp_compile.bench import virtual
     from helpers import make_qkv, max_err, sdpa_with_grads
 
     q, k, v, do = make_qkv(1, 4, 2, 12 * world_size, 8)
@@ -160,8 +161,8 @@ def test_virtual_rank_computes_its_share(world_size, causal):
     shard = lambda t, r: layout.shard(t, 2, r, world_size, "zigzag")  # noqa: E731
     kv = [(shard(k, r), shard(v, r)) for r in range(world_size)]
     for rank in range(world_size):
-        out, lse = bench_virtual.rank_forward(shard(q, rank), kv, rank, causal, 8**-0.5)
-        dq, _ = bench_virtual.rank_backward(shard(do, rank), shard(q, rank), kv, out, lse, rank, causal, 8**-0.5)
+        out, lse = virtual.rank_forward(shard(q, rank), kv, rank, causal, 8**-0.5)
+        dq, _ = virtual.rank_backward(shard(do, rank), shard(q, rank), kv, out, lse, rank, causal, 8**-0.5)
         assert max_err(out, shard(reference[0], rank)) < 1e-12
         assert max_err(dq, shard(reference[1], rank)) < 1e-12
 

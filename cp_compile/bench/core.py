@@ -1,25 +1,5 @@
-"""``python -m cp_compile bench``: CP attention against PyTorch's ring and one device.
-
-For every configuration (causal or not, C ranks, global sequence length S;
-B, H, D and dtype fixed per run) one task runs on C local gloo ranks (one
-thread each) and measures every registered *variant*:
-
-``ours eager``             ``cp_compile.ring_attention`` forward + backward on zigzag shards.
-``torch ring (alltoall)``  PyTorch's own ring (``_templated_ring_attention`` and its
-``torch ring (allgather)`` backward from ``torch.distributed.tensor.experimental``),
-                           driven with the same CPU flash kernel as ours
-                           (``aten._scaled_dot_product_flash_attention_for_cpu`` and
-                           its ``_backward``), on the same zigzag (head-tail) shards,
-                           load balancing on for causal, off for non-causal (it
-                           refuses otherwise), K/V rotated by all-to-all or by one
-                           all-gather (dK/dV always travel by all-to-all).
-``single device``          SDPA forward + backward of the full sequence on rank 0
-                           (one thread): the reference for correctness and for
-                           parallel efficiency.
-
-Before anything is timed every variant's output and input gradients are
-checked against the single-device result (sharded alike); a variant that
-disagrees is reported invalid and not timed.
+"""Configurations, the variant registry and the measurement: what runs on each rank,
+how the ranks are driven and how their numbers are combined.
 
 What is measured, per configuration and variant
 -----------------------------------------------
@@ -78,26 +58,6 @@ GFLOP/s/rank  model FLOPs of full attention fwd+bwd, 12*B*H*S^2*D (fwd 4*B*H*S^2
 The JSON also keeps one per-rank timeline (the largest causal configuration,
 ours) and the PNG draws it next to time and memory against C.
 
-Adding a variant (e.g. "ours compiled") without touching this file: write a
-module that builds a :class:`Variant` from module-level functions and calls
-:func:`register_variant`; pass ``--import that.module`` on the command line (or
-add its name to :data:`PLUGIN_MODULES`). A variant is, per rank::
-
-    setup(problem, inputs) -> step          # step() runs fwd+bwd once and returns
-                                           # (out, dq, dk, dv), local shards
-    traced_setup(problem, inputs, stub)     # optional: the same schedule with its
-                                           # inner ops visible to OpTracer; stub=True
-                                           # swaps attention kernels for stand-ins
-    meter()                                 # optional: context manager whose value
-                                           # has .bytes after one step
-
-    stub()                                  # optional: context manager in which the
-                                           # variant's attention kernels are zero-cost
-                                           # stand-ins (for host time per step)
-
-``warmup`` says how many untimed steps it needs: a compiled variant compiles its
-backward lazily on the first backward and settles after a few steps.
-
 Under ``torchrun`` the same driver runs on the launched ranks: with CUDA and
 NCCL on GPUs (not yet run there), with gloo on CPU (tested). C is then the
 launched world size only, torch's ring variants are skipped (they are wired to
@@ -109,27 +69,22 @@ single-GPU SDPA.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import functools
 import importlib
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .memory import PeakMemory, release_heap
+from ..memory import PeakMemory, release_heap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SINGLE = "single device"
@@ -141,7 +96,7 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
 PLUGIN_MODULES: list[str] = [
-    "cp_compile.bench_compiled", "cp_compile.bench_allgather", "cp_compile.bench_schedules", "cp_compile.bench_packed",
+    "cp_compile.bench.compiled", "cp_compile.bench.allgather", "cp_compile.bench.schedules", "cp_compile.bench.packed",
 ]
 
 # name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
@@ -231,7 +186,7 @@ def load_plugins(modules: list[str] = ()) -> None:
 
 
 def make_inputs(p: Problem, rank: int, world_size: int, device: torch.device, seed: int = 0) -> Inputs:
-    from . import layout
+    from .. import layout
 
     g = torch.Generator().manual_seed(seed)
     shape = (p.batch, p.heads, p.seq_len, p.head_dim)
@@ -268,174 +223,6 @@ def fwd_bwd_step(attention, inputs, dout):
         return (out.detach(), *_take_grads(leaves))
 
     return step
-
-
-# -- single device -------------------------------------------------------------
-
-
-def _single_setup(p: Problem, x: Inputs):
-    return fwd_bwd_step(functools.partial(F.scaled_dot_product_attention, is_causal=p.causal),
-                        (x.q_full, x.k_full, x.v_full), x.do_full)
-
-
-# -- ours ------------------------------------------------------------------------
-
-
-def _ours_setup(p: Problem, x: Inputs):
-    import cp_compile
-
-    return fwd_bwd_step(functools.partial(cp_compile.ring_attention, is_causal=p.causal), (x.q, x.k, x.v), x.do)
-
-
-@contextlib.contextmanager
-def _stub_our_kernels():
-    """Swap the dense attention tiles under every cp op for zero-cost stand-ins."""
-    from .ops import block
-
-    def fwd(q, k, v, causal, scale):
-        lse = torch.zeros(q.shape[:3], dtype=block.acc_dtype(q.dtype), device=q.device)
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), lse
-
-    def bwd(dout, q, k, v, out, lse, causal, scale):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-    saved = block._tile_fwd, block._tile_bwd
-    block._tile_fwd, block._tile_bwd = fwd, bwd
-    try:
-        yield
-    finally:
-        block._tile_fwd, block._tile_bwd = saved
-
-
-def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
-    """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
-    from .ops.ring import group_name_of, ring_backward, ring_forward
-
-    opts = dict(group_name=group_name_of(None), world_size=x.world_size, is_causal=p.causal,
-                layout="zigzag", scale=_scale(p))
-
-    def step():
-        with _stub_our_kernels() if stub else contextlib.nullcontext():
-            out, lse = ring_forward(x.q, x.k, x.v, enable_gqa=False, **opts)
-            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, **opts)
-        return out, dq, dk, dv
-
-    return step
-
-
-class _Bytes:
-    bytes = 0
-
-
-@contextlib.contextmanager
-def _ours_meter():
-    from .ops.comm import count_traffic
-
-    box = _Bytes()
-    with count_traffic() as traffic:
-        yield box
-    box.bytes = traffic.bytes_sent
-
-
-# -- PyTorch's ring --------------------------------------------------------------
-
-
-def _torch_cp():
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
-    return _attention
-
-
-@contextlib.contextmanager
-def _torch_cp_options(load_balance: bool, rotate_method: str):
-    """Set torch's global CP options for one call and restore them after."""
-    A = _torch_cp()
-    saved = A._cp_options.enable_load_balance, A._cp_options.rotate_method
-    A._cp_options.enable_load_balance = load_balance
-    A.set_rotate_method(rotate_method)
-    try:
-        yield
-    finally:
-        A._cp_options.enable_load_balance, A._cp_options.rotate_method = saved
-
-
-def _stub_flash_fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    lse = torch.zeros(query.shape[:3], dtype=torch.float32, device=query.device)
-    return query.new_zeros(*query.shape[:-1], value.shape[-1]), lse
-
-
-def _stub_flash_bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
-    return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-
-
-def _torch_ring_step(p: Problem, x: Inputs, rotate_method: str, stub: bool):
-    import torch.distributed as dist
-
-    A = _torch_cp()
-    aten = torch.ops.aten
-    fwd_op = _stub_flash_fwd if stub else aten._scaled_dot_product_flash_attention_for_cpu
-    bwd_op = _stub_flash_bwd if stub else aten._scaled_dot_product_flash_attention_for_cpu_backward
-    group, scale = dist.group.WORLD, _scale(p)
-
-    def step():
-        # load balancing (head-tail = our zigzag) only for causal: torch raises otherwise
-        with _torch_cp_options(load_balance=p.causal, rotate_method=rotate_method):
-            out, lse = A._templated_ring_attention(
-                group, 2, fwd_op, x.q, x.k, x.v, is_causal=p.causal, dropout_p=0.0, scale=scale
-            )
-            dq, dk, dv = A._templated_ring_attention_backward(
-                group, 2, bwd_op, x.do, "grad_out", x.q, x.k, x.v, out, lse,
-                is_causal=p.causal, dropout_p=0.0, scale=scale,
-            )
-        return out, dq, dk, dv
-
-    return step
-
-
-def _torch_ring_setup(p: Problem, x: Inputs, rotate_method: str):
-    return _torch_ring_step(p, x, rotate_method, stub=False)
-
-
-def _torch_ring_traced_setup(p: Problem, x: Inputs, stub: bool, rotate_method: str):
-    return _torch_ring_step(p, x, rotate_method, stub=stub)
-
-
-@contextlib.contextmanager
-def _torch_meter():
-    """Count the bytes torch's ring hands to its collectives (see module docstring)."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as ft_c
-
-    box = _Bytes()
-    others = dist.get_world_size() - 1
-    saved = ft_c.permute_tensor, ft_c.all_gather_single
-
-    def permute_tensor(t, *args, **kwargs):
-        box.bytes += t.numel() * t.element_size() if others else 0  # C=1: a copy to itself
-        return saved[0](t, *args, **kwargs)
-
-    def all_gather_single(t, *args, **kwargs):
-        box.bytes += t.numel() * t.element_size() * others
-        return saved[1](t, *args, **kwargs)
-
-    ft_c.permute_tensor, ft_c.all_gather_single = permute_tensor, all_gather_single
-    try:
-        yield box
-    finally:
-        ft_c.permute_tensor, ft_c.all_gather_single = saved
-
-
-register_variant(Variant(OURS, _ours_setup, "cp_compile.ring_attention, eager, zigzag",
-                         traced_setup=_ours_traced_setup, meter=_ours_meter, stub=_stub_our_kernels))
-for _method, _name in (("alltoall", TORCH_A2A), ("allgather", TORCH_AG)):
-    register_variant(Variant(
-        _name, functools.partial(_torch_ring_setup, rotate_method=_method),
-        f"torch _templated_ring_attention(+_backward), CPU flash kernel, K/V rotate={_method}",
-        traced_setup=functools.partial(_torch_ring_traced_setup, rotate_method=_method),
-        meter=_torch_meter, devices=("cpu",),
-    ))
-register_variant(Variant(SINGLE, _single_setup, "F.scaled_dot_product_attention, full sequence, rank 0",
-                         single_rank=True))
 
 
 # ----------------------------------------------------------------------------
@@ -620,7 +407,7 @@ def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: s
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from . import layout
+    from .. import layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     release_heap()
@@ -734,7 +521,7 @@ class LocalPools:
         self.pools: dict = {}
 
     def __call__(self, world_size: int, fn, *args, timeout: float = 1800.0, **kwargs):
-        from .launch import RankPool
+        from ..launch import RankPool
 
         if world_size not in self.pools:
             self.pools[world_size] = RankPool(world_size, threads_per_rank=self.threads_per_rank)
@@ -927,249 +714,3 @@ def _definitions() -> dict:
         "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); mean over ranks",
         "gflops_per_rank": "12*B*H*S^2*D (x0.5 causal) / C / time",
     }
-
-
-# ----------------------------------------------------------------------------
-# Report: table and figure.
-# ----------------------------------------------------------------------------
-
-
-def table(results: dict) -> str:
-    head = (f"{'config':<22} {'variant':<24} {'time s':>8} {'eff':>5} {'/a2a':>5} {'/ag':>5} "
-            f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7} {'host ms/step':>12}")
-    lines = [head, "-" * len(head)]
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for cfg in results["configs"]:
-        p = Problem(**cfg["config"])
-        for name, e in cfg["variants"].items():
-            if not e["valid"]:
-                lines.append(f"{p.label():<22} {name:<24} INVALID: max rel err {e['max_rel_err']:.2e}")
-                continue
-            mib = e.get("bytes_per_rank")
-            lines.append(
-                f"{p.label():<22} {name:<24} {fmt(e.get('time_s'), '8.3f')} "
-                f"{fmt(e.get('parallel_efficiency'), '5.2f')} {fmt(e.get(f'time_ratio_vs {TORCH_A2A}'), '5.2f')} "
-                f"{fmt(e.get(f'time_ratio_vs {TORCH_AG}'), '5.2f')} {fmt(e.get('peak_q_units'), '7.1f')} "
-                f"{fmt(None if mib is None else mib / 2**20, '9.1f')} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
-                f"{fmt(e.get('gflops_per_rank'), '7.1f')} "
-                f"{fmt(None if e.get('host_s_per_step') is None else e['host_s_per_step'] * 1e3, '12.2f')}"
-            )
-        for name, extra in cfg.get("extras", {}).items():
-            if extra and extra.get("line"):
-                lines.append(f"{p.label():<22} {name}: {extra['line']}")
-    return "\n".join(lines)
-
-
-_COLORS = {
-    OURS: "tab:blue", TORCH_A2A: "tab:orange", TORCH_AG: "tab:green", SINGLE: "black", "ours compiled": "tab:purple",
-}
-_SPAN_STYLE = {"compute": ("tab:blue", "attention"), "merge": ("tab:purple", "merge"),
-               "other": ("0.7", "other ops"), "wait": ("tab:red", "blocked in wait/issue")}
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = results["configs"]
-    causal_values = sorted({c["config"]["causal"] for c in configs}, reverse=True)
-    seq_lens = sorted({c["config"]["seq_len"] for c in configs})
-    markers = "osD^v<>"
-    fig = plt.figure(figsize=(13, 11), constrained_layout=True)
-    grid = fig.add_gridspec(3, len(causal_values))
-    for col, causal in enumerate(causal_values):
-        ax_t, ax_m = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
-        for name in results["variants"]:
-            for si, s in enumerate(seq_lens):
-                pts = [(c["config"]["world_size"], c["variants"][name]) for c in configs
-                       if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]]
-                pts = [(w, e) for w, e in sorted(pts, key=lambda t: t[0]) if e.get("time_s") is not None]
-                if not pts:
-                    continue
-                style = dict(color=_COLORS.get(name), marker=markers[si % len(markers)],
-                             linestyle="--" if name == SINGLE else "-")
-                label = f"{name}, S={s}"
-                ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
-                if name != SINGLE:
-                    ax_m.plot([w for w, _ in pts], [e["peak_q_units"] for _, e in pts], label=label, **style)
-        kind = "causal" if causal else "non-causal"
-        ax_t.set(title=f"fwd+bwd time, {kind}", xlabel="C (ranks)", ylabel="seconds (median)", yscale="log")
-        ax_m.set(title=f"peak memory growth, {kind}", xlabel="C (ranks)", ylabel="local q units")
-        for ax in (ax_t, ax_m):
-            ax.set_xticks(sorted({c["config"]["world_size"] for c in configs}))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
-    ax = fig.add_subplot(grid[2, :])
-    _plot_timeline(ax, results)
-    fig.suptitle(f"cp_compile bench: B={configs[0]['config']['batch']} H={configs[0]['config']['heads']} "
-                 f"D={configs[0]['config']['head_dim']} {configs[0]['config']['dtype']}, "
-                 f"{results['meta']['device']}, {results['meta']['threads_per_rank']} thread/rank")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_timeline(ax, results: dict) -> None:
-    tl_cfg = results["meta"].get("timeline_config")
-    found = None
-    for c in results["configs"]:
-        if c["config"] == tl_cfg and "timeline" in c["variants"].get(OURS, {}):
-            found = c["variants"][OURS]["timeline"]
-    if not found:
-        ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center")
-        ax.set_axis_off()
-        return
-    origin = min(e["t0"] for events in found if events for e in events)
-    used = set()
-    for rank, events in enumerate(found):
-        y = len(found) - 1 - rank
-        issued = {}
-        for e in events:
-            t0, t1 = e["t0"] - origin, e["t1"] - origin
-            if e["kind"] == "comm":
-                issued[e["id"]] = t0
-            kind = "wait" if e["kind"] in ("wait", "comm") else e["kind"]
-            color, label = _SPAN_STYLE[kind]
-            ax.broken_barh([(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color,
-                           label=None if kind in used else label)
-            used.add(kind)
-        ends: dict[int, float] = {}
-        for e in events:
-            if e["kind"] == "wait" and e.get("id", -1) in issued:
-                ends[e["id"]] = max(ends.get(e["id"], 0.0), e["t1"] - origin)
-        spans = [(issued[i], end - issued[i]) for i, end in ends.items()]
-        ax.broken_barh(spans, (y + 0.2, 0.15), color="tab:orange", alpha=0.6,
-                       label=None if "inflight" in used else "transfer in flight (issue to wait done)")
-        used.add("inflight")
-    ax.set_yticks(range(len(found)), [f"rank {r}" for r in reversed(range(len(found)))])
-    c = tl_cfg
-    ax.set(xlabel="seconds (instrumented re-run; fwd then bwd)",
-           title=f"ours eager, per-rank timeline: {'causal' if c['causal'] else 'non-causal'} "
-                 f"C={c['world_size']} S={c['seq_len']}")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=4)
-
-
-# ----------------------------------------------------------------------------
-# Command line.
-# ----------------------------------------------------------------------------
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in text.split(",") if t.strip())
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = BenchOptions()
-    p.add_argument("--world-sizes", "-C", type=_ints, default=d.world_sizes, help="comma list (default 1,2,4)")
-    p.add_argument("--seq-lens", "-S", type=_ints, default=d.seq_lens, help="global tokens, comma list (default 2048,4096,8192)")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
-    p.add_argument("--mask", choices=["both", "causal", "full"], default="both")
-    p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--variants", default=None, help="comma list of variant names (default: all registered)")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers more variants (repeatable)")
-    p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the comm-overlap re-runs")
-    p.add_argument("--trace-repeats", type=int, default=d.trace_repeats,
-                   help="instrumented (real, comm-only) run pairs per variant; medians are reported")
-    p.add_argument("--min-sample-ms", type=float, default=d.min_sample_ms,
-                   help="a timing sample averages back-to-back steps until it lasts this long (default 50)")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke configuration")
-    p.add_argument("--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it")
-    p.add_argument("--list", action="store_true", help="list registered variants and exit")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda (without torchrun): the ring's decomposition on one GPU, C virtual ranks "
-                        "(cp_compile.bench_virtual); under torchrun: the launched ranks' device")
-    p.add_argument("--virtual", action="store_true",
-                   help="C virtual ranks on one device (implied by --device cuda outside torchrun)")
-
-
-def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOptions:
-    opts = BenchOptions(
-        world_sizes=args.world_sizes, seq_lens=args.seq_lens, batch=args.batch, heads=args.heads,
-        head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, trace=args.trace,
-        trace_repeats=args.trace_repeats, min_sample_ms=args.min_sample_ms,
-        causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
-        variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
-        device=device,
-    )
-    if args.tiny:
-        opts = dataclasses.replace(opts, **TINY)
-    return opts
-
-
-def write_outputs(results: dict, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    png = out.with_suffix(".png")
-    plot(results, png)
-    return png
-
-
-def _main_virtual(args: argparse.Namespace) -> int:
-    from . import bench_virtual
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
-        return 2
-    device = torch.device(args.device)
-    defaults = BenchOptions()
-    given = {a for a in ("world_sizes", "seq_lens", "heads", "head_dim", "dtype") if getattr(args, a) != getattr(defaults, a)}
-    cfg = {a: getattr(args, a) for a in ("world_sizes", "seq_lens", "batch", "heads", "head_dim", "dtype")}
-    if device.type == "cuda" and not args.tiny:  # the GPU defaults unless set on the command line
-        cfg.update({a: val for a, val in bench_virtual.CUDA_DEFAULTS.items() if a not in given})
-    if args.tiny:
-        cfg.update(world_sizes=(2,), seq_lens=(256,), heads=2, head_dim=32)
-    causal = {"both": (True, False), "causal": (True,), "full": (False,)}[args.mask]
-    rows = bench_virtual.run(device, causal=causal, repeats=args.repeats, out=args.out, **cfg)
-    print(bench_virtual.table(rows))
-    print(f"wrote {args.out}")
-    return 0
-
-
-def main(args: argparse.Namespace) -> int:
-    load_plugins(args.imports)
-    if args.list:
-        for name, v in VARIANTS.items():
-            print(f"{name:<26} {v.description}")
-        return 0
-    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if args.virtual or (args.device == "cuda" and not under_torchrun):
-        return _main_virtual(args)
-    if under_torchrun:  # NCCL on GPUs, gloo on CPU (see module docstring)
-        import torch.distributed as dist
-
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        import cp_compile  # noqa: F401
-
-        opts = options_from_args(args, "cuda" if cuda else "cpu")
-        opts = dataclasses.replace(opts, world_sizes=(dist.get_world_size(),),
-                                   trace=opts.trace and not cuda)
-        main_rank = dist.get_rank() == 0
-        results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
-        if main_rank:
-            print(table(results))
-            print(f"wrote {args.out} and {write_outputs(results, args.out)}")
-        dist.destroy_process_group()
-        return 0
-    opts = options_from_args(args)
-    runner = LocalPools(threads_per_rank=1)
-    try:
-        results = run_benchmark(opts, runner)
-    finally:
-        runner.close()
-    print(table(results))
-    png = write_outputs(results, args.out)
-    print(f"wrote {args.out} and {png}")
-    invalid = [(c["config"], n) for c in results["configs"] for n, e in c["variants"].items() if not e["valid"]]
-    if invalid:
-        print(f"INVALID results (not timed): {invalid}")
-        return 1
-    return 0

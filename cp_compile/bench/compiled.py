@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .bench import Inputs, Problem, Variant, _ours_meter, _stub_our_kernels, fwd_bwd_step, register_variant
+from .builtin import _ours_meter, _stub_our_kernels
+from .core import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_COMPILED = "ours compiled"
 

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .bench import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, fwd_bwd_step, register_variant
+from .core import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_ULYSSES = "ours ulysses"
 OURS_HYBRID = "ours hybrid"
@@ -45,7 +45,7 @@ def _mesh(world_size: int):
 
 def _hybrid_setup(p: Problem, x: Inputs):
     import cp_compile
-    from .ops.hybrid import mesh_groups
+    from ..ops.hybrid import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
     return fwd_bwd_step(lambda q, k, v: cp_compile.hybrid_attention(q, k, v, groups, is_causal=p.causal),
@@ -66,13 +66,13 @@ def _calibrated():
 
 def auto_choice(p: Problem, res: dict, runner) -> dict:
     """The cost model's pick for ``p`` and how its measured time compares with the best measured schedule."""
-    from .passes.cost import Workload, estimate_all, pick
+    from ..passes.cost import Workload, estimate_all, pick
 
     machine = _machines.get(p.world_size)
     if machine is None and p.world_size > 1:
         machine = _machines[p.world_size] = runner(p.world_size, _calibrated)[0]
     if machine is None:
-        from .passes.cost import default_machine
+        from ..passes.cost import default_machine
 
         machine = default_machine("cpu")
     w = Workload(p.batch, p.heads, p.heads, p.local_len, p.head_dim, p.head_dim, getattr(torch, p.dtype),

@@ -43,12 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import layout
-from .bench import DTYPES, Problem, _stub_our_kernels
-from .memory import PeakMemory
-from .ops.block import acc_dtype
-from .ops.merge import start_accumulator
-from .ops.ring import _head_halves, ring_section, section_attn, section_attn_backward
+from .. import layout
+from ..memory import PeakMemory
+from ..ops.block import acc_dtype
+from ..ops.merge import start_accumulator
+from ..ops.ring import _head_halves, ring_section, section_attn, section_attn_backward
+from .builtin import _stub_our_kernels
+from .core import DTYPES, Problem
 
 CUDA_DEFAULTS = dict(world_sizes=(2, 4, 8), seq_lens=(8192, 32768, 131072), batch=1, heads=32, head_dim=128,
                      dtype="bfloat16")
