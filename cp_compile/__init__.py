@@ -1,16 +1,13 @@
 """cp_compile: context parallelism for PyTorch as custom ops and compiler passes."""
 
-from . import ops  # noqa: F401  (registers torch.ops.cp.*)
+from . import kinds, schedules  # noqa: F401  (registers torch.ops.cp.*)
 from .calibrate import calibrate
+from .comm import count_traffic
+from .eager import (
+    allgather_attention, flex_attention, hybrid_attention, ring_attention, ulysses_attention, varlen_attention,
+)
 from .inspect import explain
-from .ops.allgather import allgather_attention
-from .ops.comm import count_traffic
-from .ops.flex import count_blocks, flex_attention
-from .ops.ring import ring_attention
-from .ops.hybrid import hybrid_attention
-from .ops.ulysses import ulysses_attention
-from .ops.varlen import varlen_attention
-from .passes import flex_site  # noqa: F401  (registers the flex site kind)
+from .kinds.flex import count_blocks
 from .passes.cost import Machine
 from .passes.rewrite import UnsupportedAttention
 from .plan import ContextParallel, active_plan

@@ -58,7 +58,7 @@ def _plan_key(options: CPOptions) -> tuple:
     shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
     steps) differs. Every cache key of ours therefore carries C (and the mesh's sizes).
     """
-    from .ops.comm import resolve_group
+    from .comm import resolve_group
 
     size = resolve_group(options.group_name).size()
     return (*dataclasses.astuple(options), size, options.mesh_sizes, _source_hash())
@@ -123,7 +123,7 @@ class CPBackend:
         (compile with ``fullgraph=True`` to rule them out).
         """
         from .inspect import ExplainReport, site_report
-        from .ops.comm import resolve_group
+        from .comm import resolve_group
 
         world_size = resolve_group(self.options.group_name).size()
         report = ExplainReport(graphs=len(self.records))

@@ -29,8 +29,8 @@ def _best_of(fn, repeats: int) -> float:
 
 def calibrate(plan, device=None, small: int = 1 << 10, large: int = 1 << 22, repeats: int = 3) -> Machine:
     """A ``Machine`` measured on ``plan``'s group: the same on every rank."""
-    from .ops.block import block_attn_impl
-    from .ops.comm import wait
+    from .kernels.block import block_attn_impl
+    from .comm import wait
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() and dist.get_backend(plan.group) == "nccl"
                                      else "cpu"))

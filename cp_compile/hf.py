@@ -171,7 +171,7 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size,
                           enable_gqa=gqa)
     else:
-        from .ops.varlen import varlen_attention
+        from .eager import varlen_attention
 
         if plan.schedule == "hybrid":
             raise UnsupportedAttention(f"attn_implementation={NAME!r}: eager packed attention with "

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .ops.block import acc_dtype
+from .kernels.merge import acc_dtype
 from .passes.cost import fmt_bytes as _fmt_bytes
 
 

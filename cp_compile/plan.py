@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import layout as _layout
-from .ops.ring import group_name_of, ring_attention
+from .comm import group_name_of, mesh_groups
 from .torch_compat import resolve_process_group
 
 _ACTIVE: list = []  # the plans entered with ``with plan:``, innermost last
@@ -55,8 +56,6 @@ class ContextParallel:
         self.schedule = schedule
         self.mesh_groups: tuple = ()
         if getattr(group_or_mesh, "ndim", 1) == 2:
-            from .ops.hybrid import mesh_groups
-
             self.group_name, *groups = mesh_groups(group_or_mesh)
             self.mesh_groups = tuple(groups)
         else:
@@ -65,7 +64,7 @@ class ContextParallel:
                 raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as group_or_mesh")
         self.group = resolve_process_group(self.group_name)
         if isinstance(load_balance, BlockMask):
-            from .flex_mask import balance_blocks
+            from .layout.blockmask import balance_blocks
 
             self.balanced, load_balance = balance_blocks(load_balance, self.world_size), "balanced"
         else:
@@ -122,7 +121,7 @@ class ContextParallel:
         from torch.nn.attention.flex_attention import BlockMask
 
         if isinstance(x, BlockMask):
-            from .flex_mask import layout_chunk, layout_perm, shard_block_mask
+            from .layout.blockmask import layout_chunk, layout_perm, shard_block_mask
 
             seq_len = x.seq_lengths[0]
             if self.balanced is not None:
@@ -189,17 +188,9 @@ class ContextParallel:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
-        if self.schedule == "allgather":
-            from .ops.allgather import allgather_attention
+        from .eager import run_schedule
 
-            return allgather_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
-        if self.schedule == "ulysses":
-            from .ops.ulysses import ulysses_attention
-
-            return ulysses_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
-        if self.schedule == "hybrid":
-            from .ops.hybrid import hybrid_attention
-
-            return hybrid_attention(q, k, v, (self.group_name, *self.mesh_groups), is_causal, scale, enable_gqa,
-                                    self.load_balance)
-        return ring_attention(q, k, v, self.group_name, is_causal, scale, enable_gqa, self.load_balance)
+        schedule = "ring" if self.schedule == "auto" else self.schedule
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return run_schedule(schedule, q, k, v, [], (self.group_name, *self.mesh_groups), is_causal,
+                            self.load_balance, scale, enable_gqa, "sdpa", "")[0]

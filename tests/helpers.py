@@ -39,7 +39,7 @@ def count_all_to_alls():
     """The shapes of the all-to-alls the head-sharding exchange (``ops.heads``) issues in this
     process inside the block, in order. Eager runs only: a compiled graph traces the exchange once
     (count the expanded graph's ``all_to_all_single`` nodes there)."""
-    from cp_compile.ops import heads
+    from cp_compile.comm import exchange as heads
 
     calls: list[tuple] = []
     original = heads._exchange

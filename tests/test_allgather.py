@@ -77,15 +77,16 @@ def opcheck_allgather_ops():
 
     name = dist.group.WORLD.group_name
     q, k, v, do = make_qkv(1, 2, 1, 8, 6)
-    out, lse = torch.ops.cp.allgather_attention(q, k, v, name, True, "zigzag", 0.4, True)
+    out, lse = torch.ops.cp.allgather_attention(q, k, v, [], name, True, "zigzag", 0.4, True, "sdpa", "")
     k_all, v_all = (torch.cat([t] * dist.get_world_size(), 2) for t in (k, v))
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]
+    gathered = ("sdpa", -1, name, 1, True, "zigzag", 0.4, "")
     cases = [
-        (torch.ops.cp.allgather_attention.default, (*req(q, k, v), name, True, "zigzag", 0.4, True)),
-        (torch.ops.cp.allgather_attention_backward.default, (do, q, k, v, out, lse, None, name, True, "zigzag", 0.4)),
-        (torch.ops.cp.allgather_block_attn.default, (q, k_all, v_all, name, True, "zigzag", 0.4)),
-        (torch.ops.cp.allgather_block_attn_backward.default,
-         (do, q, k_all, v_all, out, lse, lse.clone(), name, True, "zigzag", 0.4)),
+        (torch.ops.cp.allgather_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
+        (torch.ops.cp.allgather_attention_backward.default,
+         (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", "")),
+        (torch.ops.cp.attend.default, (q, k_all, v_all, [], *gathered)),
+        (torch.ops.cp.attend_backward.default, (do, q, k_all, v_all, out, lse, lse.clone(), [], *gathered)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -111,8 +112,9 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
     fc = torch.ops._c10d_functional
 
     def both(q, k, v, do):
-        out, lse = torch.ops.cp.allgather_attention(q, k, v, name, True, "zigzag", 0.25, True)
-        grads = torch.ops.cp.allgather_attention_backward(do, q, k, v, out, lse, None, name, True, "zigzag", 0.25)
+        out, lse = torch.ops.cp.allgather_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")
+        grads = torch.ops.cp.allgather_attention_backward(do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25,
+                                                          "sdpa", "")
         return out, grads
 
     with FakeTensorMode():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cp_compile  # noqa: F401  (registers torch.ops.cp)
-from cp_compile.ops.block import MASK_KINDS
+from cp_compile.kernels.block import MASK_KINDS
 
 from helpers import max_err
 

@@ -113,15 +113,15 @@ def test_same_generated_code_on_every_rank_with_warm_shared_cache(ranks, tmp_pat
     rank0, rank1 = per_rank
     assert rank0[0]["sources"] == rank1[0]["sources"]
     assert rank0[1]["sources"] == rank1[1]["sources"]
-    forward = [c for c in rank0[0]["sources"] if "torch.ops.cp.ring_block_attn.default(" in c]
+    forward = [c for c in rank0[0]["sources"] if "torch.ops.cp.attend.default(" in c]
     assert len(forward) == 1
     code = forward[0]
     # the expanded ring is in the generated forward: step 1's K/V go out before step 0 computes
     shift = code.index("torch.ops.cp.ring_shift.default(")
-    step0 = code.index("torch.ops.cp.ring_block_attn.default(")
+    step0 = code.index("torch.ops.cp.attend.default(")
     wait = code.index("torch.ops._c10d_functional.wait_tensor.default(")
     assert shift < step0 < wait
-    assert any("torch.ops.cp.ring_block_attn_backward.default(" in c for c in rank0[0]["sources"])
+    assert any("torch.ops.cp.attend_backward.default(" in c for c in rank0[0]["sources"])
 
 
 def compile_error(case: str):
@@ -187,7 +187,7 @@ def test_depyf_dump_shows_the_expanded_ring(ranks, tmp_path):
         post_grad = [text for name, text in dumps.items() if "AFTER_POST_GRAD" in name]
         assert len(post_grad) == 2  # forward and backward
         for text in post_grad:  # stage 2: the ring, step by step
-            assert "cp.ring_shift" in text and "wait_tensor" in text and "cp.ring_block_attn" in text
+            assert "cp.ring_shift" in text and "wait_tensor" in text and "cp.attend" in text
 
 
 def function_parity(inner: str):
@@ -274,7 +274,7 @@ def prefill_parity(grad_mode: str):
 
     import cp_compile
     from cp_compile.llama import Llama, LlamaConfig
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
     from helpers import make_qkv, max_err
 
     torch._dynamo.reset()

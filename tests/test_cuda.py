@@ -81,7 +81,7 @@ def test_block_attn_on_device(device, dtype, mask, heads, head_dim):
 def test_packed_tiles_on_device(device, dtype, window):
     """The packed tile kernel on every rank's slots in sequence order: causal, full and window tiles."""
     from cp_compile import layout
-    from cp_compile.ops import tiles
+    from cp_compile.kernels import tiles
 
     lengths = [37, 5, 64, 1, 22]
     g = torch.Generator().manual_seed(7)
@@ -121,7 +121,7 @@ def test_packed_tiles_on_device(device, dtype, window):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("row_start", [0, 5])
 def test_merge_op_matches_torch_merge(device, row_start):
-    from cp_compile.ops.triton_merge import _merge_torch_, triton_available
+    from cp_compile.kernels.triton_merge import _merge_torch_, triton_available
 
     if device == "cuda" and not triton_available():
         pytest.skip("triton is not installed on this GPU machine (pip install -e '.[triton]')")

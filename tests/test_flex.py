@@ -124,7 +124,7 @@ def test_eager_fp64_forward_backward(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_empty_blocks_skipped_with_identical_collectives(ranks, world_size):
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
 
     results = ranks(world_size, run_flex_eager, "empty-blocks", "ring")
     for result in results:
@@ -210,7 +210,7 @@ def opcheck_flex_ops():
     from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
-    from cp_compile.ops.flex import eager_mods
+    from cp_compile.kinds.flex import eager_mods, flex_options
 
     plan = cp_compile.ContextParallel()
     seq = 2 * plan.world_size * CHUNK
@@ -220,18 +220,20 @@ def opcheck_flex_ops():
     key, buffers, mb, mh = eager_mods(local_mask, None)
     name = dist.group.WORLD.group_name
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
-    opts = (key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, name, "ring", *opts)
+    settings = (name, False, "zigzag", 0.3)
+    kind = ("flex", flex_options(key, mb, mh))
+    out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     k_all, v_all = (torch.cat([t] * plan.world_size, 2) for t in (k, v))
+    step = lambda i: ("flex", i, name, 1, False, "zigzag", 0.3, kind[1])  # noqa: E731
     cases = [
-        (torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, name, "ring", *opts)),
-        (torch.ops.cp.flex_attention.default, (*req(q, k, v), buffers, name, "allgather", *opts)),
-        (torch.ops.cp.flex_attention_backward.default, (do, q, k, v, out, lse, None, buffers, name, "ring", *opts)),
-        (torch.ops.cp.flex_block_attn.default, (q, k, v, buffers, 1, name, *opts)),
-        (torch.ops.cp.flex_block_attn_backward.default, (do, q, k, v, out, lse, lse, buffers, 1, name, *opts)),
-        (torch.ops.cp.flex_gathered_attn.default, (q, k_all, v_all, buffers, name, *opts)),
-        (torch.ops.cp.flex_gathered_attn_backward.default, (do, q, k_all, v_all, out, lse, None, buffers, name, *opts)),
+        (torch.ops.cp.ring_attention.default, (*req(q, k, v), buffers, *settings, True, *kind)),
+        (torch.ops.cp.allgather_attention.default, (*req(q, k, v), buffers, *settings, True, *kind)),
+        (torch.ops.cp.ring_attention_backward.default, (do, q, k, v, out, lse, None, buffers, *settings, *kind)),
+        (torch.ops.cp.attend.default, (q, k, v, buffers, *step(1))),
+        (torch.ops.cp.attend_backward.default, (do, q, k, v, out, lse, lse, buffers, *step(1))),
+        (torch.ops.cp.attend.default, (q, k_all, v_all, buffers, *step(-1))),
+        (torch.ops.cp.attend_backward.default, (do, q, k_all, v_all, out, lse, None, buffers, *step(-1))),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -242,7 +244,7 @@ def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cp_compile.ops.flex import eager_mods
+    from cp_compile.kinds.flex import eager_mods, flex_options
 
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -252,11 +254,11 @@ def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
     local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
     key, buffers, mb, mh = eager_mods(local_mask, score_mod)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
-    opts = (name, "ring", key, "zigzag", mb, mh, 0.3)
-    out, lse = torch.ops.cp.flex_attention(q, k, v, buffers, *opts)
+    settings, kind = (name, False, "zigzag", 0.3), ("flex", flex_options(key, mb, mh))
+    out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     try:
         with PassThrough():
-            torch.ops.cp.flex_attention_backward(do, q, k, v, out, lse, None, buffers, *opts)
+            torch.ops.cp.ring_attention_backward(do, q, k, v, out, lse, None, buffers, *settings, *kind)
     except NotImplementedError as e:
         return str(e)
     return "no error"
@@ -276,7 +278,7 @@ def test_schedule_choice_from_global_block_counts():
     from torch.nn.attention.flex_attention import create_block_mask
 
     from cp_compile import masks
-    from cp_compile.flex_mask import layout_perm, rank_tiles
+    from cp_compile.layout.blockmask import layout_perm, rank_tiles
     from cp_compile.passes.cost import MACHINES
     from cp_compile.passes.masked import MaskFacts, choose_masked
 
@@ -353,14 +355,14 @@ def test_expanded_flex_schedules(fake_group):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from cp_compile.ops.flex import Mods, register_mods
+    from cp_compile.kinds.flex import Mods, flex_options, register_mods
     from cp_compile.passes.expand import expand_cp_ops
     from cp_compile.passes.order import schedule_listing
     from test_graph import expected_backward, expected_forward
 
     c, name = fake_group
     key = register_mods("test:none", Mods(None, None, 0))
-    opts = (key, "zigzag", 1, 1, 0.25)
+    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(key, 1, 1))
 
     def traced(fn, *shapes):
         with FakeTensorMode():
@@ -370,11 +372,12 @@ def test_expanded_flex_schedules(fake_group):
 
     qkv = [(1, 2, 8, 4)] * 3
     def forward(schedule):
-        return lambda q, k, v: torch.ops.cp.flex_attention(q, k, v, [], name, schedule, *opts)[0]
+        op = getattr(torch.ops.cp, f"{schedule}_attention")
+        return lambda q, k, v: op(q, k, v, [], *settings, True, *kind)[0]
 
     fwd = {s: traced(forward(s), *qkv) for s in ("ring", "allgather")}
     assert fwd["ring"] == expected_forward(c)
-    assert fwd["allgather"] == ["agree", "gather", "wait", "gather", "wait", "gathered"]  # K and V gathered, then one tile
-    bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.flex_attention_backward(
-        do, q, k, v, o, lse, None, [], name, "ring", *opts), *qkv, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8))
+    assert fwd["allgather"] == ["agree", "gather", "wait", "gather", "wait", "gathered attend"]  # K and V gathered, then one tile
+    bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.ring_attention_backward(
+        do, q, k, v, o, lse, None, [], *settings, *kind), *qkv, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8))
     assert bwd == expected_backward(c, halves=False)  # a score_mod may read the head index: no split

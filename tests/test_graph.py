@@ -55,7 +55,7 @@ def traced(fn, *shapes):
 @pytest.mark.parametrize("fake_group", [1, 2, 3, 4], indirect=True)
 def test_forward_expands_to_overlapped_ring(fake_group):
     c, name = fake_group
-    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, name, True, "zigzag", 0.25, True)[0],
+    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")[0],
                 (1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
     (expansion,) = expand_cp_ops(gm.graph)
     gm.recompile()
@@ -74,7 +74,8 @@ def test_backward_expands_with_travelling_dkv(fake_group):
     c, name = fake_group
 
     def backward(do, q, k, v, out, lse):
-        return torch.ops.cp.ring_attention_backward(do, q, k, v, out, lse, None, name, True, "zigzag", 0.25)
+        return torch.ops.cp.ring_attention_backward(do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25, "sdpa",
+                                                   "")
 
     shapes = [(1, 4, 8, 16), (1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), (1, 4, 8, 16), (1, 4, 8)]
     gm = traced(backward, *shapes)
@@ -83,7 +84,7 @@ def test_backward_expands_with_travelling_dkv(fake_group):
     assert expansion.count(torch.ops.cp.ring_shift.default) == (2 * c - 1 if c > 1 else 0)
     assert schedule_listing(gm.graph) == expected_backward(c)
     deps = overlap_edges(gm.graph)
-    computes = [n for n in deps if n.target == torch.ops.cp.ring_block_attn_backward.default]
+    computes = [n for n in deps if n.target == torch.ops.cp.attend_backward.default]
     # every compute hides a transfer but the very last half step
     assert len(computes) == (2 * c - 2 if c > 1 else 0)
     # K/V shifts (C-1) and all dK/dV hops but the last (C-1): each pins 5 edges;
@@ -95,7 +96,7 @@ def test_backward_expands_with_travelling_dkv(fake_group):
 @pytest.mark.parametrize("fake_group", [2], indirect=True)
 def test_expanded_graph_holds_no_rank(fake_group):
     _, name = fake_group
-    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, name, True, "zigzag", 0.25, False)[0],
+    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, False, "sdpa", "")[0],
                 (1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
     expand_cp_ops(gm.graph)
     gm.recompile()

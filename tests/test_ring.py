@@ -64,7 +64,7 @@ def test_low_precision_within_twice_single_device_error(ranks, world_size, dtype
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_transfers_are_exactly_the_designed_ones(ranks, world_size):
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
 
     for result in ranks(world_size, run_ring, 1, 2, 2, 6, 8, True, "zigzag"):
         kv = result["kv_bytes"]  # k + v of one rank, fp64 (also the dK/dV accumulator dtype)
@@ -85,13 +85,15 @@ def opcheck_comm_ops():
 
     name = dist.group.WORLD.group_name
     q, k, v, do = make_qkv(1, 2, 1, 8, 6)
-    out, lse = torch.ops.cp.ring_attention(q, k, v, name, True, "zigzag", 0.4, True)
+    out, lse = torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.4, True, "sdpa", "")
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]
+    step = ("sdpa", 1, name, 1, True, "zigzag", 0.4, "")
     cases = [
-        (torch.ops.cp.ring_attention.default, (*req(q, k, v), name, True, "zigzag", 0.4, True)),
-        (torch.ops.cp.ring_attention_backward.default, (do, q, k, v, out, lse, None, name, True, "zigzag", 0.4)),
-        (torch.ops.cp.ring_block_attn.default, (q, k, v, 1, name, True, "zigzag", 0.4)),
-        (torch.ops.cp.ring_block_attn_backward.default, (do, q, k, v, out, lse, None, 1, name, True, "zigzag", 0.4)),
+        (torch.ops.cp.ring_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
+        (torch.ops.cp.ring_attention_backward.default,
+         (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", "")),
+        (torch.ops.cp.attend.default, (q, k, v, [], *step)),
+        (torch.ops.cp.attend_backward.default, (do, q, k, v, out, lse, None, [], *step)),
         (torch.ops.cp.agree.default, (q, k, v, name, "x")),
         (torch.ops.cp.send_buffers.default, ([k.transpose(2, 3), v],)),
     ]

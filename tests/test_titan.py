@@ -285,7 +285,7 @@ def titan_fsdp_sac_fp64_case():
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     model = titan_llama("flex")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cp_compile  # noqa: F401  (registers torch.ops.cp)
-from cp_compile.ops.merge import merge_partial
+from cp_compile.kernels.merge import merge_partial
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -112,7 +112,7 @@ def test_importing_cp_compile_needs_no_triton():
         "import sys\n"
         "sys.modules['triton'] = None\n"
         "import torch, cp_compile\n"
-        "from cp_compile.ops.triton_merge import triton_available\n"
+        "from cp_compile.kernels.triton_merge import triton_available\n"
         "assert not triton_available()\n"
         "a, l = torch.zeros(1, 1, 4, 2), torch.full((1, 1, 4), float('-inf'))\n"
         "torch.ops.cp.merge_(a, l, torch.ones(1, 1, 2, 2), torch.zeros(1, 1, 2), 2)\n"

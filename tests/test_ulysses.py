@@ -102,13 +102,13 @@ def opcheck_ops():
     res = torch.ops.cp.ulysses_attention(q, k, v, [], name, True, "zigzag", 0.4, True, "sdpa", "")
     qh, kh, vh, out_h, lse_h = res[2:]
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]
-    heads = ([], "sdpa", name, True, "zigzag", 0.4, "")
+    heads = ([], "sdpa", -2, name, dist.get_world_size(), True, "zigzag", 0.4, "")  # step WHOLE
     cases = [
         (torch.ops.cp.ulysses_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
         (torch.ops.cp.ulysses_attention_backward.default,
          (do, None, qh, kh, vh, out_h, lse_h, [], name, True, "zigzag", 0.4, 2, "sdpa", "")),
-        (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
-        (torch.ops.cp.heads_attn_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, *heads)),
+        (torch.ops.cp.attend.default, (qh, kh, vh, *heads)),
+        (torch.ops.cp.attend_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, *heads)),
         (torch.ops.cp.hybrid_attention.default,
          (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", "")),
     ]

@@ -313,8 +313,8 @@ def test_compiled_varlen_ulysses(ranks, world_size, mesh):
         assert result["listings"] == per_rank[0]["listings"]
     if mesh is not None:
         forward, backward = per_rank[0]["listings"]
-        assert [x for x in forward if "attend" in x] == ["packed attend"] * 2
-        assert [x for x in backward if "attend" in x] == ["packed attend_backward"] * 2
+        assert [x for x in forward if "attend" in x] == ["attend step=0", "attend step=1"]
+        assert [x for x in backward if "attend" in x] == ["attend_backward step=0", "attend_backward step=1"]
 
 
 def test_heads_not_dividing_by_c_named(ranks):
@@ -393,7 +393,7 @@ def test_backward_moves_only_gradients(ranks, world_size, mesh):
     and dq, dk, dv out (4), plus dlse in when lse is differentiated (5): the head-sharded q, k, v,
     out and lse are kept from the forward, never exchanged again. On the hybrid mesh the backward's
     ring is the K/V ring's own: K/V R-1 times, dK/dV R times."""
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
 
     for per_case in ranks(world_size, backward_traffic, mesh, timeout=300):
         for name, result in per_case.items():
@@ -414,7 +414,7 @@ def opcheck_ulysses_mask_ops():
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
+    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER, bhsd as _bhsd, packed_options
 
     plan = cp_compile.ContextParallel()
     name, c = dist.group.WORLD.group_name, plan.world_size
@@ -441,10 +441,10 @@ def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a)
     ]
     if len(groups) == 1:
         doh = torch.cat([do[:, : do.shape[1] // a2a]] * a2a, 2)
-        heads = (extra, inner, groups[0], False, layout, 0.4, options)
+        heads = (extra, inner, -2, groups[0], a2a, False, layout, 0.4, options)  # step WHOLE
         cases += [
-            (torch.ops.cp.heads_attn.default, (qh, kh, vh, *heads)),
-            (torch.ops.cp.heads_attn_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *heads)),
+            (torch.ops.cp.attend.default, (qh, kh, vh, *heads)),
+            (torch.ops.cp.attend_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *heads)),
         ]
     return cases
 
@@ -452,8 +452,7 @@ def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a)
 def flex_head_sharding_cases(plan, groups, a2a):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_compile.ops.flex import eager_mods
-    from cp_compile.ops.ulysses_masks import flex_options
+    from cp_compile.kinds.flex import eager_mods, flex_options
 
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
@@ -471,8 +470,8 @@ def opcheck_hybrid_ops():
     from torch.distributed.device_mesh import init_device_mesh
 
     import cp_compile
-    from cp_compile.ops.hybrid import mesh_groups
-    from cp_compile.ops.ulysses_masks import RANK_ORDER, _bhsd, packed_options
+    from cp_compile.comm import mesh_groups
+    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER, bhsd as _bhsd, packed_options
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
     plan = cp_compile.ContextParallel(mesh)
@@ -484,11 +483,11 @@ def opcheck_hybrid_ops():
                                 2)
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    out_h, lse_h = torch.ops.cp.varlen_hybrid_block_attn(qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)
+    step = ([cu], "packed", 1, flat, 2, False, RANK_ORDER, 0.4, packed_options(*window))
+    out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, *step)
     cases += [
-        (torch.ops.cp.varlen_hybrid_block_attn.default, (qh, kh, vh, cu, 1, ring, a2a, *window, 0.4)),
-        (torch.ops.cp.varlen_hybrid_block_attn_backward.default,
-         (doh, qh, kh, vh, out_h, lse_h, None, cu, 1, ring, a2a, *window, 0.4)),
+        (torch.ops.cp.attend.default, (qh, kh, vh, *step)),
+        (torch.ops.cp.attend_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *step)),
     ]
     cases += flex_hybrid_opcheck_cases(plan, mesh)
     for op, args in cases:
@@ -499,8 +498,8 @@ def opcheck_hybrid_ops():
 def flex_hybrid_opcheck_cases(plan, mesh):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_compile.ops.flex import eager_mods
-    from cp_compile.ops.hybrid import mesh_groups
+    from cp_compile.comm import mesh_groups
+    from cp_compile.kinds.flex import eager_mods, flex_options
 
     flat, ring, a2a = mesh_groups(mesh)
     cases = flex_head_sharding_cases(plan, (flat, ring, a2a), 2)
@@ -511,12 +510,11 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
     # one all-to-all group's tokens for this rank's heads
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    step_opts = (1, flat, a2a, key, "zigzag", mb, mh, 0.3)
-    out_h, lse_h = torch.ops.cp.flex_hybrid_block_attn(qh, kh, vh, buffers, *step_opts)
+    step_opts = ("flex", 1, flat, 2, False, "zigzag", 0.3, flex_options(key, mb, mh))
+    out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, buffers, *step_opts)
     return cases + [
-        (torch.ops.cp.flex_hybrid_block_attn.default, (qh, kh, vh, buffers, *step_opts)),
-        (torch.ops.cp.flex_hybrid_block_attn_backward.default,
-         (doh, qh, kh, vh, out_h, lse_h, None, buffers, *step_opts)),
+        (torch.ops.cp.attend.default, (qh, kh, vh, buffers, *step_opts)),
+        (torch.ops.cp.attend_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, buffers, *step_opts)),
     ]
 
 

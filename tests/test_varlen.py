@@ -98,7 +98,7 @@ def test_bad_cu_seqlens_named():
 
 
 def _tiles_case(lengths, world_size, window, q_ranks, k_runs_of):
-    from cp_compile.ops import tiles
+    from cp_compile.kernels import tiles
 
     q, k, v, do, cu = packed_inputs(lengths, 4, 2, 8)
     out, dq, dk, dv = per_document_reference(q, k, v, do, cu, window)
@@ -173,7 +173,7 @@ def test_runs_cover_exactly_the_real_slots():
 def run_packed(lengths, hq, hkv, d):
     """Every schedule and window on this rank: fp64 errors against per-document attention."""
     import cp_compile
-    from cp_compile.ops import varlen as varlen_ops
+    from cp_compile.kinds import packed as varlen_ops
 
     plan = cp_compile.ContextParallel()
     q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
@@ -232,7 +232,7 @@ def test_ring_skips_blocks_outside_every_window(ranks):
 def opcheck_packed_ops():
     import torch.distributed as dist
 
-    import cp_compile  # noqa: F401
+    from cp_compile.kinds.packed import packed_options
 
     name = dist.group.WORLD.group_name
     c = dist.get_world_size()
@@ -240,18 +240,21 @@ def opcheck_packed_ops():
     q, k, v, do = (layout.shard_packed(t, 0, cu, dist.get_rank(), c) for t in (q, k, v, do))
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     cases = []
+    settings = (name, False, "contiguous", 0.4)
     for schedule in ("allgather", "ring"):
-        out, lse = torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 2, 0, 0.4, True)
+        forward = getattr(torch.ops.cp, f"{schedule}_attention")
+        backward = getattr(torch.ops.cp, f"{schedule}_attention_backward")
+        out, lse = forward(q, k, v, [cu], *settings, True, "packed", packed_options(2, 0))
         cases += [
-            (torch.ops.cp.varlen_attention.default, (*req(q, k, v), cu, name, schedule, 2, 0, 0.4, True)),
-            (torch.ops.cp.varlen_attention_backward.default,
-             (do, q, k, v, out, lse, lse.clone(), cu, name, schedule, 2, 0, 0.4)),
+            (forward.default, (*req(q, k, v), [cu], *settings, True, "packed", packed_options(2, 0))),
+            (backward.default, (do, q, k, v, out, lse, lse.clone(), [cu], *settings, "packed", packed_options(2, 0))),
         ]
     k_all, v_all = (torch.cat([t] * c) for t in (k, v))
+    step = lambda i, window: ("packed", i, name, 1, False, "contiguous", 0.4, packed_options(*window))  # noqa: E731
     cases += [
-        (torch.ops.cp.varlen_block_attn.default, (q, k_all, v_all, cu, -1, name, -1, 0, 0.4)),
-        (torch.ops.cp.varlen_block_attn.default, (q, k, v, cu, 1, name, -1, -1, 0.4)),
-        (torch.ops.cp.varlen_block_attn_backward.default, (do, q, k, v, out, lse, None, cu, 1, name, 2, 0, 0.4)),
+        (torch.ops.cp.attend.default, (q, k_all, v_all, [cu], *step(-1, (-1, 0)))),
+        (torch.ops.cp.attend.default, (q, k, v, [cu], *step(1, (-1, -1)))),
+        (torch.ops.cp.attend_backward.default, (do, q, k, v, out, lse, None, [cu], *step(1, (2, 0)))),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -408,7 +411,7 @@ def checkpointed_varlen(mode: str, compiled: bool):
 
 @pytest.mark.parametrize("mode,compiled", [("sac", False), ("sac", True), ("plain", True)])
 def test_varlen_under_checkpoint_never_reruns_the_ring(ranks, mode, compiled):
-    from cp_compile.ops.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_varlen, mode, compiled, timeout=300):
         assert err < 1e-10
@@ -460,16 +463,19 @@ def test_packed_expansion_graph(fake_group, schedule):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from cp_compile.kinds.packed import packed_options
     from cp_compile.passes.expand import expand_cp_ops
     from cp_compile.passes.order import pin_overlap_order
 
     name, fc = fake_group, torch.ops._c10d_functional
+    settings, kind = (name, False, "contiguous", 0.25), ("packed", packed_options(4, 0))
 
     def fwd(q, k, v, cu):
-        return torch.ops.cp.varlen_attention(q, k, v, cu, name, schedule, 4, 0, 0.25, True)
+        return getattr(torch.ops.cp, f"{schedule}_attention")(q, k, v, [cu], *settings, True, *kind)
 
     def bwd(do, q, k, v, out, lse, cu):
-        return torch.ops.cp.varlen_attention_backward(do, q, k, v, out, lse, None, cu, name, schedule, 4, 0, 0.25)
+        return getattr(torch.ops.cp, f"{schedule}_attention_backward")(do, q, k, v, out, lse, None, [cu], *settings,
+                                                                       *kind)
 
     with FakeTensorMode():
         q, k, v, do = (torch.empty(s) for s in [(12, 4, 8), (12, 2, 8), (12, 2, 8), (12, 4, 8)])
@@ -485,7 +491,7 @@ def test_packed_expansion_graph(fake_group, schedule):
         assert (gathers, shifts) == (0, 2 + 2 + 3)
         # as the SDPA ring at C=3 (tests/test_graph.py): the backward runs its middle step in head halves
         assert [pin_overlap_order(gm.graph) for gm in graphs] == [5 * 2 + 2, 10 * 2 + 4]
-    steps = [n.args[4] for n in forward.nodes if n.target == torch.ops.cp.varlen_block_attn.default]
+    steps = [n.args[5] for n in forward.nodes if n.target == torch.ops.cp.attend.default]
     assert steps == ([-1] if schedule == "allgather" else [0, 1, 2])  # step numbers, never a rank
 
 

@@ -53,8 +53,8 @@ CASES = {
 
 
 def run_case(spec, seed):
-    from cp_compile.ops.merge import merge_partial
-    from cp_compile.ops.triton_merge import merge_triton_
+    from cp_compile.kernels.merge import merge_partial
+    from cp_compile.kernels.triton_merge import merge_triton_
 
     acc_out, acc_lse, out, lse = make_case(seed=seed, **spec)
     rs = spec["row_start"]

@@ -46,7 +46,7 @@ def _ours_setup(p: Problem, x: Inputs):
 @contextlib.contextmanager
 def _stub_our_kernels():
     """Swap the dense attention tiles under every cp op for zero-cost stand-ins."""
-    from ..ops import block
+    from ..kernels import block
 
     def fwd(q, k, v, causal, scale):
         lse = torch.zeros(q.shape[:3], dtype=block.acc_dtype(q.dtype), device=q.device)
@@ -65,15 +65,16 @@ def _stub_our_kernels():
 
 def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
     """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
-    from ..ops.ring import group_name_of, ring_backward, ring_forward
+    from ..comm import group_name_of
+    from ..schedules.ring import ring_backward, ring_forward
+    from ..schedules.whole import Setting
 
-    opts = dict(group_name=group_name_of(None), world_size=x.world_size, is_causal=p.causal,
-                layout="zigzag", scale=_scale(p))
+    s = Setting((group_name_of(None),), p.causal, "zigzag", _scale(p), "sdpa", "")
 
     def step():
         with _stub_our_kernels() if stub else contextlib.nullcontext():
-            out, lse = ring_forward(x.q, x.k, x.v, enable_gqa=False, **opts)
-            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, **opts)
+            out, lse = ring_forward(x.q, x.k, x.v, [], s, x.world_size, False)
+            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, [], s, x.world_size)
         return out, dq, dk, dv
 
     return step
@@ -85,7 +86,7 @@ class _Bytes:
 
 @contextlib.contextmanager
 def _ours_meter():
-    from ..ops.comm import count_traffic
+    from ..comm import count_traffic
 
     box = _Bytes()
     with count_traffic() as traffic:

@@ -45,7 +45,7 @@ def _mesh(world_size: int):
 
 def _hybrid_setup(p: Problem, x: Inputs):
     import cp_compile
-    from ..ops.hybrid import mesh_groups
+    from ..comm import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
     return fwd_bwd_step(lambda q, k, v: cp_compile.hybrid_attention(q, k, v, groups, is_causal=p.causal),

@@ -45,9 +45,9 @@ from torch import Tensor
 
 from .. import layout
 from ..memory import PeakMemory
-from ..ops.block import acc_dtype
-from ..ops.merge import start_accumulator
-from ..ops.ring import _head_halves, ring_section, section_attn, section_attn_backward
+from ..kernels.merge import acc_dtype, start_accumulator
+from ..kinds.sdpa import ring_section, section_attn, section_attn_backward
+from ..schedules.ring import _head_halves
 from .builtin import _stub_our_kernels
 from .core import DTYPES, Problem
 

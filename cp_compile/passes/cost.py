@@ -1,8 +1,8 @@
 """Which CP schedule each attention site gets, and why: a small cost model.
 
 Every candidate schedule has an estimator: ``(Workload, Machine) -> Estimate``
-(time, bytes sent, memory held, feasible or not and why). ``choose_schedule``
-asks each estimator whose schedule the site's kind can run, drops the
+(time, bytes sent, memory held, feasible or not and why). ``decide``
+asks each estimator, drops the
 infeasible ones and the ones over the machine's memory limit, and picks the
 fastest; ties go to the earlier name in ``SCHEDULES``. Adding a schedule is
 one estimator function and one ``ESTIMATORS`` entry.
@@ -45,7 +45,7 @@ from typing import Callable, Optional
 
 import torch
 
-SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
+from ..schedules import SCHEDULES  # noqa: E402  (ties go to the earlier name)
 
 
 # ----------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class Workload:
     # tiles[r][j]: fraction of the (local x local) scores between rank r's queries and rank j's keys
     # the mask keeps; None: ``visible`` spread evenly over ranks and ring steps (a zigzag SDPA site)
     tiles: Optional[tuple[tuple[float, ...], ...]] = None
-    # the ring's backward steps run in K/V-head halves (ops.ring.ring_pass_backward); flex
+    # the ring's backward steps run in K/V-head halves (schedules.ring.ring_pass_backward); flex
     # sites do not split: a score_mod may read the head index
     head_halves: bool = True
 
@@ -290,7 +290,7 @@ def estimate_allgather(w: Workload, m: Machine) -> Estimate:
 
 def _a2a_part(w: Workload, m: Machine, group: int) -> tuple[Optional[str], float, float, float, list[str]]:
     """The all-to-all exchanges of a group of ``group`` ranks: (error, seconds, bytes, memory, notes)."""
-    from ..ops.heads import replicate_kv_heads
+    from ..comm.exchange import replicate_kv_heads
 
     if w.q_heads % group:
         return f"{w.q_heads} query heads do not split over {group} ranks", 0.0, 0.0, 0.0, []
@@ -325,7 +325,7 @@ def estimate_hybrid(w: Workload, m: Machine) -> Estimate:
     err, comm, sent, memory, notes = _a2a_part(w, m, group)
     if err:
         return Estimate("hybrid", False, err)
-    from ..ops.heads import replicate_kv_heads
+    from ..comm.exchange import replicate_kv_heads
 
     # the ring then runs over ``rings`` ranks on head-sharded blocks as large as the local ones
     kv_heads = w.kv_heads * replicate_kv_heads(w.kv_heads, w.q_heads, group)
@@ -365,7 +365,7 @@ def visible_fraction(site, seq_len: int) -> float:
 
 
 def workload(site, options) -> Workload:
-    from ..ops.comm import resolve_group
+    from ..comm import resolve_group
 
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     c = resolve_group(options.group_name).size()
@@ -405,11 +405,6 @@ def pick(estimates: list[Estimate]) -> Estimate:
     return min(feasible, key=lambda e: e.time_s)  # min keeps the first of equals: SCHEDULES order
 
 
-def _available(site) -> Optional[set]:
-    table = getattr(site.handler, "schedules", None)
-    return None if table is None else set(table)
-
-
 def machine_for(options, device: str) -> Machine:
     """The plan's machine profile, or the default one for ``device``."""
     return getattr(options, "machine", None) or default_machine(device)
@@ -439,20 +434,3 @@ def decide(w: Optional[Workload], machine: Machine, schedule: str, available=Non
     margin = f", {runner.time_s / best.time_s:.2f}x faster than {runner.schedule}" if runner else ""
     notes = f"; {'; '.join(best.notes)}" if best.notes else ""
     return best.schedule, f"auto: {best.reason}; estimated {best.time_s * 1e3:.3f} ms{margin}{notes}{tail}", estimates
-
-
-def choose_schedule(site, options) -> tuple[str, str]:
-    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
-    check_schedule(options.schedule)
-    example = site.query.meta.get("example_value", site.query.meta.get("val"))
-    machine = machine_for(options, example.device.type if example is not None else "cpu")
-    if site.kind in ("varlen", "flex"):
-        from .masked import choose_site
-
-        schedule, why, estimates = choose_site(site, options, machine)
-    else:
-        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, _available(site),
-                                          site.source)
-    site.decision["estimates"] = estimates
-    site.decision["machine"] = machine
-    return schedule, why

@@ -2,11 +2,11 @@
 
 After AOTAutograd has split the joint graph, every whole-schedule CP node
 (``cp::ring_attention`` in the forward graph, ``cp::ring_attention_backward``
-in the backward graph, and the other schedules in ``ops.registry``) is
+in the backward graph, and the other schedules in ``schedules.registry``) is
 replaced by its steps, obtained by tracing the very functions the eager op
 runs (``ring_forward`` / ``ring_backward`` for the ring). The graph then shows the
 C steps: each step's ``cp::ring_shift`` ahead of the previous step's
-``cp::ring_block_attn`` and its ``wait_tensor`` after it.
+``cp::attend`` and its ``wait_tensor`` after it.
 
 The order is then pinned so the scheduler cannot hoist a wait above the
 compute it should overlap with (``pin_overlap_order``).
@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ops.registry import EXPANSIONS
+from ..schedules.registry import EXPANSIONS
 
 
 @dataclass

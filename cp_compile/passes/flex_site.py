@@ -1,6 +1,5 @@
-"""Stage 1 for FlexAttention: the ``flex_attention`` higher-order op becomes ``cp::flex_attention``
-(ring, all-gather) or, for the head-sharding schedules, ``cp::ulysses_attention`` /
-``cp::hybrid_attention`` (a 2-D mesh plan) with the ``"flex"`` inner attention.
+"""Stage 1 for FlexAttention: the ``flex_attention`` higher-order op becomes the chosen schedule's
+whole op with the ``"flex"`` kind.
 
 The HOP carries its mods as subgraphs (``get_attr`` submodules) and the
 tensors they read as explicit buffers. The rewrite registers the subgraphs
@@ -21,9 +20,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..flex_mask import HEADER
-from ..ops.flex import FLEX_SCHEDULES, Mods, register_mods
-from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example
+from ..kinds.flex import Mods, flex_options, register_mods
+from ..layout.blockmask import HEADER
+from .masked import choose_schedule
+from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, insert_schedule
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_buffers",
@@ -95,8 +95,6 @@ def _key(*graphs: fx.GraphModule) -> str:
 
 
 def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
-    from .cost import choose_schedule
-
     args = site.args
     block_mask = args["block_mask"]
     mask_gm, score_gm = _submodule(site, block_mask[-1]), _submodule(site, args["score_mod"])
@@ -106,33 +104,15 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
-    if schedule not in FLEX_SCHEDULES:
-        raise UnsupportedAttention(f"schedule {schedule!r} is not available for flex_attention at {site.source}")
     scale = float(args["scale"])
-    q = site.shape("query")
-    enable_gqa = q[1] != site.shape("key")[1]
-    buffers = mask_buffers + score_buffers
-    if schedule in ("ulysses", "hybrid"):  # head sharding: the "flex" inner attention of those ops
-        from ..ops.ulysses_masks import flex_options, heads_schedule
-
-        try:
-            target, groups = heads_schedule(schedule, options.group_name, options.mesh_groups)
-        except ValueError as e:
-            raise UnsupportedAttention(f"flex_attention at {site.source}: {e}") from None
-        op_args = (args["query"], args["key"], args["value"], buffers, *groups, False, options.layout, scale,
-                   enable_gqa, "flex", flex_options(key, mask_b, mask_h))
-    else:
-        target = torch.ops.cp.flex_attention.default
-        op_args = (args["query"], args["key"], args["value"], buffers, options.group_name, schedule, key,
-                   options.layout, int(mask_b), int(mask_h), scale)
+    enable_gqa = site.shape("query")[1] != site.shape("key")[1]
+    _, out, lse = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"],
+                                  mask_buffers + score_buffers, is_causal=False, layout=options.layout, scale=scale,
+                                  enable_gqa=enable_gqa, kind="flex", kind_options=flex_options(key, mask_b, mask_h))
     graph = site.owner.graph
     with graph.inserting_before(site.node):
-        op = graph.call_function(target, op_args)
-        out = graph.call_function(operator.getitem, (op, 0))
-        lse = graph.call_function(operator.getitem, (op, 1))
         lse2 = graph.call_function(torch.mul, (lse, 1.0 / math.log(2.0)))  # the HOP's lse is base 2
-    for new in (op, out, lse, lse2):
-        new.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    lse2.meta["stack_trace"] = site.node.meta.get("stack_trace")
     example = site.node.meta.get("example_value")
     if example is not None:
         out.meta["example_value"] = example[0]
@@ -149,7 +129,5 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key})
 
 
-FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex, FLEX_SCHEDULES)
-if all(kind.name != "flex" for kind in SITE_KINDS):
-    SITE_KINDS.append(FLEX_KIND)
+FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex)
 

@@ -20,10 +20,10 @@ same workload and picks the same schedule:
   sharded mask (eager) and keyed by local length and C (compiled: the last
   mask sharded for that length). No block_mask: every pair is visible.
 
-``choose_packed`` and ``choose_flex`` serve the eager ops, ``choose_site`` the
-compiled rewrite; all three end in ``choose_masked``, over the schedules the
-op offers (``PACKED_SCHEDULES``, ``FLEX_SCHEDULES``), so eager and compiled
-calls with the same facts choose the same.
+``choose_packed`` and ``choose_flex`` serve the eager API, ``choose_site`` the
+compiled rewrite; all three end in ``choose_masked``, so eager and compiled
+calls with the same facts choose the same. ``choose_schedule`` is Stage 1's
+entry for every site kind.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from typing import Optional
 import torch
 
 from ..layout import check_cu_seqlens, packed_local_len
-from .cost import Estimate, Machine, Workload, decide, default_machine
+from ..comm import resolve_group
+from .cost import Estimate, Machine, Workload, check_schedule, decide, default_machine, machine_for, workload
+from .site import _example
 
 Tiles = tuple[tuple[float, ...], ...]
 
@@ -188,7 +190,7 @@ def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int,
 
 
 def flex_facts(info, has_mask: bool, local_len: int, world_size: int) -> MaskFacts:
-    """From a ``flex_mask.ShardInfo`` (None: none recorded), or every pair visible without a block_mask."""
+    """From a ``layout.blockmask.ShardInfo`` (None: none recorded), or every pair visible without a block_mask."""
     if not has_mask:
         return MaskFacts(full_tiles(world_size), "no block_mask: every pair visible")
     if info is None or info.world_size != world_size or len(info.tiles) != world_size:
@@ -213,24 +215,13 @@ def masked_workload(kind: str, q_shape, k_shape, v_shape, dtype: torch.dtype, wo
                     backward, tuple(mesh), tiles=facts.tiles, head_halves=kind == "varlen")
 
 
-def offered(kind: str) -> tuple[str, ...]:
-    """The schedules the kind's op runs."""
-    if kind == "varlen":
-        from ..ops.varlen import PACKED_SCHEDULES
-
-        return PACKED_SCHEDULES
-    from ..ops.flex import FLEX_SCHEDULES
-
-    return FLEX_SCHEDULES
-
-
 def choose_masked(kind: str, q_shape, k_shape, v_shape, dtype: torch.dtype, world_size: int, facts: MaskFacts, *,
                   causal: bool, backward: bool, machine: Machine, mesh: tuple = (), schedule: str = "auto",
                   where: str = "") -> tuple[str, str, list[Estimate]]:
     """(schedule, reason, estimates) of a packed (``kind="varlen"``) or flex site."""
     w = masked_workload(kind, q_shape, k_shape, v_shape, dtype, world_size, facts, causal=causal,
                         backward=backward, mesh=mesh)
-    return decide(w, machine, schedule, set(offered(kind)), where, facts.describe())
+    return decide(w, machine, schedule, None, where, facts.describe())
 
 
 def _needs_grad(*tensors) -> bool:
@@ -249,7 +240,7 @@ def choose_packed(q, k, v, cu_seqlens, world_size: int, window: tuple[int, int],
 def choose_flex(q, k, v, block_mask, world_size: int, machine: Optional[Machine] = None,
                 mesh: tuple = ()) -> tuple[str, str, list[Estimate]]:
     """Eager ``flex_attention(schedule="auto")``: [B, H, S, D] q, k, v and the sharded BlockMask (or None)."""
-    from ..flex_mask import shard_info
+    from ..layout.blockmask import shard_info
 
     facts = flex_facts(shard_info(block_mask), block_mask is not None, q.shape[2], world_size)
     return choose_masked("flex", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, world_size, facts,
@@ -259,8 +250,6 @@ def choose_flex(q, k, v, block_mask, world_size: int, machine: Optional[Machine]
 
 def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
     """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
-    from ..ops.comm import resolve_group
-    from .rewrite import _example
 
     c = resolve_group(options.group_name).size()
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
@@ -270,7 +259,7 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
         window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
     else:
-        from ..flex_mask import last_shard_info
+        from ..layout.blockmask import last_shard_info
 
         has_mask = bool(site.args["mask_mod_buffers"])
         facts = flex_facts(last_shard_info(q[2], c) if has_mask else None, has_mask, q[2], c)
@@ -278,3 +267,17 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
     return choose_masked(site.kind, q, k, v, site.dtype(), c, facts, causal=causal, backward=backward,
                          machine=machine, mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
                          schedule=options.schedule, where=site.source)
+
+
+def choose_schedule(site, options) -> tuple[str, str]:
+    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
+    check_schedule(options.schedule)
+    example = _example(site.query)
+    machine = machine_for(options, example.device.type if example is not None else "cpu")
+    if site.kind in ("varlen", "flex"):
+        schedule, why, estimates = choose_site(site, options, machine)
+    else:
+        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, None, site.source)
+    site.decision["estimates"] = estimates
+    site.decision["machine"] = machine
+    return schedule, why

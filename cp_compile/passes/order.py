@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
-from ..ops.registry import COMPUTE_OPS, LISTING_NAMES
+from ..schedules.registry import COMPUTE_OPS, compute_name
 
 cp = torch.ops.cp
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -99,11 +99,8 @@ def schedule_listing(graph: fx.Graph) -> list[str]:
     """The CP ops of a graph in order, e.g. ``["agree", "shift", "attend step=0", "wait", ...]``."""
     listing = []
     for node in map(_unwrapped, graph.nodes):
-        name = _COMM_NAMES.get(node.target) or LISTING_NAMES.get(node.target)
-        if name is None:
-            continue
-        if name.startswith("attend"):
-            step = next(a for a in node.args if isinstance(a, int) and not isinstance(a, bool))
-            name = f"{name} step={step}"
-        listing.append(name)
+        if node.target in COMPUTE_OPS:
+            listing.append(compute_name(node))
+        elif node.target in _COMM_NAMES:
+            listing.append(_COMM_NAMES[node.target])
     return listing

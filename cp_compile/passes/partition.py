@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ops.registry import FORWARD_OPS as CP_FORWARD_OPS
+from ..schedules.registry import FORWARD_OPS as CP_FORWARD_OPS
 
 
 def save_cp_outputs(graph: fx.Graph) -> int:

@@ -11,11 +11,9 @@ torchtitan passes 1) is a kernel hint that does not change the result: it is
 accepted and ignored, as are ``max_q`` / ``max_k`` (the CP ops compute what
 they need from ``cu_seqlens``).
 
-The rewrite inserts one ``cp::varlen_attention`` with the schedule chosen for
-the site (ring, all-gather), or for the head-sharding schedules one
-``cp::ulysses_attention`` / ``cp::hybrid_attention`` (a 2-D mesh plan) with the
-``"packed"`` inner attention on ``[1, H, T, D]`` views; its ``cu_seqlens`` is
-the model's own global ``cu_seq_q``.
+The rewrite inserts the chosen schedule's whole op with the ``"packed"`` kind
+(the head-sharding schedules on ``[1, H, T, D]`` views, as the eager
+``varlen_attention``); its ``cu_seqlens`` is the model's own global ``cu_seq_q``.
 """
 
 from __future__ import annotations
@@ -28,8 +26,10 @@ import torch
 import torch.fx as fx
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 
-from ..ops.varlen import PACKED_SCHEDULES
-from .rewrite import SITE_KINDS, AttentionSite, CPOptions, SiteKind, UnsupportedAttention, replace_node
+from ..kinds.packed import PACKED_LAYOUT, packed_options, window_of
+from ..schedules import HEAD_SCHEDULES
+from .masked import choose_schedule
+from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, insert_schedule
 
 VARLEN_OP = torch.ops.torch_attn._varlen_attn
 _SCHEMA = VARLEN_OP.default._schema
@@ -67,32 +67,30 @@ def _check_varlen(site: AttentionSite) -> None:
     for user in site.node.users:  # a checkpoint body keeps unused getitems: those are harmless
         if user.target != operator.getitem or (user.args[1] == 2 and user.users):
             raise UnsupportedAttention(f"varlen_attn {where}: only its output and lse may be used")
-    from ..ops.varlen import window_of
-
     window = list(args["window_size"] or (-1, -1))
     args["window_left"], args["window_right"] = window_of(window, bool(args["is_causal"]))
 
 
 def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
-    from .cost import choose_schedule
-
     args = site.args
     schedule, why = choose_schedule(site, options)
-    if schedule not in PACKED_SCHEDULES:
-        raise UnsupportedAttention(
-            f"schedule {schedule!r} is not available for varlen_attn at {site.source}; available: {PACKED_SCHEDULES}"
-        )
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
     left, right = args["window_left"], args["window_right"]
     graph = site.owner.graph
-    if schedule in ("ulysses", "hybrid"):
-        op, out, lse = _replace_with_heads_op(site, options, schedule, scale, left, right)
-    else:
-        op, out, lse = replace_node(site, torch.ops.cp.varlen_attention.default, (
-            args["query"], args["key"], args["value"], args["cu_seq_q"], options.group_name, schedule,
-            left, right, scale, bool(args["enable_gqa"]),
-        ), n_outputs_used=2)
+    qkv = [args[name] for name in ("query", "key", "value")]
+    heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: the packed tensors as [1, H, T, D] views
+    if heads:
+        with graph.inserting_before(site.node):
+            qkv = [graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (t, 0, 1)), 0))
+                   for t in qkv]
+    _, out, lse = insert_schedule(site, options, schedule, *qkv, [args["cu_seq_q"]], is_causal=False,
+                                  layout=PACKED_LAYOUT, scale=scale, enable_gqa=bool(args["enable_gqa"]),
+                                  kind="packed", kind_options=packed_options(left, right))
+    if heads:
+        with graph.inserting_before(site.node):
+            out, lse = (graph.call_function(torch.transpose, (graph.call_function(torch.squeeze, (t, 0)), 0, 1))
+                        for t in (out, lse))
     for user in list(site.node.users):
         if not user.users:
             pass
@@ -108,28 +106,4 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
                           "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)})
 
 
-def _replace_with_heads_op(site: AttentionSite, options: CPOptions, schedule: str, scale: float, left: int,
-                           right: int):
-    """The head-sharding op with the "packed" inner attention, on [1, H, T, D] views of the packed
-    tensors (as ``ops.ulysses_masks.packed_heads_attention``); returns (op, out [T, H, D], lse [T, H])."""
-    from ..ops.ulysses_masks import RANK_ORDER, heads_schedule, packed_options
-
-    args, graph = site.args, site.owner.graph
-    try:
-        target, groups = heads_schedule(schedule, options.group_name, options.mesh_groups)
-    except ValueError as e:
-        raise UnsupportedAttention(f"varlen_attn at {site.source}: {e}") from None
-    with graph.inserting_before(site.node):
-        q, k, v = (graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (args[name], 0, 1)), 0))
-                   for name in ("query", "key", "value"))
-    op, out_h, lse_h = replace_node(site, target, (
-        q, k, v, [args["cu_seq_q"]], *groups, False, RANK_ORDER, scale, bool(args["enable_gqa"]), "packed",
-        packed_options(left, right),
-    ), n_outputs_used=2)
-    with graph.inserting_before(site.node):
-        out, lse = (graph.call_function(torch.transpose, (graph.call_function(torch.squeeze, (t, 0)), 0, 1))
-                    for t in (out_h, lse_h))
-    return op, out, lse
-
-
-SITE_KINDS.append(SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen, PACKED_SCHEDULES))
+VARLEN_KIND = SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from . import layout as _layout
+from .. import layout as _layout
 
 MAGIC = 0x43504D4B  # marks a table made here ("CPMK")
 HEADER = 2

@@ -29,14 +29,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .merge import acc_dtype, merge_partial
+
 MASK_KINDS = ("none", "causal", "causal_bottom_right", "empty")
 
 aten = torch.ops.aten
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of lse and of every accumulator for inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dense_like(t: Tensor) -> Tensor:
@@ -47,16 +44,12 @@ def dense_like(t: Tensor) -> Tensor:
 
 def result_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Uninitialised (out, lse) of attention of ``q`` over values like ``v``: what fakes return."""
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(_lse_shape(q), dtype=acc_dtype(q.dtype))
-
-
-def _lse_shape(q: Tensor) -> tuple[int, int, int]:
-    return (q.shape[0], q.shape[1], q.shape[2])
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 def _empty_result(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    lse = torch.full(_lse_shape(q), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     return out, lse
 
 
@@ -222,8 +215,6 @@ def _pieces(lq: int, lk: int, mask: str):
 
 
 def _merge_into(out, lse, part_out, part_lse, rows):
-    from .merge import merge_partial
-
     new_out, new_lse = merge_partial(out[:, :, rows].to(lse.dtype), lse[:, :, rows], part_out, part_lse)
     out[:, :, rows] = new_out.to(out.dtype)
     lse[:, :, rows] = new_lse

@@ -280,3 +280,39 @@ def _(q, k, v, group_name, options):
 
 for _op in (torch.ops.cp.ring_shift.default, torch.ops.cp.agree.default):
     torch.fx.node.has_side_effect(_op)
+
+
+# ----------------------------------------------------------------------------
+# Groups as users name them.
+# ----------------------------------------------------------------------------
+
+
+def is_2d_mesh(group) -> bool:
+    """A 2-D (ring, a2a) DeviceMesh: eagerly only the hybrid schedule runs on one."""
+    return hasattr(group, "get_group") and group.ndim == 2
+
+
+def group_name_of(group) -> str:
+    """Name of a ProcessGroup, a 1-D DeviceMesh, a group name, or None (the default group)."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+    if hasattr(group, "get_group"):  # DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"ring attention needs a 1-D DeviceMesh, got {group.ndim}-D")
+        group = group.get_group()
+    return group.group_name
+
+
+def mesh_groups(mesh) -> tuple[str, str, str]:
+    """(flattened group, ring group, all-to-all group) names of a 2-D ``(ring, a2a)`` DeviceMesh."""
+    if mesh.ndim != 2:
+        raise ValueError(f"the hybrid schedule needs a 2-D DeviceMesh (ring, a2a), got {mesh.ndim}-D")
+    names = mesh.mesh_dim_names
+    if names is not None and (names[0] in ("a2a", "ulysses") or names[1] == "ring"):
+        raise ValueError(
+            f"mesh_dim_names={names}: dim 0 must be the ring and dim 1 the all-to-all group "
+            "(the all-to-all runs within groups of consecutive ranks); build the mesh as (ring, a2a)"
+        )
+    return (mesh._flatten().get_group().group_name, mesh.get_group(0).group_name, mesh.get_group(1).group_name)

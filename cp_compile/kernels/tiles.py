@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from ..layout import Segment
-from .block import acc_dtype, band_attn_backward_impl, band_attn_impl, block_attn_backward_impl, block_attn_impl
-from .merge import merge_into_
+from .block import band_attn_backward_impl, band_attn_impl, block_attn_backward_impl, block_attn_impl
+from .merge import acc_dtype, merge_into_
 
 
 class Tile(NamedTuple):

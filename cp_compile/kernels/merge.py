@@ -16,7 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .block import acc_dtype
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of lse and of every accumulator for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _weights(acc_lse: Tensor, lse: Tensor, new_lse: Tensor) -> tuple[Tensor, Tensor]:

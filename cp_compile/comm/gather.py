@@ -1,0 +1,60 @@
+"""All-gather and reduce-scatter along the sequence, for the schedules that gather K/V.
+
+Written over ``_c10d_functional`` collectives + ``wait_tensor``, so a traced
+schedule holds the group name and C, never the rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_fc = torch.ops._c10d_functional
+
+
+def gather_dim0(t: Tensor, group_name: str, world_size: int) -> Tensor:
+    """Every rank's ``t`` stacked along dim 0, in rank order."""
+    if world_size == 1:
+        return t
+    return _fc.wait_tensor(_fc.all_gather_into_tensor(t.contiguous(), world_size, group_name))
+
+
+def reduce_scatter_dim0(t: Tensor, group_name: str, world_size: int) -> Tensor:
+    """Sum ``t`` over ranks and keep this rank's slice of dim 0."""
+    if world_size == 1:
+        return t
+    return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", world_size, group_name))
+
+
+def _sequence_order(world_size: int, layout: str) -> list[int]:
+    """order[g] = index, in the gathered (rank-major) chunks, of global chunk g."""
+    if layout == "contiguous":
+        return list(range(world_size))
+    order = [0] * (2 * world_size)
+    for rank in range(world_size):
+        order[rank], order[2 * world_size - 1 - rank] = 2 * rank, 2 * rank + 1
+    return order
+
+
+def _permute_chunks(t: Tensor, order: list[int], dim: int) -> Tensor:
+    chunks = t.chunk(len(order), dim=dim)
+    return torch.cat([chunks[i] for i in order], dim=dim)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for g, i in enumerate(order):
+        inv[i] = g
+    return inv
+
+
+def gather_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
+    """``[B, H, L, D]`` shards -> ``[B, H, C*L, D]``: sequence order, or rank order for ``"contiguous"``."""
+    gathered = gather_dim0(t.movedim(2, 0), group_name, world_size).movedim(0, 2)
+    return _permute_chunks(gathered, _sequence_order(world_size, layout), 2)
+
+
+def scatter_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
+    """Inverse of ``gather_sequence`` for gradients: sum over ranks, keep this rank's shard."""
+    gathered = _permute_chunks(t, _inverse(_sequence_order(world_size, layout)), 2)
+    return reduce_scatter_dim0(gathered.movedim(2, 0), group_name, world_size).movedim(0, 2)

@@ -1,0 +1,150 @@
+"""The eager API: one function per kind of attention (and per schedule for dense attention).
+
+Each builds the kind's arguments and calls the chosen schedule's whole op
+(``schedules.whole_op``), the same op a compiled graph holds, so eager and
+compiled runs share every line of schedule code. ``schedule="auto"`` asks the
+cost model (``passes.masked``) for the choice a compiled site would make.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from torch import Tensor
+
+from .comm import group_name_of, is_2d_mesh, mesh_groups, resolve_group
+from .kinds.flex import eager_mods, flex_options
+from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
+from .schedules import HEAD_SCHEDULES, SCHEDULES, whole_op
+
+
+def _groups(group, schedule: str) -> tuple[str, tuple]:
+    """(group name, mesh groups) of an eager call's ``group``: a group (name) or, for the hybrid,
+    a 2-D (ring, a2a) DeviceMesh or its (flattened, ring, a2a) group names."""
+    if isinstance(group, tuple):
+        return group[0], tuple(group[1:]) if schedule == "hybrid" else ()
+    if schedule != "hybrid":
+        return group_name_of(group), ()
+    names = mesh_groups(group)
+    return names[0], tuple(names[1:])
+
+
+def _scale(q: Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def run_schedule(schedule: str, q: Tensor, k: Tensor, v: Tensor, extra: list, group, is_causal: bool, layout: str,
+                 scale: float, enable_gqa: bool, kind: str, options: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    op, groups = whole_op(schedule, *_groups(group, schedule))
+    res = op(q, k, v, list(extra), *groups, bool(is_causal), layout, scale, bool(enable_gqa), kind, options)
+    return res[0], res[1]
+
+
+def _dense(schedule: str):
+    def attention(q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False,
+                  scale: Optional[float] = None, enable_gqa: bool = False, layout: str = "zigzag",
+                  dropout_p: float = 0.0) -> Tensor:
+        if dropout_p:
+            raise NotImplementedError(
+                f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
+                "use dropout_p=0.0"
+            )
+        return run_schedule(schedule, q, k, v, [], group, is_causal, layout, _scale(q, scale), enable_gqa, "sdpa",
+                            "")[0]
+
+    attention.__name__ = attention.__qualname__ = f"{schedule}_attention"
+    attention.__doc__ = f"""{_DENSE_DOCS[schedule]}
+
+    ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards, laid out as
+    ``layout`` says (``ContextParallel.shard`` produces them); ``group`` a
+    process group, a 1-D DeviceMesh, a group name or None (the default group){_DENSE_GROUP[schedule]}.
+    ``is_causal`` means causal over the whole global sequence. Differentiable.
+    """
+    return attention
+
+
+_DENSE_DOCS = {
+    "ring": "Ring attention over a sequence sharded across ``group``.",
+    "allgather": "All-gather attention over a sequence sharded across ``group``.",
+    "ulysses": "All-to-all (Ulysses) attention over a sequence sharded across ``group``; query heads must divide "
+               "by its size.",
+    "hybrid": "Hybrid attention: all-to-all inside each group of a 2-D ``(ring, a2a)`` DeviceMesh, ring across "
+              "them; query heads must divide by the all-to-all size.",
+}
+_DENSE_GROUP = {s: "" for s in SCHEDULES} | {
+    "hybrid": "; for the hybrid, a 2-D ``(ring, a2a)`` DeviceMesh or its (flattened, ring, a2a) group names"}
+
+ring_attention = _dense("ring")
+allgather_attention = _dense("allgather")
+ulysses_attention = _dense("ulysses")
+hybrid_attention = _dense("hybrid")
+
+
+def flex_attention(
+    q: Tensor, k: Tensor, v: Tensor, score_mod=None, block_mask=None, scale: Optional[float] = None,
+    enable_gqa: bool = False, return_lse: bool = False, *, group=None, schedule: str = "auto",
+    layout: str = "zigzag", machine=None,
+):
+    """FlexAttention over a sequence sharded across ``group``, with torch's signature.
+
+    ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
+    comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
+    global indices. ``schedule`` is ``"auto"`` (the cost model's choice,
+    ``passes.masked.choose_flex``, from the global mask's block counts recorded
+    by the shard and ``machine``, a ``cp_compile.Machine``, default: the device
+    type's profile; the same choice a compiled site makes), ``"ring"``,
+    ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
+    (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
+    size); ``layout`` matters only without a block_mask.
+    Differentiable (mask and score mods; tensors the mods capture get no gradient).
+    """
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+    key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
+    if schedule == "auto":
+        from .passes.masked import choose_flex
+
+        schedule = "hybrid" if is_2d_mesh(group) else choose_flex(
+            q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
+    out, lse = run_schedule(schedule, q, k, v, buffers, group, False, layout, _scale(q, scale),
+                            q.shape[1] != k.shape[1], "flex", flex_options(key, mask_b, mask_h))
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group=None, *, is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), scale: Optional[float] = None, enable_gqa: bool = False,
+    schedule: str = "auto", machine=None,
+) -> Tensor:
+    """CP attention over packed documents. Differentiable.
+
+    ``q, k, v`` are this rank's ``[T_local, H, D]`` slots (``ContextParallel.shard(x, 0,
+    cu_seqlens=cu)``); ``cu_seqlens`` is the global int32 tensor of document
+    boundaries, as on one device. ``window_size=(left, right)`` as in torch's
+    ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
+    ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
+    must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
+    query heads must divide by its a2a size) or ``"auto"``: the cost model's
+    choice (``passes.masked.choose_packed``) from the documents, the window and
+    ``machine`` (a ``cp_compile.Machine``; default: the device type's profile),
+    the same choice a compiled ``varlen_attn`` site makes.
+    """
+    left, right = window_of(window_size, is_causal)
+    if schedule == "auto":
+        from .passes.masked import choose_packed
+
+        schedule = "hybrid" if is_2d_mesh(group) else choose_packed(
+            q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine)[0]
+    heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
+    qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
+    out, _ = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, _scale(q, scale), enable_gqa,
+                          "packed", packed_options(left, right))
+    return thd(out) if heads else out

@@ -1,0 +1,12 @@
+"""Attention kinds: what is visible between a unit's queries and another unit's keys, and its kernels.
+
+``base`` defines the interface (``Kind``) and the per-step ops every schedule
+calls (``cp::attend``, ``cp::attend_backward``); each other module is one kind.
+A new kind is one module: subclass ``Kind``, ``register_kind`` an instance, and
+import it here.
+"""
+
+from . import flex, packed, sdpa  # noqa: F401  (registration)
+from .base import GATHERED, WHOLE, Call, Kind, Units, kind_entry, register_kind
+
+__all__ = ["GATHERED", "WHOLE", "Call", "Kind", "Units", "kind_entry", "register_kind"]

@@ -1,0 +1,210 @@
+"""What a kind of attention is, and the one per-step op pair every schedule calls.
+
+A kind (dense SDPA, FlexAttention masks, packed documents) says, for the
+queries and keys a schedule puts side by side, what is visible and how to
+compute a partial (out, lse) and its backward; how its tensors are gathered;
+and what every rank must agree on before the first transfer. Schedules
+(``cp_compile.schedules``) never look inside a kind: they move tensors and call
+``cp::attend`` / ``cp::attend_backward`` with the kind's name, and the op hands
+the call to the kind registered under it (``register_kind``).
+
+Which tokens a call holds. Every schedule is a ring over units: the group's C
+ranks form R = C / A units of A consecutive ranks (A is ``a2a_size``; rank r
+is in unit r // A and, when A > 1, holds head block r % A of the A-way head
+sharding). The queries are the tokens of this rank's unit; the keys are
+
+- ``step >= 0``: unit (r // A - step) mod R's tokens. The ring is A = 1,
+  steps 0..C-1; the hybrid is A = the all-to-all size, steps 0..R-1;
+- ``WHOLE``: every rank's tokens, as the queries (Ulysses: A = C, one unit);
+- ``GATHERED``: every rank's tokens, the queries being this rank's (A = 1).
+
+A unit's tokens sit in the order the kind asked for (``Kind.rank_order`` for
+the head exchange, ``Kind.gather`` for the all-gather). The rank is read at
+run time inside the op, so a traced schedule holds the step and the unit
+size, never the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..comm import resolve_group
+from ..comm.gather import gather_sequence, scatter_sequence
+from ..kernels.block import dense_like, result_like
+from ..kernels.merge import acc_dtype
+
+GATHERED = -1
+WHOLE = -2
+
+
+@dataclass(frozen=True)
+class Call:
+    """The non-tensor arguments of one attention call; the same on every rank."""
+
+    group_name: str  # every rank of the schedule (hybrid: the flattened mesh)
+    is_causal: bool
+    layout: str  # the plan's layout of the sequence shards
+    scale: float
+    options: str  # the kind's own settings, "key=value key=value"
+
+    def option(self, key: str) -> str:
+        items = dict(item.split("=", 1) for item in self.options.split())
+        if key not in items:
+            raise ValueError(f"attention options {self.options!r} lack {key}=")
+        return items[key]
+
+
+@dataclass(frozen=True)
+class Units:
+    """Where a call's queries and keys come from, on this rank (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    a2a: int  # ranks per unit
+    step: int
+
+    @property
+    def count(self) -> int:
+        return self.world_size // self.a2a
+
+    @property
+    def q_unit(self) -> int:
+        return self.rank // self.a2a
+
+    @property
+    def k_unit(self) -> int:
+        return (self.q_unit - self.step) % self.count
+
+    @property
+    def head_block(self) -> int:
+        return self.rank % self.a2a
+
+    @property
+    def gathered(self) -> bool:
+        return self.step == GATHERED
+
+
+def units_at(group_name: str, a2a_size: int, step: int) -> Units:
+    group = resolve_group(group_name)
+    size = group.size()
+    if step == WHOLE:
+        return Units(group.rank(), size, size, 0)
+    return Units(group.rank(), size, a2a_size, step)
+
+
+class Kind:
+    """One kind of attention. Subclass it, fill in the kernels, ``register_kind`` an instance."""
+
+    name: str = ""
+    # the ring's backward may run a step in two K/V-head halves (no kernel reads a head index)
+    split_heads: bool = True
+    # the head exchange keeps every rank's tokens in rank order (a mask evaluated at known
+    # slots needs no sequence order)
+    rank_order: bool = False
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, extra: list, units: Units, call: Call):
+        """(out, lse) of the queries over the keys ``units`` names; rows that see nothing: 0, -inf."""
+        raise NotImplementedError
+
+    def attend_backward(self, dout, q, k, v, out, lse, dlse, extra: list, units: Units, call: Call):
+        """(dq, dk, dv) of the same tile, given the final out and lse; dtype as ``grads_like``."""
+        raise NotImplementedError
+
+    def grads_like(self, q: Tensor, k: Tensor, v: Tensor, step: int) -> tuple:
+        """Uninitialised gradients as ``attend_backward`` returns them (default: accumulator dtype)."""
+        return tuple(t.new_empty(t.shape, dtype=acc_dtype(q.dtype)) for t in (q, k, v))
+
+    def agreed(self, call: Call) -> str:
+        """The settings every rank must pass alike (per-process names left out)."""
+        return call.options
+
+    def check(self, q: Tensor, k: Tensor, v: Tensor, call: Call, world_size: int, enable_gqa: bool) -> None:
+        """Local checks of the sequence shards; identical inputs give identical verdicts on every rank."""
+
+    def start(self, q, k, v, extra: list, call: Call, world_size: int, enable_gqa: bool, what: str) -> None:
+        """Before any transfer: every rank checks every rank's inputs (the same collectives everywhere)."""
+        if world_size > 1:
+            torch.ops.cp.agree(q, k, v, call.group_name, f"{what} kind={self.name} {self.agreed(call)}")
+        self.check(q, k, v, call, world_size, enable_gqa)
+
+    def gather(self, t: Tensor, extra: list, call: Call, world_size: int) -> Tensor:
+        """Every rank's K (or V) in the order ``attend`` reads at ``GATHERED``."""
+        return gather_sequence(t, call.group_name, world_size, self.exchange_layout(call.layout))
+
+    def scatter(self, t: Tensor, extra: list, call: Call, world_size: int) -> Tensor:
+        """The inverse of ``gather`` for gradients: summed over ranks, this rank's shard."""
+        return scatter_sequence(t, call.group_name, world_size, self.exchange_layout(call.layout))
+
+    def exchange_layout(self, layout: str) -> str:
+        return "contiguous" if self.rank_order else layout
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(kind: Kind) -> Kind:
+    KINDS[kind.name] = kind
+    return kind
+
+
+def kind_entry(name: str) -> Kind:
+    if name not in KINDS:
+        raise ValueError(f"unknown attention kind {name!r}; expected one of {sorted(KINDS)}")
+    return KINDS[name]
+
+
+# ----------------------------------------------------------------------------
+# The per-step ops: every schedule's compute, for every kind.
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cp::attend", mutates_args=())
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], kind: str, step: int, group_name: str, a2a_size: int,
+    is_causal: bool, layout: str, scale: float, options: str,
+) -> tuple[Tensor, Tensor]:
+    """The queries of this rank's unit against the keys ``step`` names: (out, lse)."""
+    call = Call(group_name, is_causal, layout, scale, options)
+    out, lse = kind_entry(kind).attend(q, k, v, list(extra), units_at(group_name, a2a_size, step), call)
+    return out.contiguous(), lse.contiguous()
+
+
+@attend.register_fake
+def _(q, k, v, extra, kind, step, group_name, a2a_size, is_causal, layout, scale, options):
+    kind_entry(kind)
+    return result_like(q, v)
+
+
+@torch.library.custom_op("cp::attend_backward", mutates_args=())
+def attend_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+    extra: list[Tensor], kind: str, step: int, group_name: str, a2a_size: int, is_causal: bool, layout: str,
+    scale: float, options: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one ``cp::attend`` tile, each its exact share given the final out and lse."""
+    call = Call(group_name, is_causal, layout, scale, options)
+    grads = kind_entry(kind).attend_backward(dout, q, k, v, out, lse, dlse, list(extra),
+                                             units_at(group_name, a2a_size, step), call)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attend_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, extra, kind, step, group_name, a2a_size, is_causal, layout, scale, options):
+    return kind_entry(kind).grads_like(q, k, v, step)
+
+
+def listing_name(node) -> str:
+    """What ``explain``'s schedule listing calls one ``cp::attend`` (+ backward) node."""
+    backward = node.target is torch.ops.cp.attend_backward.default
+    step = node.args[9 if backward else 5]
+    name = {GATHERED: "gathered attend", WHOLE: "heads_attend"}.get(step, "attend")
+    name += "_backward" if backward else ""
+    return name if step < 0 else f"{name} step={step}"
+
+
+def dense_grads_like(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    return dense_like(q), dense_like(k), dense_like(v)

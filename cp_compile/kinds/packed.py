@@ -1,0 +1,211 @@
+"""Packed documents (THD, ``cu_seqlens``) under CP.
+
+Tensors are packed ``[T_local, H, D]``: this rank's slots under the
+per-document zigzag (``layout.packed_slots``): every document split into 2C
+chunks on its own, rank r holding chunks r and 2C-1-r of each, padding at a
+document's tail. ``cu_seqlens`` is the *global* int32 tensor of real document
+lengths, the same on every rank, exactly what the model passes to
+``varlen_attn`` on one device; it travels as the call's ``extra`` and the
+window as its ``options`` (``packed_options``).
+
+Which query may see which key is decided from global facts only: the
+document, the position inside it and whether the slot is a real token, all
+computed exactly from ``cu_seqlens`` (never by dividing lengths by 2C). A key
+is visible to a query when both are real, in the same document and inside
+the window ``(left, right)`` (-1: unbounded; ``right = 0`` is causal), as in
+``varlen_attn``. Padding rows get out = 0, lse = -inf and zero gradients, and
+are never visible as keys.
+
+A call turns the slots of the queries' unit and of the keys' unit into runs
+of real tokens (``layout.packed_segments``; a unit's slots are its ranks' in
+rank order, gathered keys are in global packed order so that each query chunk
+sees one contiguous range) and attends per document tile over strided views
+(``kernels.tiles``): fused kernels for full and causal tiles, the math path
+only for window edges, so memory is per tile. A ring step whose K/V block is
+outside every query's window has no tile and computes nothing. Under head
+sharding the tensors travel as ``[1, H, T, D]`` views (``bhsd``), which the
+kind reads back as ``[T, H, D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm import resolve_group
+from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..kernels.block import dense_like
+from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
+from ..layout import check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments
+from .base import Call, Kind, Units, register_kind
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(cu: tuple[int, ...], world_size: int, inverse: bool) -> Tensor:
+    perm = sequence_permutation(list(cu), world_size)
+    return perm.argsort() if inverse else perm
+
+
+@torch.library.custom_op("cp::packed_sequence_order", mutates_args=())
+def packed_sequence_order(x: Tensor, cu_seqlens: Tensor, world_size: int, inverse: bool) -> Tensor:
+    """Every rank's slots (rank order) -> real tokens in global packed order, then padding; ``inverse`` undoes it."""
+    perm = _permutation(tuple(check_cu_seqlens(cu_seqlens)), world_size, inverse)
+    return x.index_select(0, perm.to(x.device))
+
+
+@packed_sequence_order.register_fake
+def _(x, cu_seqlens, world_size, inverse):
+    return dense_like(x)
+
+
+def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"packed q, k, v must be [tokens, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible packed q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+
+
+@torch.library.custom_op("cp::agree_cu_seqlens", mutates_args=())
+def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
+    """All-gather a digest of cu_seqlens; raise on every rank if the ranks passed different ones.
+
+    Validation comes after the exchange: a rank that raised first would leave
+    the others waiting in the collective.
+    """
+    group = resolve_group(group_name)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
+    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(group.size(), 3).tolist()
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
+        raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")
+    check_cu_seqlens(cu)
+
+
+@agree_cu_seqlens.register_fake
+def _(cu_seqlens, group_name):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
+
+
+def packed_options(window_left: int, window_right: int) -> str:
+    """The ``options`` of a packed call: the window (left, right)."""
+    return f"window={int(window_left)},{int(window_right)}"
+
+
+def _window(call: Call) -> tuple[int, int]:
+    left, right = call.option("window").split(",")
+    return int(left), int(right)
+
+
+def bhsd(t: Tensor) -> Tensor:
+    """[T, H, ...] -> [1, H, T, ...]"""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def thd(t: Tensor) -> Tensor:
+    """[1, H, T, ...] -> [T, H, ...]"""
+    return t.squeeze(0).transpose(0, 1)
+
+
+def _unit_runs(cu: list[int], unit: int, units: Units) -> tuple:
+    return packed_segments(cu, range(unit * units.a2a, (unit + 1) * units.a2a), units.world_size)
+
+
+def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int, right: int) -> tuple:
+    """The tiles of the queries' unit against the keys ``units`` names, from cu_seqlens and the rank."""
+    cu = check_cu_seqlens(cu_seqlens)
+    local = packed_local_len(cu, units.world_size)
+    if q.shape[0] != local * units.a2a:
+        per = "rank" if units.a2a == 1 else f"all-to-all group of {units.a2a}"
+        raise ValueError(
+            f"q has {q.shape[0]} tokens but cu_seqlens={cu} gives {local * units.a2a} slots per {per} over "
+            f"C={units.world_size}; shard packed inputs with ContextParallel.shard(x, 0, cu_seqlens=...)"
+        )
+    expected = local * (units.world_size if units.gathered else units.a2a)
+    if k.shape[0] != expected:
+        raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected} for step {units.step}")
+    k_runs = sequence_segments(cu) if units.gathered else _unit_runs(cu, units.k_unit, units)
+    return plan_tiles(_unit_runs(cu, units.q_unit, units), k_runs, left, right)
+
+
+# the layout argument of packed calls: slots are per-document zigzag whatever the plan's layout, and
+# exchanges keep rank order
+PACKED_LAYOUT = "contiguous"
+
+
+class Packed(Kind):
+    name = "packed"
+    rank_order = True  # the per-document zigzag has no sequence order to restore
+
+    def attend(self, q, k, v, extra, units: Units, call: Call):
+        heads_view = q.dim() == 4
+        if heads_view:
+            q, k, v = thd(q), thd(k), thd(v)
+        out, lse = tiles_attn(q, k, v, unit_tiles(q, k, extra[0], units, *_window(call)), call.scale)
+        return (bhsd(out), bhsd(lse)) if heads_view else (out, lse)
+
+    def attend_backward(self, dout, q, k, v, out, lse, dlse, extra, units: Units, call: Call):
+        heads_view = q.dim() == 4
+        if heads_view:
+            dout, q, k, v, out, lse = (thd(t) for t in (dout, q, k, v, out, lse))
+            dlse = None if dlse is None else thd(dlse)
+        tiles = unit_tiles(q, k, extra[0], units, *_window(call))
+        grads = tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, call.scale)
+        return tuple(bhsd(g) for g in grads) if heads_view else grads
+
+    def agreed(self, call: Call) -> str:
+        return f"window={_window(call)} scale={call.scale!r}"
+
+    def start(self, q, k, v, extra, call: Call, world_size: int, enable_gqa: bool, what: str) -> None:
+        if world_size > 1:
+            torch.ops.cp.agree(q, k, v, call.group_name, f"{what} kind={self.name} {self.agreed(call)}")
+            torch.ops.cp.agree_cu_seqlens(extra[0], call.group_name)
+        self.check(q, k, v, call, world_size, enable_gqa)
+
+    def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
+        if q.dim() == 4:
+            q, k, v = thd(q), thd(k), thd(v)
+        check_packed_args(q, k, v, enable_gqa)
+
+    def gather(self, t, extra, call: Call, world_size: int) -> Tensor:
+        return torch.ops.cp.packed_sequence_order(gather_dim0(t, call.group_name, world_size), extra[0], world_size,
+                                                  False)
+
+    def scatter(self, t, extra, call: Call, world_size: int) -> Tensor:
+        in_rank_order = torch.ops.cp.packed_sequence_order(t, extra[0], world_size, True)
+        return reduce_scatter_dim0(in_rank_order, call.group_name, world_size)
+
+
+PACKED = register_kind(Packed())
+
+
+def window_of(window_size, is_causal: bool) -> tuple[int, int]:
+    """(left, right) as ``varlen_attn`` takes it; ``is_causal`` means right = 0."""
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be (left, right); got {window_size}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {window_size}")
+    if is_causal:
+        if right > 0:
+            raise ValueError(f"is_causal=True with window_size={tuple(window_size)}: a causal window has right = 0")
+        right = 0
+    return left, right

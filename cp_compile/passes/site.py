@@ -1,0 +1,140 @@
+"""What Stage 1 works with: an attention call found in a graph, the plan's options, one kind of call.
+
+``SiteKind``s (``sdpa_site``, ``flex_site``, ``varlen_site``) match, check and
+rewrite their op; ``insert_schedule`` is the rewrite they share: the chosen
+schedule's whole op, with the site kind's attention ``kind`` and settings.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..comm import resolve_group
+from ..schedules import whole_op
+
+
+class UnsupportedAttention(NotImplementedError):
+    """An attention call that CP cannot rewrite exactly."""
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """What the plan tells the passes: the same on every rank."""
+
+    group_name: str
+    layout: str
+    schedule: str = "auto"  # "auto" or a schedule name forced for every site
+    mesh_groups: tuple = ()  # (ring group, all-to-all group) of a 2-D plan, for the hybrid schedule
+    machine: Any = None  # passes.cost.Machine the cost model assumes; None: defaults for the device
+
+    @property
+    def mesh_sizes(self) -> tuple:
+        return tuple(resolve_group(g).size() for g in self.mesh_groups)
+
+
+@dataclass
+class AttentionSite:
+    """One attention call found in a graph."""
+
+    owner: fx.GraphModule  # the graph module whose graph holds the call (maybe a HOP body)
+    owner_path: str  # its path under the top-level module, "" for the top level
+    node: fx.Node
+    args: dict[str, Any]  # SDPA arguments by name
+    kind: str = "sdpa"
+    decision: dict = field(default_factory=dict)  # filled by the rewrite: schedule and why
+
+    @property
+    def query(self) -> fx.Node:
+        return self.args["query"]
+
+    def shape(self, name: str) -> Optional[tuple[int, ...]]:
+        """The argument's shape as ints (a dynamic dimension as its example value: what the cost model reads)."""
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        val = _example(self.args[name])
+        return tuple(int(optimization_hint(s)) for s in val.shape) if val is not None else None
+
+    def dtype(self) -> Optional[torch.dtype]:
+        val = _example(self.query)
+        return val.dtype if val is not None else None
+
+    @property
+    def source(self) -> str:
+        """The user's source line, from the frame Dynamo recorded: the innermost frame outside torch
+        itself (``varlen_attn`` and ``flex_attention`` are Python wrappers whose own lines say nothing)."""
+        trace = self.node.meta.get("stack_trace") or ""
+        lines = [ln.strip() for ln in trace.strip().splitlines()]
+        frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+        outside = [i for i in frames if not _in_torch(lines[i])]
+        for i in (outside or frames)[-1:]:
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i]}: {code}"
+        return f"{self.owner.__class__.__name__}.{self.node.name}"
+
+    @property
+    def location(self) -> str:
+        return "top-level graph" if self.owner_path == "" else f"inside {self.owner_path}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(frame_line: str) -> bool:
+    """Whether a 'File "...", line n, in f' line names a file of torch itself."""
+    return frame_line.startswith(f'File "{_TORCH_DIR}')
+
+
+def _example(node) -> Optional[torch.Tensor]:
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _graph_modules(gm: fx.GraphModule):
+    for path, module in gm.named_modules():
+        if isinstance(module, fx.GraphModule):
+            yield path, module
+
+
+def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int = 1) -> list[fx.Node]:
+    """Insert ``target(*args)`` (a tuple-valued CP op) before the site's node and
+    route the old node's users to its first output; returns [op, out0, ...]."""
+    graph = site.owner.graph
+    with graph.inserting_before(site.node):
+        op = graph.call_function(target, args)
+        outs = [graph.call_function(operator.getitem, (op, i)) for i in range(n_outputs_used)]
+    for new in [op] + outs:
+        new.meta["stack_trace"] = site.node.meta.get("stack_trace")
+    if "example_value" in site.node.meta and n_outputs_used == 1:
+        outs[0].meta["example_value"] = site.node.meta["example_value"]
+    return [op] + outs
+
+
+def insert_schedule(site: AttentionSite, options: CPOptions, schedule: str, q, k, v, extra: list, *, is_causal: bool,
+                    layout: str, scale: float, enable_gqa: bool, kind: str, kind_options: str) -> list[fx.Node]:
+    """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out, lse]."""
+    try:
+        target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
+    except ValueError as e:
+        raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
+    return replace_node(site, target, (q, k, v, list(extra), *groups, bool(is_causal), layout, float(scale),
+                                       bool(enable_gqa), kind, kind_options), n_outputs_used=2)
+
+
+@dataclass(frozen=True)
+class SiteKind:
+    """One kind of attention call: how to find it, check it and rewrite it."""
+
+    name: str
+    match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None
+    check: Callable[[AttentionSite], None]
+    rewrite: Callable[[AttentionSite, CPOptions], None]
+
+

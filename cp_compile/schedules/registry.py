@@ -1,0 +1,50 @@
+"""What the compiler passes need to know about each CP schedule, registered with it.
+
+A schedule is a pair of whole ops (forward, backward) that Stage 1 inserts and
+Stage 2 replaces by tracing the schedule's Python functions
+(``schedules.whole`` defines and registers both). The passes read here:
+
+- how a whole op's arguments map to the function that runs it step by step
+  (``Traceable``), for the expansion;
+- which forward ops' outputs must be saved for backward (never recomputed);
+- which per-step compute ops communication should overlap with (every
+  schedule's are ``cp::attend`` / ``cp::attend_backward``), and what the
+  schedule listing in ``explain`` calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._ops import OpOverload
+
+from ..kinds.base import listing_name
+
+EXPANSIONS: dict[OpOverload, Callable[[tuple], "Traceable"]] = {}
+FORWARD_OPS: set[OpOverload] = set()
+COMPUTE_OPS: set[OpOverload] = {torch.ops.cp.attend.default, torch.ops.cp.attend_backward.default}
+
+
+@dataclass(frozen=True)
+class Traceable:
+    """A whole-op call as a function of its tensor arguments."""
+
+    direction: str  # "forward" | "backward"
+    world_size: int
+    fn: Callable[..., Any]  # takes ``tensors`` positionally; returns the op's outputs
+    tensors: list  # the op's tensor arguments in ``fn``'s order (fx nodes, in a graph)
+
+
+def register_schedule(forward_op: OpOverload, expand_forward: Callable[[tuple], Traceable],
+                      backward_op: OpOverload, expand_backward: Callable[[tuple], Traceable]) -> None:
+    """Register a schedule's whole ops and their expansions."""
+    EXPANSIONS[forward_op] = expand_forward
+    EXPANSIONS[backward_op] = expand_backward
+    FORWARD_OPS.add(forward_op)
+
+
+def compute_name(node) -> str:
+    """The listing name of a compute node (a ``COMPUTE_OPS`` call)."""
+    return listing_name(node)

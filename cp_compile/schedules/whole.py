@@ -1,0 +1,284 @@
+"""A schedule as one differentiable op pair, defined once for every schedule and every kind.
+
+Two shapes of schedule exist:
+
+- sequence schedules (ring, all-gather): ``cp::<name>_attention(q, k, v, extra,
+  group_name, is_causal, layout, scale, enable_gqa, kind, options) -> (out, lse)``;
+  the forward keeps its inputs and results, the backward op takes
+  ``(dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout,
+  scale, kind, options)``;
+- head-sharding schedules (Ulysses, hybrid): the same arguments with one or
+  more group names, returning (out, lse) plus the head-sharded (q, k, v, out,
+  lse) that the backward keeps instead of the inputs; its backward op takes
+  ``(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *groups, is_causal, layout,
+  scale, kv_heads, kind, options)``, so only dout (and dlse) in and dq, dk, dv
+  out cross the all-to-all group.
+
+``kind`` names a ``kinds.Kind``; ``extra`` are the kind's tensors (mask
+buffers, ``cu_seqlens``) and ``options`` its settings. Each factory registers
+the ops, their fake implementations, the autograd and the compiler expansion.
+
+The whole ops are deliberately *not* registered side-effectful: they only
+appear in graphs that are the same on every rank, so a compiler that drops an
+unused one drops it everywhere, and AOTAutograd's partitioner copies
+side-effectful forward nodes into the backward graph (re-running the schedule).
+The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..comm import resolve_group
+from ..comm.exchange import replicate_kv_heads
+from ..kernels.block import dense_like, result_like
+from ..kinds.base import Call, kind_entry
+from .registry import Traceable, register_schedule
+
+_SETTINGS = "bool is_causal, str layout, float scale"
+_KIND = "str kind, str options"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The non-tensor arguments of one schedule call; the same on every rank."""
+
+    groups: tuple[str, ...]  # the schedule's group first (hybrid: flattened, ring, all-to-all)
+    is_causal: bool
+    layout: str
+    scale: float
+    kind: str
+    options: str
+
+    @property
+    def group_name(self) -> str:
+        return self.groups[0]
+
+    @property
+    def call(self) -> Call:
+        return Call(self.group_name, self.is_causal, self.layout, self.scale, self.options)
+
+    def attend_args(self, step: int, a2a_size: int) -> tuple:
+        """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""
+        return (self.kind, step, self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
+
+
+def world_size_of(group_name: str) -> int:
+    return resolve_group(group_name).size()
+
+
+def _distinct(tensors, inputs) -> tuple:
+    """Custom op outputs may alias neither inputs nor each other (at C=1 an exchange is the identity)."""
+    seen = {id(t) for t in inputs if t is not None}
+    out = []
+    for t in tensors:
+        out.append(t.clone(memory_format=torch.contiguous_format) if id(t) in seen else t.contiguous())
+        seen.add(id(out[-1]))
+    return tuple(out)
+
+
+def _op_pair(name: str, forward_impl: Callable, groups: str, outputs: str, backward_impl: Callable,
+             backward_tensors_and_groups: str, backward_extra: str):
+    """The custom ops ``cp::<name>_attention`` and ``cp::<name>_attention_backward``."""
+    forward_op = torch.library.custom_op(
+        f"cp::{name}_attention", forward_impl, mutates_args=(),
+        schema=f"(Tensor q, Tensor k, Tensor v, Tensor[] extra, {groups}, {_SETTINGS}, bool enable_gqa, {_KIND}) "
+               f"-> ({outputs})")
+    backward_op = torch.library.custom_op(
+        f"cp::{name}_attention_backward", backward_impl, mutates_args=(),
+        schema=f"({backward_tensors_and_groups}, {_SETTINGS}, {backward_extra}{_KIND}) -> (Tensor, Tensor, Tensor)")
+    return forward_op, backward_op
+
+
+def _register(name: str, expand_forward: Callable, expand_backward: Callable) -> None:
+    ops = torch.ops.cp
+    register_schedule(getattr(ops, f"{name}_attention").default, expand_forward,
+                      getattr(ops, f"{name}_attention_backward").default, expand_backward)
+
+
+def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Callable) -> Traceable:
+    """A backward whole op as a function of ``(*first, *extra[, dlse])``: a fixed arity for tracing
+    (dlse is there or not); ``run(*first, extra, dlse)`` runs the schedule's backward."""
+    n_first, n_extra = len(first), len(extra)
+
+    def fn(*tensors):
+        rest = tensors[n_first + n_extra:]
+        return run(*tensors[:n_first], list(tensors[n_first:n_first + n_extra]), rest[0] if rest else None)
+
+    return Traceable("backward", world_size, fn, [*first, *extra] + ([dlse] if dlse is not None else []))
+
+
+# ----------------------------------------------------------------------------
+# Sequence schedules: (out, lse); the backward keeps q, k, v, out, lse.
+# ----------------------------------------------------------------------------
+
+
+def sequence_schedule(name: str, forward: Callable, backward: Callable):
+    """Define ``cp::<name>_attention`` (+ ``_backward``) over the schedule's functions
+
+    ``forward(q, k, v, extra, setting, world_size, enable_gqa) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, dlse, extra, setting, world_size) -> (dq, dk, dv)``;
+    returns the forward op.
+    """
+
+    def forward_impl(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
+        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        out, lse = forward(q, k, v, list(extra), s, world_size_of(group_name), enable_gqa)
+        return out.contiguous(), lse.contiguous()
+
+    def backward_impl(dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options):
+        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        grads = backward(dout, q, k, v, out, lse, dlse, list(extra), s, world_size_of(group_name))
+        return tuple(g.contiguous() for g in grads)
+
+    forward_op, backward_op = _op_pair(
+        name, forward_impl, "str group_name", "Tensor, Tensor", backward_impl,
+        "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor[] extra, str group_name",
+        "")
+
+    @forward_op.register_fake
+    def _(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
+        kind_entry(kind)
+        return result_like(q, v)
+
+    @backward_op.register_fake
+    def _(dout, q, k, v, out, lse, dlse, extra, *options):
+        return dense_like(q), dense_like(k), dense_like(v)
+
+    def setup(ctx, inputs, output):
+        q, k, v, extra, group_name, is_causal, layout, scale, _, kind, options = inputs
+        ctx.save_for_backward(q, k, v, *output, *extra)
+        ctx.options = (group_name, is_causal, layout, scale, kind, options)
+        # an unused lse must arrive as None, not zeros: its gradient path is dense
+        ctx.set_materialize_grads(False)
+
+    def grad(ctx, dout, dlse):
+        q, k, v, out, lse, *extra = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *ctx.options)
+        return dq, dk, dv, [None] * len(extra), None, None, None, None, None, None, None
+
+    forward_op.register_autograd(grad, setup_context=setup)
+
+    def expand_forward(args) -> Traceable:
+        q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options = args
+        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        world_size = world_size_of(group_name)
+
+        def fn(q, k, v, *extra):
+            return forward(q, k, v, list(extra), s, world_size, enable_gqa)
+
+        return Traceable("forward", world_size, fn, [q, k, v, *extra])
+
+    def expand_backward(args) -> Traceable:
+        dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options = args
+        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        world_size = world_size_of(group_name)
+        return _backward_traceable(
+            world_size, [dout, q, k, v, out, lse], extra, dlse,
+            lambda dout, q, k, v, out, lse, extra, dlse: backward(dout, q, k, v, out, lse, dlse, extra, s, world_size))
+
+    _register(name, expand_forward, expand_backward)
+    return forward_op
+
+
+# ----------------------------------------------------------------------------
+# Head-sharding schedules: (out, lse, qh, kh, vh, out_h, lse_h); the backward keeps the last five.
+# ----------------------------------------------------------------------------
+
+
+def _head_sharded_like(t, world_size: int, heads=None):
+    heads = t.shape[1] if heads is None else heads
+    return t.new_empty(t.shape[0], heads // world_size, t.shape[2] * world_size, *t.shape[3:])
+
+
+def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forward: Callable, backward: Callable):
+    """Define ``cp::<name>_attention`` (+ ``_backward``) with the group arguments ``group_names``
+    (``groups[a2a_index]`` is the all-to-all group) over the schedule's functions
+
+    ``forward(q, k, v, extra, setting, enable_gqa) -> (out, lse, qh, kh, vh, out_h, lse_h)`` and
+    ``backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, setting, kv_heads) -> (dq, dk, dv)``;
+    returns the forward op.
+    """
+    n = len(group_names)
+    groups_schema = ", ".join(f"str {g}" for g in group_names)
+
+    def setting(groups, is_causal, layout, scale, kind, options) -> Setting:
+        return Setting(tuple(groups), is_causal, layout, scale, kind, options)
+
+    def forward_impl(q, k, v, extra, *rest):
+        groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
+        res = forward(q, k, v, list(extra), setting(groups, is_causal, layout, scale, kind, options), enable_gqa)
+        return _distinct(res, (q, k, v))
+
+    def backward_impl(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
+        groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
+        res = backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra),
+                       setting(groups, is_causal, layout, scale, kind, options), kv_heads)
+        return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
+
+    forward_op, backward_op = _op_pair(
+        name, forward_impl, groups_schema, ", ".join(["Tensor"] * 7), backward_impl,
+        f"Tensor dout, Tensor? dlse, Tensor qh, Tensor kh, Tensor vh, Tensor out_h, Tensor lse_h, Tensor[] extra, "
+        f"{groups_schema}", "int kv_heads, ")
+
+    @forward_op.register_fake
+    def _(q, k, v, extra, *rest):
+        kind_entry(rest[n + 4])
+        c = world_size_of(rest[a2a_index])
+        out, lse = result_like(q, v)
+        kv_heads = k.shape[1] * replicate_kv_heads(k.shape[1], q.shape[1], c)
+        return (out, lse, _head_sharded_like(q, c), _head_sharded_like(k, c, kv_heads),
+                _head_sharded_like(v, c, kv_heads), _head_sharded_like(out, c), _head_sharded_like(lse, c))
+
+    @backward_op.register_fake
+    def _(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
+        c, kv_heads = world_size_of(rest[a2a_index]), rest[n + 3]
+        b, s = dout.shape[0], dout.shape[2]
+        return (dout.new_empty(b, qh.shape[1] * c, s, qh.shape[-1]),
+                dout.new_empty(b, kv_heads, s, kh.shape[-1]), dout.new_empty(b, kv_heads, s, vh.shape[-1]))
+
+    def setup(ctx, inputs, output):
+        q, k, v, extra, *rest = inputs
+        ctx.save_for_backward(*output[2:], *extra)
+        ctx.n_extra, ctx.n_options = len(extra), len(rest)
+        groups, (is_causal, layout, scale, _, kind, options) = rest[:n], rest[n:]
+        ctx.a2a_group = groups[a2a_index]
+        ctx.args = (*groups, is_causal, layout, scale, k.shape[1], kind, options)
+        ctx.set_materialize_grads(False)
+
+    def grad(ctx, dout, dlse, *_unused):
+        qh, kh, vh, out_h, lse_h, *extra = ctx.saved_tensors
+        if dout is None:  # only lse is used: zeros of the sequence-sharded output's shape
+            c = world_size_of(ctx.a2a_group)
+            dout = out_h.new_zeros(out_h.shape[0], out_h.shape[1] * c, out_h.shape[2] // c, out_h.shape[3])
+        dq, dk, dv = backward_op(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *ctx.args)
+        return (dq, dk, dv, [None] * ctx.n_extra) + (None,) * ctx.n_options
+
+    forward_op.register_autograd(grad, setup_context=setup)
+
+    def expand_forward(args) -> Traceable:
+        q, k, v, extra, *rest = args
+        groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
+        s = setting(groups, is_causal, layout, scale, kind, options)
+
+        def fn(q, k, v, *extra):
+            return forward(q, k, v, list(extra), s, enable_gqa)
+
+        return Traceable("forward", world_size_of(groups[0]), fn, [q, k, v, *extra])
+
+    def expand_backward(args) -> Traceable:
+        dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest = args
+        groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
+        s = setting(groups, is_causal, layout, scale, kind, options)
+        return _backward_traceable(
+            world_size_of(groups[0]), [dout, qh, kh, vh, out_h, lse_h], extra, dlse,
+            lambda dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra,
+                                                                         s, kv_heads))
+
+    _register(name, expand_forward, expand_backward)
+    return forward_op
