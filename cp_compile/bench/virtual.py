@@ -45,9 +45,9 @@ from torch import Tensor
 
 from .. import layout
 from ..memory import PeakMemory
-from ..kernels.merge import acc_dtype, start_accumulator
+from ..comm import TAG_KV
 from ..kinds.sdpa import ring_section, section_attn, section_attn_backward
-from ..schedules.ring import _head_halves
+from ..schedules.ring import ring_pass_backward, ring_pass_forward
 from .builtin import _stub_our_kernels
 from .core import DTYPES, Problem
 
@@ -80,49 +80,49 @@ def _sections(world: int, rank: int, causal: bool) -> list[str]:
     return [ring_section(causal, "zigzag", rank, (rank - step) % world) for step in range(world)]
 
 
+class _VirtualHops:
+    """A virtual rank's ring without transfers: the K/V of the next step come from every rank's
+    blocks; the travelling dK/dV stay where they are (the same additions, no hop)."""
+
+    def __init__(self, kv: list[tuple[Tensor, Tensor]], rank: int):
+        self.kv, self.rank, self.step = kv, rank, 0
+
+    def first(self, tensors):
+        return list(tensors)
+
+    def shift(self, tensors, tag):
+        if tag != TAG_KV:
+            return tensors
+        self.step += 1
+        return list(self.kv[(self.rank - self.step) % len(self.kv)])
+
+    def wait(self, received, sent):
+        return received
+
+
 def rank_forward(q: Tensor, kv: list[tuple[Tensor, Tensor]], rank: int, causal: bool,
                  scale: float) -> tuple[Tensor, Tensor]:
-    """Virtual rank ``rank``'s ring forward: each step's section against the K/V that
-    arrives at that step, merged into the fp32 accumulator. Returns (out, lse)."""
-    world = len(kv)
-    acc = None
-    for i, section in enumerate(_sections(world, rank, causal)):
-        k, v = kv[(rank - i) % world]
-        part = section_attn(q, k, v, section, scale)
-        if acc is None:
-            acc = start_accumulator(*part)
-        else:
-            torch.ops.cp.merge_(acc[0], acc[1], *part, 0)
-        del part
-    return acc[0].to(q.dtype), acc[1]
+    """Virtual rank ``rank``'s ring forward (``schedules.ring.ring_pass_forward``): each step's
+    section against the K/V that arrives at that step, merged into the fp32 accumulator."""
+    sections = _sections(len(kv), rank, causal)
+    out, lse = ring_pass_forward(q, *kv[rank], lambda step, k, v: section_attn(q, k, v, sections[step], scale),
+                                 world_size=len(kv), hops=_VirtualHops(kv, rank))
+    return out.to(q.dtype), lse
 
 
 def rank_backward(do: Tensor, q: Tensor, kv: list[tuple[Tensor, Tensor]], out: Tensor, lse: Tensor, rank: int,
                   causal: bool, scale: float) -> tuple[Tensor, list[Tensor]]:
-    """Virtual rank ``rank``'s ring backward: steps after the first in head halves, dQ and the
-    travelling dK/dV accumulated in fp32. Returns dq and the last dK/dV accumulator (which, on
-    a real ring, holds other ranks' contributions too)."""
-    world = len(kv)
-    ops = torch.ops.cp
-    dt = acc_dtype(q.dtype)
-    group = q.shape[1] // kv[0][0].shape[1]
-    dq = dkv = None
-    for i, section in enumerate(_sections(world, rank, causal)):
-        k, v = kv[(rank - i) % world]
-        for heads in (_head_halves(k.shape[1]) if i > 0 else [None]):
-            qh = slice(None) if heads is None else slice(heads.start * group, heads.stop * group)
-            kh = slice(None) if heads is None else heads
-            grads = section_attn_backward(do[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], None,
-                                          section, scale)
-            start = 0 if heads is None else heads.start
-            if dq is None:
-                dq, dkv = grads[0].to(dt), [grads[1].to(dt), grads[2].to(dt)]
-            else:
-                ops.accumulate_(dq, grads[0], start * group)
-                ops.accumulate_(dkv[0], grads[1], start)
-                ops.accumulate_(dkv[1], grads[2], start)
-            del grads
-    return dq, dkv
+    """Virtual rank ``rank``'s ring backward (``schedules.ring.ring_pass_backward``): steps after
+    the first in head halves, dQ and the travelling dK/dV accumulated in fp32. Returns dq and the
+    last dK/dV accumulator (which, on a real ring, holds other ranks' contributions too)."""
+    sections = _sections(len(kv), rank, causal)
+
+    def attend_backward(step, k, v, do, q, out, lse, dlse):
+        return section_attn_backward(do, q, k, v, out, lse, dlse, sections[step], scale)
+
+    dq, dk, dv = ring_pass_backward(q, *kv[rank], attend_backward, world_size=len(kv), hops=_VirtualHops(kv, rank),
+                                    q_side=(do, q, out, lse, None), split_heads=True)
+    return dq, [dk, dv]
 
 
 def rank_step(q: Tensor, kv: list[tuple[Tensor, Tensor]], do: Tensor, rank: int, causal: bool,

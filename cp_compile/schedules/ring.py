@@ -30,27 +30,45 @@ from ..kinds.base import kind_entry
 from .whole import Setting, sequence_schedule, world_size_of
 
 
-def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, group_name: str, world_size: int):
+class RingHops:
+    """How a ring pass moves its blocks: ``cp::ring_shift`` to the next rank of ``group_name``,
+    completed by ``wait``. (``bench.virtual`` passes hops that move nothing, to time one rank's
+    compute in the ring's order.)"""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+
+    def first(self, tensors: list[Tensor]) -> list[Tensor]:
+        return first_hop_buffers(tensors)
+
+    def shift(self, tensors: list[Tensor], tag: int) -> list[Tensor]:
+        return torch.ops.cp.ring_shift(tensors, self.group_name, 1, tag)
+
+    def wait(self, received: list[Tensor], sent: list[Tensor]) -> list[Tensor]:
+        return wait(received, sent=sent)
+
+
+def ring_pass_forward(q: Tensor, k: Tensor, v: Tensor, attend, *, world_size: int, hops):
     """The ring's forward over any per-step compute (SDPA, packed, flex sections alike).
 
     ``attend(step, k_block, v_block)`` returns the step's partial (out, lse),
-    full-size for the local queries. Returns the fp32 (fp64) accumulator.
+    full-size for the local queries; ``hops`` moves the K/V (``RingHops``).
+    Returns the fp32 (fp64) accumulator.
     """
-    ops = torch.ops.cp
-    kv = first_hop_buffers([k, v]) if world_size > 1 else [k, v]
+    kv = hops.first([k, v]) if world_size > 1 else [k, v]
     acc = None
     for step in range(world_size):
         # next step's K/V is on the wire while this step computes
-        incoming = ops.ring_shift(kv, group_name, 1, TAG_KV) if step + 1 < world_size else None
+        incoming = hops.shift(kv, TAG_KV) if step + 1 < world_size else None
         part_out, part_lse = attend(step, kv[0], kv[1])
         if acc is None:
             acc = start_accumulator(part_out, part_lse)
         else:
-            ops.merge_(acc[0], acc[1], part_out, part_lse, 0)  # in place: one fp32 accumulator, no copies
+            torch.ops.cp.merge_(acc[0], acc[1], part_out, part_lse, 0)  # in place: one fp32 accumulator
         # let the partial go now, not when the next step's result replaces it
         del part_out, part_lse
         if incoming is not None:
-            kv = wait(incoming, sent=kv)
+            kv = hops.wait(incoming, sent=kv)
     return acc
 
 
@@ -69,8 +87,8 @@ def _narrow_heads(heads: Optional[slice], tensors) -> list[Optional[Tensor]]:
 
 
 def ring_pass_backward(
-    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, group_name: str, world_size: int,
-    q_side: tuple = (), split_heads: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, world_size: int, hops, q_side: tuple = (),
+    split_heads: bool = False,
 ):
     """The ring's backward over any per-step gradient compute.
 
@@ -92,7 +110,7 @@ def ring_pass_backward(
     ops = torch.ops.cp
     dt = acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
-    kv = first_hop_buffers([k, v]) if world_size > 1 else [k, v]
+    kv = hops.first([k, v]) if world_size > 1 else [k, v]
     dq = dkv = dkv_incoming = kv_incoming = None
     dkv_sent: list[Tensor] = []
 
@@ -112,19 +130,19 @@ def ring_pass_backward(
         parts = _head_halves(k.shape[1]) if split_heads and dkv_incoming is not None else [None]
         for n, heads in enumerate(parts):
             if n == len(parts) - 1 and step + 1 < world_size:
-                kv_incoming = ops.ring_shift(kv, group_name, 1, TAG_KV)
+                kv_incoming = hops.shift(kv, TAG_KV)
             q_heads = None if heads is None else slice(heads.start * group, heads.stop * group)
             grads = attend_backward(step, *_narrow_heads(heads, kv), *_narrow_heads(q_heads, q_side))
             if dkv_incoming is not None:
-                dkv = wait(dkv_incoming, sent=dkv_sent)  # ours now: never add into tensors in flight
+                dkv = hops.wait(dkv_incoming, sent=dkv_sent)  # ours now: never add into tensors in flight
                 dkv_incoming, dkv_sent = None, []
             add(heads, *grads)
             del grads  # free this part's partials before the next part runs
         if world_size > 1:
-            dkv_incoming, dkv_sent, dkv = ops.ring_shift(dkv, group_name, 1, TAG_DKV), dkv, None
+            dkv_incoming, dkv_sent, dkv = hops.shift(dkv, TAG_DKV), dkv, None
         if kv_incoming is not None:
-            kv, kv_incoming = wait(kv_incoming, sent=kv), None
-    dk, dv = wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
+            kv, kv_incoming = hops.wait(kv_incoming, sent=kv), None
+    dk, dv = hops.wait(dkv_incoming, sent=dkv_sent) if world_size > 1 else dkv
     return dq, dk, dv
 
 
@@ -137,7 +155,7 @@ def ring_over_units(q: Tensor, k: Tensor, v: Tensor, extra: list, s: Setting, ri
         out, lse = torch.ops.cp.attend(q, k_block, v_block, extra, *s.attend_args(step, a2a_size))
         return (out.unsqueeze(0), lse.unsqueeze(0)) if packed else (out, lse)
 
-    out, lse = ring_pass_forward(q, k, v, attend, group_name=ring_group, world_size=world_size_of(ring_group))
+    out, lse = ring_pass_forward(q, k, v, attend, world_size=world_size_of(ring_group), hops=RingHops(ring_group))
     if packed:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return out.to(q.dtype), lse
@@ -150,8 +168,8 @@ def ring_over_units_backward(dout, q, k, v, out, lse, dlse, extra: list, s: Sett
         return torch.ops.cp.attend_backward(dout, q, k_block, v_block, out, lse, dlse, extra,
                                             *s.attend_args(step, a2a_size))
 
-    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, group_name=ring_group,
-                                    world_size=world_size_of(ring_group), q_side=(dout, q, out, lse, dlse),
+    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, world_size=world_size_of(ring_group),
+                                    hops=RingHops(ring_group), q_side=(dout, q, out, lse, dlse),
                                     split_heads=kind_entry(s.kind).split_heads)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
