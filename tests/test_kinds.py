@@ -9,7 +9,6 @@ replicated where they do not (C = 3). The hybrid meshes are (1, 1), (1, 2),
 """
 
 import pytest
-import torch
 
 from helpers import make_qkv, max_err, sdpa_with_grads
 from test_flex import mask_case

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 from typing import Any, Optional
 
 import torch
