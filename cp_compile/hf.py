@@ -98,9 +98,9 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[T
             raise UnsupportedAttention("cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over "
                                        "the same documents")
         return cu
-    if plan._documents is None:
+    cu, local = plan.documents, plan.document_slots
+    if cu is None:
         return None
-    cu, local = plan._documents
     if query.shape[2] != local:
         raise ValueError(
             f"the plan's documents (from its latest positions(cu_seqlens=...) call) give {local} slots per rank, "

@@ -103,6 +103,12 @@ class ContextParallel:
         ``positions(seq_len)``: what the batch being run is, for integrations that get only positions."""
         return None if self._documents is None else self._documents[0]
 
+    @property
+    def document_slots(self) -> Optional[int]:
+        """Slots per rank of ``documents`` (None without), counted when ``positions`` recorded them:
+        reading it in traced code needs no ``tolist()`` of the tensor."""
+        return None if self._documents is None else self._documents[1]
+
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
 
