@@ -56,5 +56,8 @@ def gather_sequence(t: Tensor, group_name: str, world_size: int, layout: str) ->
 
 def scatter_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
     """Inverse of ``gather_sequence`` for gradients: sum over ranks, keep this rank's shard."""
-    gathered = _permute_chunks(t, _inverse(_sequence_order(world_size, layout)), 2)
-    return reduce_scatter_dim0(gathered.movedim(2, 0), group_name, world_size).movedim(0, 2)
+    if world_size == 1:
+        return t
+    # reordered along the sequence as dim 0: the cat is the one full-size copy the collective needs
+    in_rank_order = _permute_chunks(t.movedim(2, 0), _inverse(_sequence_order(world_size, layout)), 0)
+    return reduce_scatter_dim0(in_rank_order, group_name, world_size).movedim(0, 2)

@@ -185,15 +185,22 @@ def attend_backward(
     extra: list[Tensor], kind: str, step: int, group_name: str, a2a_size: int, is_causal: bool, layout: str,
     scale: float, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one ``cp::attend`` tile, each its exact share given the final out and lse."""
+    """(dq, dk, dv) of one ``cp::attend`` tile, each its exact share given the final out and lse.
+
+    At ``WHOLE`` (Ulysses) they leave in the inputs' dtype: the exchange back then moves no more
+    bytes than the forward's, and no accumulator-dtype copy outlives the op."""
     call = Call(group_name, is_causal, layout, scale, options)
     grads = kind_entry(kind).attend_backward(dout, q, k, v, out, lse, dlse, list(extra),
                                              units_at(group_name, a2a_size, step), call)
+    if step == WHOLE:
+        return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
     return tuple(g.contiguous() for g in grads)
 
 
 @attend_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, extra, kind, step, group_name, a2a_size, is_causal, layout, scale, options):
+    if step == WHOLE:
+        return dense_like(q), dense_like(k), dense_like(v)
     return kind_entry(kind).grads_like(q, k, v, step)
 
 
@@ -205,6 +212,3 @@ def listing_name(node) -> str:
     name += "_backward" if backward else ""
     return name if step < 0 else f"{name} step={step}"
 
-
-def dense_grads_like(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    return dense_like(q), dense_like(k), dense_like(v)

@@ -45,7 +45,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..schedules import SCHEDULES  # noqa: E402  (ties go to the earlier name)
+from ..schedules import SCHEDULES  # ties go to the earlier name
 
 
 # ----------------------------------------------------------------------------

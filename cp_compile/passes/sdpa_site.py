@@ -63,9 +63,9 @@ def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
     schedule, why = choose_schedule(site, options)
-    _, out, _ = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"], [],
-                                is_causal=bool(args["is_causal"]), layout=options.layout, scale=scale,
-                                enable_gqa=bool(args["enable_gqa"]), kind="sdpa", kind_options="")
+    _, out = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"], [],
+                             is_causal=bool(args["is_causal"]), layout=options.layout, scale=scale,
+                             enable_gqa=bool(args["enable_gqa"]), kind="sdpa", kind_options="", outputs_used=1)
     site.node.replace_all_uses_with(out)
     site.owner.graph.erase_node(site.node)
     site.decision.update({  # keeps the cost model's estimates

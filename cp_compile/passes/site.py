@@ -118,14 +118,15 @@ def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int =
 
 
 def insert_schedule(site: AttentionSite, options: CPOptions, schedule: str, q, k, v, extra: list, *, is_causal: bool,
-                    layout: str, scale: float, enable_gqa: bool, kind: str, kind_options: str) -> list[fx.Node]:
-    """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out, lse]."""
+                    layout: str, scale: float, enable_gqa: bool, kind: str, kind_options: str,
+                    outputs_used: int = 2) -> list[fx.Node]:
+    """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out(, lse)]."""
     try:
         target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
     except ValueError as e:
         raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
     return replace_node(site, target, (q, k, v, list(extra), *groups, bool(is_causal), layout, float(scale),
-                                       bool(enable_gqa), kind, kind_options), n_outputs_used=2)
+                                       bool(enable_gqa), kind, kind_options), n_outputs_used=outputs_used)
 
 
 @dataclass(frozen=True)

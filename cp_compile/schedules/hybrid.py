@@ -34,7 +34,7 @@ from torch import Tensor
 from ..comm.exchange import check_heads
 from ..kinds.base import kind_entry
 from .ring import ring_over_units, ring_over_units_backward
-from .ulysses import exchange_backward, exchange_forward, in_dtypes_of
+from .ulysses import exchange_backward, exchange_forward
 from .whole import Setting, heads_schedule, world_size_of
 
 
@@ -54,9 +54,8 @@ def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Settin
     _, ring_group, a2a_group = s.groups
     a2a = world_size_of(a2a_group)
 
-    def attend_backward(dout_h, dlse_h):
-        grads = ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, s, ring_group, a2a)
-        return in_dtypes_of(grads, (qh, kh, vh))
+    def attend_backward(dout_h, dlse_h):  # in the inputs' dtype, as the ring's backward returns them
+        return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, s, ring_group, a2a)
 
     return exchange_backward(dout, dlse, a2a_group, a2a, kind_entry(s.kind).exchange_layout(s.layout), kv_heads,
                              attend_backward)

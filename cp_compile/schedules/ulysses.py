@@ -72,10 +72,6 @@ def exchange_backward(dout: Tensor, dlse: Optional[Tensor], group_name: str, wor
     return dq, dk, dv
 
 
-def in_dtypes_of(grads, tensors) -> tuple:
-    return tuple(g.to(t.dtype) for g, t in zip(grads, tensors))
-
-
 def ulysses_forward(q, k, v, extra: list, s: Setting, enable_gqa: bool) -> tuple[Tensor, ...]:
     """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs."""
     kind, world_size = kind_entry(s.kind), world_size_of(s.group_name)
@@ -92,9 +88,8 @@ def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Setti
     world_size = world_size_of(s.group_name)
 
     def attend_backward(dout_h, dlse_h):
-        grads = torch.ops.cp.attend_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra,
-                                             *s.attend_args(WHOLE, world_size))
-        return in_dtypes_of(grads, (qh, kh, vh))
+        return torch.ops.cp.attend_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra,
+                                            *s.attend_args(WHOLE, world_size))
 
     return exchange_backward(dout, dlse, s.group_name, world_size, kind_entry(s.kind).exchange_layout(s.layout),
                              kv_heads, attend_backward)
