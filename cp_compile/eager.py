@@ -16,7 +16,7 @@ from torch import Tensor
 from .comm import group_name_of, is_2d_mesh, mesh_groups, resolve_group
 from .kinds.flex import eager_mods, flex_options
 from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
-from .schedules import HEAD_SCHEDULES, SCHEDULES, whole_op
+from .schedules import HEAD_SCHEDULES, whole_op
 
 
 def _groups(group, schedule: str) -> tuple[str, tuple]:
@@ -37,51 +37,62 @@ def _scale(q: Tensor, scale: Optional[float]) -> float:
 def run_schedule(schedule: str, q: Tensor, k: Tensor, v: Tensor, extra: list, group, is_causal: bool, layout: str,
                  scale: float, enable_gqa: bool, kind: str, options: str) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
     op, groups = whole_op(schedule, *_groups(group, schedule))
     res = op(q, k, v, list(extra), *groups, bool(is_causal), layout, scale, bool(enable_gqa), kind, options)
     return res[0], res[1]
 
 
-def _dense(schedule: str):
-    def attention(q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False,
-                  scale: Optional[float] = None, enable_gqa: bool = False, layout: str = "zigzag",
-                  dropout_p: float = 0.0) -> Tensor:
-        if dropout_p:
-            raise NotImplementedError(
-                f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
-                "use dropout_p=0.0"
-            )
-        return run_schedule(schedule, q, k, v, [], group, is_causal, layout, _scale(q, scale), enable_gqa, "sdpa",
-                            "")[0]
+def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout) -> Tensor:
+    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, _scale(q, scale), enable_gqa, "sdpa", "")[0]
 
-    attention.__name__ = attention.__qualname__ = f"{schedule}_attention"
-    attention.__doc__ = f"""{_DENSE_DOCS[schedule]}
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
+    enable_gqa: bool = False, layout: str = "zigzag", dropout_p: float = 0.0,
+) -> Tensor:
+    """Ring attention over a sequence sharded across ``group``.
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards, laid out as
-    ``layout`` says (``ContextParallel.shard`` produces them); ``group`` a
-    process group, a 1-D DeviceMesh, a group name or None (the default group){_DENSE_GROUP[schedule]}.
-    ``is_causal`` means causal over the whole global sequence. Differentiable.
+    ``layout`` says (``ContextParallel.shard`` produces them). ``is_causal``
+    means causal over the whole global sequence. Differentiable.
     """
-    return attention
+    if dropout_p:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
+            "use dropout_p=0.0"
+        )
+    return _dense("ring", q, k, v, group, is_causal, scale, enable_gqa, layout)
 
 
-_DENSE_DOCS = {
-    "ring": "Ring attention over a sequence sharded across ``group``.",
-    "allgather": "All-gather attention over a sequence sharded across ``group``.",
-    "ulysses": "All-to-all (Ulysses) attention over a sequence sharded across ``group``; query heads must divide "
-               "by its size.",
-    "hybrid": "Hybrid attention: all-to-all inside each group of a 2-D ``(ring, a2a)`` DeviceMesh, ring across "
-              "them; query heads must divide by the all-to-all size.",
-}
-_DENSE_GROUP = {s: "" for s in SCHEDULES} | {
-    "hybrid": "; for the hybrid, a 2-D ``(ring, a2a)`` DeviceMesh or its (flattened, ring, a2a) group names"}
+def allgather_attention(
+    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
+    enable_gqa: bool = False, layout: str = "zigzag",
+) -> Tensor:
+    """All-gather CP attention over ``[B, H, S_local, D]`` shards (see ``ring_attention``). Differentiable."""
+    return _dense("allgather", q, k, v, group, is_causal, scale, enable_gqa, layout)
 
-ring_attention = _dense("ring")
-allgather_attention = _dense("allgather")
-ulysses_attention = _dense("ulysses")
-hybrid_attention = _dense("hybrid")
+
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
+    enable_gqa: bool = False, layout: str = "zigzag",
+) -> Tensor:
+    """All-to-all (Ulysses) attention over a sequence sharded across ``group``.
+
+    Same contract as ``ring_attention``. Query heads must divide by the group size. Differentiable.
+    """
+    return _dense("ulysses", q, k, v, group, is_causal, scale, enable_gqa, layout)
+
+
+def hybrid_attention(
+    q: Tensor, k: Tensor, v: Tensor, mesh, is_causal: bool = False, scale: Optional[float] = None,
+    enable_gqa: bool = False, layout: str = "zigzag",
+) -> Tensor:
+    """Hybrid attention over a 2-D ``(ring, a2a)`` DeviceMesh (or its (flattened, ring, a2a) group names);
+    shards as ``ContextParallel(mesh).shard`` makes them.
+
+    Query heads must divide by the all-to-all group size. Differentiable.
+    """
+    return _dense("hybrid", q, k, v, mesh, is_causal, scale, enable_gqa, layout)
 
 
 def flex_attention(

@@ -174,11 +174,8 @@ class Packed(Kind):
     def agreed(self, call: Call) -> str:
         return f"window={_window(call)} scale={call.scale!r}"
 
-    def start(self, q, k, v, extra, call: Call, world_size: int, enable_gqa: bool, what: str) -> None:
-        if world_size > 1:
-            torch.ops.cp.agree(q, k, v, call.group_name, f"{what} kind={self.name} {self.agreed(call)}")
-            torch.ops.cp.agree_cu_seqlens(extra[0], call.group_name)
-        self.check(q, k, v, call, world_size, enable_gqa)
+    def agree_extra(self, extra, group_name: str) -> None:
+        torch.ops.cp.agree_cu_seqlens(extra[0], group_name)
 
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
         if q.dim() == 4:

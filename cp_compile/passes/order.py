@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
-from ..schedules.registry import COMPUTE_OPS, compute_name
+from ..kinds.base import listing_name
+from ..schedules.registry import COMPUTE_OPS
 
 cp = torch.ops.cp
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -100,7 +101,7 @@ def schedule_listing(graph: fx.Graph) -> list[str]:
     listing = []
     for node in map(_unwrapped, graph.nodes):
         if node.target in COMPUTE_OPS:
-            listing.append(compute_name(node))
+            listing.append(listing_name(node))
         elif node.target in _COMM_NAMES:
             listing.append(_COMM_NAMES[node.target])
     return listing

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 
-from ..kinds.packed import PACKED_LAYOUT, packed_options, window_of
+from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .masked import choose_schedule
 from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, insert_schedule
@@ -82,15 +82,13 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: the packed tensors as [1, H, T, D] views
     if heads:
         with graph.inserting_before(site.node):
-            qkv = [graph.call_function(torch.unsqueeze, (graph.call_function(torch.transpose, (t, 0, 1)), 0))
-                   for t in qkv]
+            qkv = [graph.call_function(bhsd, (t,)) for t in qkv]
     _, out, lse = insert_schedule(site, options, schedule, *qkv, [args["cu_seq_q"]], is_causal=False,
                                   layout=PACKED_LAYOUT, scale=scale, enable_gqa=bool(args["enable_gqa"]),
                                   kind="packed", kind_options=packed_options(left, right))
     if heads:
         with graph.inserting_before(site.node):
-            out, lse = (graph.call_function(torch.transpose, (graph.call_function(torch.squeeze, (t, 0)), 0, 1))
-                        for t in (out, lse))
+            out, lse = (graph.call_function(thd, (t,)) for t in (out, lse))
     for user in list(site.node.users):
         if not user.users:
             pass

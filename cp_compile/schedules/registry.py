@@ -8,8 +8,8 @@ Stage 2 replaces by tracing the schedule's Python functions
   (``Traceable``), for the expansion;
 - which forward ops' outputs must be saved for backward (never recomputed);
 - which per-step compute ops communication should overlap with (every
-  schedule's are ``cp::attend`` / ``cp::attend_backward``), and what the
-  schedule listing in ``explain`` calls them.
+  schedule's are ``cp::attend`` / ``cp::attend_backward``; the listing in
+  ``explain`` names them with ``kinds.base.listing_name``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 import torch
 from torch._ops import OpOverload
-
-from ..kinds.base import listing_name
 
 EXPANSIONS: dict[OpOverload, Callable[[tuple], "Traceable"]] = {}
 FORWARD_OPS: set[OpOverload] = set()
@@ -44,7 +42,3 @@ def register_schedule(forward_op: OpOverload, expand_forward: Callable[[tuple], 
     EXPANSIONS[backward_op] = expand_backward
     FORWARD_OPS.add(forward_op)
 
-
-def compute_name(node) -> str:
-    """The listing name of a compute node (a ``COMPUTE_OPS`` call)."""
-    return listing_name(node)
