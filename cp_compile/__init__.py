@@ -10,11 +10,12 @@ from .inspect import explain
 from .kinds.flex import count_blocks
 from .passes.cost import Machine
 from .passes.rewrite import UnsupportedAttention
+from .passes.unrewritten import LocalAttentionError
 from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy
 
 __all__ = [
-    "ContextParallel", "Machine", "UnsupportedAttention", "active_plan", "allgather_attention", "calibrate", "count_blocks",
+    "ContextParallel", "LocalAttentionError", "Machine", "UnsupportedAttention", "active_plan", "allgather_attention", "calibrate", "count_blocks",
     "count_traffic", "explain", "flex_attention", "hybrid_attention", "ring_attention", "sac_context", "sac_policy",
     "ulysses_attention", "varlen_attention",
 ]

@@ -134,7 +134,13 @@ class CPBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         record = CompileRecord()
+        compiled = self._compile(gm, example_inputs, record)
+        # kept once the compile returned: Dynamo may abandon an attempt midway (it raises inside the
+        # inner compiler to restart its analysis, e.g. to specialise a float) and compile the frame again
         self.records.append(record)
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, example_inputs, record: CompileRecord) -> Callable:
         record.sites = rewrite_attention(gm, self.options)
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx

@@ -98,10 +98,13 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[T
             raise UnsupportedAttention("cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over "
                                        "the same documents")
         return cu
-    cu, local = plan.documents, plan.document_slots
+    cu = plan.documents
     if cu is None:
         return None
-    if query.shape[2] != local:
+    # Compiled, the slot count is left unread: comparing the traced length with a Python int would
+    # specialise the graph to this batch's length. The packed kind checks it at run time instead.
+    if not _compiling() and query.shape[2] != plan.document_slots:
+        local = plan.document_slots
         raise ValueError(
             f"the plan's documents (from its latest positions(cu_seqlens=...) call) give {local} slots per rank, "
             f"but the model got {query.shape[2]} tokens; call plan.positions(seq_len) for one sequence per row, "
@@ -167,7 +170,8 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     if _compiling():  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)
         from torch.nn.attention.varlen import varlen_attn
 
-        max_len = kwargs.get("max_length_q") or local * plan.world_size
+        # max_length_q is a kernel hint the CP ops do not need; reading it would guard on its value
+        max_len = local * plan.world_size
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size,
                           enable_gqa=gqa)
     else:

@@ -13,7 +13,7 @@ from . import layout as _layout
 from .comm import group_name_of, mesh_groups
 from .torch_compat import resolve_process_group
 
-_ACTIVE: list = []  # the plans entered with ``with plan:``, innermost last
+_ACTIVE: list = []  # (plan, its guard) for each ``with plan:`` entered, innermost last
 
 
 def active_plan() -> Optional["ContextParallel"]:
@@ -23,7 +23,18 @@ def active_plan() -> Optional["ContextParallel"]:
     read it to know that the model runs under CP; under ``torch.compile`` it is read
     while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
     """
-    return _ACTIVE[-1] if _ACTIVE else None
+    return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def _dynamic(x: Tensor, dim: int) -> Tensor:
+    """Marks ``dim`` of a per-batch tensor as dynamic for ``torch.compile``.
+
+    Packed batches change their slot count and document count on almost every step; marked up
+    front, the first compiled graph already serves every later split (otherwise Dynamo compiles
+    the first shape, then a dynamic graph for each size that changes later, one at a time).
+    """
+    torch._dynamo.maybe_mark_dynamic(x, dim)
+    return x
 
 
 class ContextParallel:
@@ -87,14 +98,24 @@ class ContextParallel:
 
     def __enter__(self) -> "ContextParallel":
         """``with plan:`` makes this the active plan (``cp_compile.active_plan()``), e.g. for a
-        Hugging Face model using ``attn_implementation="cp_compile"`` (``cp_compile.hf``)."""
-        _ACTIVE.append(self)
+        Hugging Face model using ``attn_implementation="cp_compile"`` (``cp_compile.hf``).
+
+        It also arms ``cp_compile.guard``: inside, plain attention that ``plan.backend()`` did
+        not rewrite raises ``LocalAttentionError`` instead of attending to the local shard alone
+        (run eagerly, or compiled by another backend). Compile and run models inside it.
+        """
+        from .guard import LocalAttentionGuard
+
+        guard = LocalAttentionGuard()
+        guard.__enter__()
+        _ACTIVE.append((self, guard))
         return self
 
     def __exit__(self, *exc) -> None:
         for i in range(len(_ACTIVE) - 1, -1, -1):  # the innermost entry of this plan
-            if _ACTIVE[i] is self:
-                del _ACTIVE[i]
+            if _ACTIVE[i][0] is self:
+                _, guard = _ACTIVE.pop(i)
+                guard.__exit__(*exc)
                 break
 
     @property
@@ -117,9 +138,8 @@ class ContextParallel:
 
         With ``cu_seqlens`` (packed documents), every document is split into 2C
         chunks on its own and this rank gets chunks r and 2C-1-r of each, padding
-        slots zero (``layout.packed_slots``). The documents are also recorded for
-        compiled ``varlen_attn`` sites of this local length, whose ``schedule="auto"``
-        choice is costed from them (``passes.masked``).
+        slots zero (``layout.packed_slots``). The slot dimension is marked dynamic
+        for ``torch.compile``: packed batches change it on almost every step.
 
         A FlexAttention ``BlockMask`` built for the global sequence gives this
         rank's BlockMask: valid for the local q/k, meaning the global mask.
@@ -139,11 +159,9 @@ class ContextParallel:
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         if cu_seqlens is not None:
-            from .passes.masked import remember_cu_seqlens
-
-            local = _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size)
-            remember_cu_seqlens(cu_seqlens, self.world_size)  # what a compiled varlen site is costed from
-            return local
+            if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
+                _dynamic(cu_seqlens, 0)
+            return _dynamic(_layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size), seq_dim)
         if self.balanced is not None:
             return x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
         return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
@@ -168,8 +186,8 @@ class ContextParallel:
         model is given only ``position_ids``."""
         if cu_seqlens is not None:
             cu = torch.tensor(_layout.check_cu_seqlens(cu_seqlens), dtype=torch.int32)
-            self._documents = (cu, _layout.packed_local_len(cu, self.world_size))
-            return _layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device)
+            self._documents = (_dynamic(cu, 0), _layout.packed_local_len(cu, self.world_size))
+            return _dynamic(_layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         self._documents = None

@@ -72,6 +72,14 @@ def batch(step: int, dp_index: int, seq: int, vocab: int):
     return tokens[:, :-1], tokens[:, 1:], positions, create_varlen_metadata_for_document(positions)
 
 
+def cp_varlen_metadata(varlen_meta, seq: int, device):
+    """torchtitan's VarlenMetadata as the CP blocks take it: the global documents, and max_q/max_k as
+    the token budget. The maxima are kernel hints CP does not read, but a compiled block guards on the
+    ints it is given: the batch's own maxima would compile the blocks again whenever they change."""
+    cu = varlen_meta.cu_seq_q.to(device)
+    return varlen_meta._replace(cu_seq_q=cu, cu_seq_k=cu, max_q=seq, max_k=seq)
+
+
 def summed_loss(logits, labels, n_tokens):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                            ignore_index=-100) / n_tokens
@@ -127,18 +135,17 @@ def cp_rank(args) -> dict:
         local_inputs = plan.shard(inputs[0], 0, cu_seqlens=cu).unsqueeze(0).to(device)
         local_labels = plan.shard(labels[0], 0, cu_seqlens=cu).masked_fill(~real, -100).unsqueeze(0).to(device)
         local_positions = plan.positions(cu_seqlens=cu).unsqueeze(0).to(device)
-        varlen_meta = varlen_meta._replace(cu_seq_q=cu.to(device), cu_seq_k=cu.to(device))
+        varlen_meta = cp_varlen_metadata(varlen_meta, args.seq, device)
         dist.barrier()
         start = time.perf_counter()
-        with PeakMemory(device) as mem:
+        with PeakMemory(device) as mem, plan:
             loss = summed_loss(model(local_inputs, local_positions, varlen_meta), local_labels, n_tokens)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             sync(device)
         times.append(time.perf_counter() - start)
-        # a new document split changes the local length and max_q: the first such steps compile the
-        # blocks again (with dynamic sizes), after which the graphs are reused
+        # the first new slot count compiles the blocks again, with dynamic sizes; then nothing compiles
         compiled.append(len(backend.records) > graphs)
         if not compiled[-1]:
             peak = max(peak, mem.peak_bytes)

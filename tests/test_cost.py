@@ -181,19 +181,17 @@ def test_uniform_tiles_cost_like_the_sdpa_model():
 
 
 def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
+    """Eager calls are costed from their documents; a compiled site, whose documents are a run-time input,
+    from what holds for every split (one document over the whole sequence), and the reason says so."""
     from cp_compile.passes import masked
 
-    masked._CU_SEQLENS.clear()
-    guess = masked.packed_facts(None, 64, 4, (8, 0))
-    assert "no cu_seqlens recorded" in guess.source and "one document of 256 tokens" in guess.source
-    assert guess.tiles == masked.packed_tiles([0, 256], 4, 8, 0)
     cu = [0, 100, 130, 256]
-    masked.remember_cu_seqlens(torch.tensor(cu, dtype=torch.int32), 4)
     local = cp_compile.layout.packed_local_len(cu, 4)
-    recorded = masked.packed_facts(None, local, 4, (8, 0))
-    assert "recorded by plan.shard" in recorded.source and recorded.tiles == masked.packed_tiles(cu, 4, 8, 0)
-    assert masked.packed_facts(None, local, 2, (8, 0)).source.startswith("window (8, 0); no cu_seqlens")  # other C
-    masked._CU_SEQLENS.clear()
+    given = masked.packed_facts(torch.tensor(cu, dtype=torch.int32), local, 4, (8, 0))
+    assert "over 3 documents (cu_seqlens)" in given.source and given.tiles == masked.packed_tiles(cu, 4, 8, 0)
+    compiled = masked.packed_facts(None, 64, 4, (8, 0))
+    assert "run-time input" in compiled.source and "one document of 256 tokens" in compiled.source
+    assert compiled.tiles == masked.packed_tiles([0, 256], 4, 8, 0)
 
 
 def capture_sites(fn, args, plan):
@@ -205,9 +203,12 @@ def capture_sites(fn, args, plan):
     sites = []
 
     def backend(gm, example_inputs):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
         outputs = [n.meta["example_value"] for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
         sites.extend(rewrite_attention(gm, options))
-        return lambda *a: tuple(torch.zeros(o.shape, dtype=o.dtype) for o in outputs)
+        shapes = [[int(optimization_hint(d)) for d in o.shape] for o in outputs]  # packed sizes are dynamic
+        return lambda *a: tuple(torch.zeros(shape, dtype=o.dtype) for shape, o in zip(shapes, outputs))
 
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
@@ -226,7 +227,7 @@ def test_explain_shows_masked_estimates(fake_group):
     plan = cp_compile.ContextParallel()
     cu = torch.tensor([0, 40, 41, 200, 256], dtype=torch.int32)
     q, k = torch.randn(256, 8, 16), torch.randn(256, 2, 16)
-    local = [plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, k)]  # records cu for the compiled site
+    local = [plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, k)]
 
     def packed(q, k, v, cu):
         return varlen_attn(q, k, v, cu, cu, 159, 159, window_size=(16, 0), enable_gqa=True)
@@ -234,7 +235,7 @@ def test_explain_shows_masked_estimates(fake_group):
     (site,) = capture_sites(packed, [*local, cu], plan)
     text = str(site_report(site, c))
     assert f"over C={c} (auto:" in text
-    assert "window (16, 0) over 4 documents (cu_seqlens recorded by plan.shard)" in text
+    assert "window (16, 0); the documents are a run-time input (one graph for every split)" in text
     assert "candidates (cpu (default)" in text
     for row in ("ring  ", "allgather", "ulysses", "hybrid    not possible"):
         assert row in text

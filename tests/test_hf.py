@@ -116,7 +116,7 @@ def hf_parity(arch: str, runs: list):
             "grads": grad_err,
         })
     sites = [(s.kind, s.decision.get("window")) for b in backends for r in b.records for s in r.sites]
-    return results, sum(counters["graph_break"].values()), sites
+    return results, sum(counters["graph_break"].values()), sites, [len(b.records) for b in backends]
 
 
 EAGER = [("eager", None, False), ("eager", LENGTHS, False)]
@@ -129,7 +129,7 @@ INDUCTOR = [("inductor", None, False), ("inductor", LENGTHS, False)]
     ("llama", 2, EAGER + COMPILED + INDUCTOR), ("qwen2", 2, EAGER + COMPILED[:2]), ("qwen2", 3, EAGER + COMPILED),
 ])
 def test_model_matches_sdpa_on_one_process(ranks, arch, world_size, runs):
-    for results, breaks, sites in ranks(world_size, hf_parity, arch, runs, timeout=600):
+    for results, breaks, sites, _ in ranks(world_size, hf_parity, arch, runs, timeout=600):
         assert breaks == 0  # fullgraph=True, and no break in a recompile either
         for r in results:
             assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
@@ -156,6 +156,24 @@ def test_no_plan_behaves_like_sdpa(arch):
             loss_of(logits, labels).backward()
             grads.append([logits.detach()] + [p.grad for p in m.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(*grads)), (lengths, compiled)
+
+
+@pytest.mark.parametrize("arch,world_size,mode,packing_kwargs", [
+    ("llama", 2, "inductor", True), ("qwen2", 3, "aot_eager", False),
+])
+def test_random_splits_compile_at_most_twice(ranks, arch, world_size, mode, packing_kwargs):
+    """100 random packings of the same budget through one compiled model: at most two graphs (the first
+    split's, then a dynamic one), every step's logits, loss and gradients as one process's. The documents
+    reach the attention as HF's kwargs (cu_seq_lens_q) or from plan.positions(cu_seqlens=...)."""
+    from test_dynamic import random_lengths
+
+    gen = torch.Generator().manual_seed(12)
+    runs = [(mode, random_lengths(gen, SEQ), packing_kwargs) for _ in range(100)]
+    for results, breaks, _, graphs in ranks(world_size, hf_parity, arch, runs, timeout=900):
+        assert breaks == 0
+        assert graphs == [graphs[0]] and graphs[0] <= 2, graphs
+        for r in results:
+            assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
 
 
 @pytest.fixture
@@ -218,3 +236,22 @@ def test_what_cp_cannot_do_is_refused_inside_a_plan(fake_plan):
     with plan, pytest.raises(ValueError, match="30 slots per rank"):  # stale documents: said, not used
         cp_compile.hf.attention(model.model.layers[0].self_attn, *(torch.zeros(1, 4, 24, 16),) * 3, None)
     assert cp_compile.active_plan() is None
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_another_backend_inside_a_plan_raises_instead_of_attending_locally(fake_plan, packed):
+    """Compiled inside ``with plan:`` by a backend other than plan.backend(), "cp_compile" would run plain
+    SDPA / varlen_attn on the shard: the plan's guard raises when the graph runs, before any value is used."""
+    import cp_compile.hf  # noqa: F401
+    from cp_compile import LocalAttentionError
+
+    torch._dynamo.reset()
+    plan = fake_plan
+    model = tiny_model("llama", "cp_compile")
+    ids, _, cu, _ = batch(LENGTHS if packed else None)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    shard = (lambda t: plan.shard(t, 1, cu_seqlens=cu)) if packed else (lambda t: plan.shard(t, 1))  # noqa: E731
+    positions = (plan.positions(cu_seqlens=cu) if packed else plan.positions(SEQ))[None]
+    with plan, pytest.raises(LocalAttentionError, match="backend other than plan.backend()"):
+        compiled(shard(ids), position_ids=positions, use_cache=False)
+    plan.positions(SEQ)  # forget the documents

@@ -22,7 +22,7 @@ import torch.fx as fx
 from ..kinds.flex import Mods, flex_options, register_mods
 from ..layout.blockmask import HEADER
 from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, insert_schedule
+from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, constant, insert_schedule
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_buffers",
@@ -53,6 +53,11 @@ def _is_noop_mask(gm: fx.GraphModule) -> bool:
     return all(not p.users for p in _placeholders(gm))
 
 
+def _value(arg):
+    """A traced argument's example value (a size of a graph with dynamic shapes), or the constant itself."""
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else arg
+
+
 def _check_flex(site: AttentionSite) -> None:
     where = f"at {site.source}"
     q, k = site.shape("query"), site.shape("key")
@@ -67,7 +72,8 @@ def _check_flex(site: AttentionSite) -> None:
             f"flex_attention(return_aux=AuxRequest(max_scores=True)) {where}: max scores are not supported under CP"
         )
     block_mask = site.args["block_mask"]
-    if tuple(block_mask[:2]) != (q[2], q[2]):
+    local = _example(site.query).shape[2]  # symbolic under dynamic shapes: comparing guards the relation
+    if not all(bool(_value(n) == local) for n in block_mask[:2]):
         raise UnsupportedAttention(
             f"flex_attention(block_mask=...) {where}: the mask covers {block_mask[1]} x {block_mask[0]} tokens, "
             f"the local q/k {q[2]}; pass plan.shard(block_mask)"
@@ -103,7 +109,7 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
-    scale = float(args["scale"])
+    scale = float(constant(args["scale"]))
     enable_gqa = site.shape("query")[1] != site.shape("key")[1]
     _, out, lse = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"],
                                   mask_buffers + score_buffers, is_causal=False, layout=options.layout, scale=scale,

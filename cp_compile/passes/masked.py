@@ -9,12 +9,10 @@ same on every rank, and are counted in integers, so every rank builds the
 same workload and picks the same schedule:
 
 - packed (THD + ``cu_seqlens``): exactly, from the documents and the window,
-  under the per-document zigzag (``packed_tiles``). An eager call holds
-  ``cu_seqlens``; in a compiled graph it is a run-time input, so
-  ``ContextParallel.shard(x, dim, cu_seqlens=cu)`` records it, keyed by the
-  local length and C, and the compiled site reads the record. Without one
-  the site is costed as one document over the whole sequence (the most a
-  window can see), and the reason says so.
+  under the per-document zigzag (``packed_tiles``), when an eager call holds
+  ``cu_seqlens``. In a compiled graph it is a run-time input and one graph
+  serves every split, so the site is costed as one document over the whole
+  sequence (the most a window can see), and the reason says so.
 - FlexAttention: from the global BlockMask's block counts (visible blocks,
   full or partial), recorded by ``ContextParallel.shard(block_mask)`` on the
   sharded mask (eager) and keyed by local length and C (compiled: the last
@@ -29,7 +27,6 @@ entry for every site kind.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,41 +143,23 @@ def _packed_tiles(cu: tuple, world_size: int, left: int, right: int) -> Tiles:
     return tuple(tuple(x / local ** 2 for x in row) for row in counts)
 
 
-# cu_seqlens seen by ContextParallel.shard, per (local length, C): a compiled site's only way to its
-# documents. The most recent lengths only, so batches of ever new lengths do not pile up.
-_CU_SEQLENS: "OrderedDict[tuple[int, int], tuple[int, ...]]" = OrderedDict()
-MAX_RECORDS = 64
-
-
-def remember_cu_seqlens(cu_seqlens, world_size: int) -> None:
-    cu = check_cu_seqlens(cu_seqlens)
-    key = (packed_local_len(cu, world_size), world_size)
-    _CU_SEQLENS[key] = tuple(cu)
-    _CU_SEQLENS.move_to_end(key)
-    while len(_CU_SEQLENS) > MAX_RECORDS:
-        _CU_SEQLENS.popitem(last=False)
-
-
-def recorded_cu_seqlens(local_len: int, world_size: int) -> Optional[tuple[int, ...]]:
-    return _CU_SEQLENS.get((local_len, world_size))
-
-
 def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int, int]) -> MaskFacts:
-    """From ``cu_seqlens`` if given, else the one recorded for this local length and C, else one document."""
+    """From ``cu_seqlens`` (an eager call), else as one document over the whole sequence.
+
+    A compiled site's documents are a run-time input: one graph serves every split, so its
+    schedule is costed from what holds for every split, the shapes and the window, with the
+    documents taken as one covering everything (the most any query can see).
+    """
     left, right = window
     shape = f"window ({left}, {right})"
     if cu_seqlens is not None:
         cu = check_cu_seqlens(cu_seqlens)
         source = f"{shape} over {len(cu) - 1} documents (cu_seqlens)"
     else:
-        cu = recorded_cu_seqlens(local_len, world_size)
-        if cu is not None:
-            source = f"{shape} over {len(cu) - 1} documents (cu_seqlens recorded by plan.shard)"
-        else:
-            total = local_len * world_size
-            cu = [0, total]
-            source = (f"{shape}; no cu_seqlens recorded by plan.shard(x, dim, cu_seqlens=...) for {local_len} local "
-                      f"slots at C={world_size}: costed as one document of {total} tokens")
+        total = local_len * world_size
+        cu = [0, total]
+        source = (f"{shape}; the documents are a run-time input (one graph for every split): costed as one "
+                  f"document of {total} tokens, the most any split can see")
     return MaskFacts(packed_tiles(cu, world_size, left, right), source)
 
 

@@ -27,6 +27,7 @@ from .sdpa_site import SDPA_KIND
 from .site import (  # noqa: F401  (re-exported: the pass's vocabulary)
     AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, _graph_modules, replace_node,
 )
+from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_KIND
 
 SITE_KINDS: list[SiteKind] = [SDPA_KIND, VARLEN_KIND, FLEX_KIND]
@@ -56,6 +57,7 @@ def check_site(site: AttentionSite) -> None:
 
 def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionSite]:
     """Stage 1 over a whole Dynamo graph module (HOP bodies included)."""
+    strip_unrewritten(gm)  # the markers the plan's guard put in front of the calls rewritten here
     sites = find_sites(gm)
     for site in sites:
         check_site(site)

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, insert_schedule
+from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, constant, insert_schedule
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -29,6 +29,8 @@ _SDPA_SIGNATURE = inspect.signature(_sdpa_signature)
 def _check_sdpa(site: AttentionSite) -> None:
     args = site.args
     where = f"at {site.source}"
+    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+        args[name] = constant(args[name])
     if args["attn_mask"] is not None:
         hint = "use is_causal=True, or FlexAttention for custom masks"
         if "transformers" in (site.node.meta.get("stack_trace") or ""):  # a mask built by Hugging Face

@@ -97,6 +97,25 @@ def _example(node) -> Optional[torch.Tensor]:
     return val if isinstance(val, torch.Tensor) else None
 
 
+_SYMBOLIC = {torch.SymInt: int, torch.SymBool: bool, torch.SymFloat: float}
+
+
+def constant(value):
+    """``value`` as a Python constant where it is a traced symbolic scalar, else as it is.
+
+    Compiled with dynamic shapes (``dynamic=True``), ints a model keeps as settings (a window, a flag
+    computed from one) reach the graph as symbolic scalars; specialising one to its value adds a guard
+    on it, which holds as long as the setting does. Tensors stay graph values.
+    """
+    if isinstance(value, (list, tuple)):
+        return type(value)(constant(v) for v in value)
+    if isinstance(value, fx.Node):
+        example = value.meta.get("example_value", value.meta.get("val"))
+        if type(example) in _SYMBOLIC:
+            return _SYMBOLIC[type(example)](example)
+    return value
+
+
 def _graph_modules(gm: fx.GraphModule):
     for path, module in gm.named_modules():
         if isinstance(module, fx.GraphModule):

@@ -29,7 +29,7 @@ import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, insert_schedule
+from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, constant, insert_schedule
 
 VARLEN_OP = torch.ops.torch_attn._varlen_attn
 _SCHEMA = VARLEN_OP.default._schema
@@ -46,6 +46,8 @@ def _match_varlen(node: fx.Node) -> Optional[dict[str, Any]]:
 
 def _check_varlen(site: AttentionSite) -> None:
     args, where = site.args, f"at {site.source}"
+    for name in ("is_causal", "scale", "window_size", "enable_gqa", "num_splits"):
+        args[name] = constant(args[name])
     if args["cu_seq_k"] is not args["cu_seq_q"]:
         raise UnsupportedAttention(
             f"varlen_attn(cu_seq_k=...) {where}: CP needs self-attention over the same documents "

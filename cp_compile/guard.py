@@ -1,0 +1,57 @@
+"""Inside ``with plan:``, no plain attention call runs on a shard.
+
+``ContextParallel.__enter__`` pushes a ``LocalAttentionGuard``: a
+``TorchFunctionMode`` that sees every call of ``F.scaled_dot_product_attention``,
+``varlen_attn`` (its op ``torch_attn._varlen_attn``) and FlexAttention (its
+higher-order op). Eagerly such a call raises ``LocalAttentionError``. While
+Dynamo traces (it inlines the mode), the call gets ``cp::unrewritten`` in front
+of it, which ``plan.backend()`` removes as it rewrites the call and which
+raises under any other backend (``passes.unrewritten``).
+
+cp_compile's own ops are custom ops: the mode sees the op, not the attention
+kernels it runs inside, so the eager CP paths pass untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
+from torch.overrides import TorchFunctionMode
+
+from .passes.unrewritten import LocalAttentionError, eager_message
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_VARLEN = torch.ops.torch_attn._varlen_attn
+_VARLEN_DEFAULT = _VARLEN.default
+
+
+def _name(func) -> str:
+    if func is _SDPA:
+        return "F.scaled_dot_product_attention"
+    if func is _FLEX:
+        return "flex_attention"
+    return "varlen_attn"
+
+
+class LocalAttentionGuard(TorchFunctionMode):
+    """Raises on plain attention run eagerly; marks it for ``plan.backend()`` while Dynamo traces."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA or func is _VARLEN or func is _VARLEN_DEFAULT or func is _FLEX:
+            if not torch.compiler.is_compiling():
+                raise LocalAttentionError(eager_message(_name(func)))
+            args, kwargs = _marked(func, list(args), dict(kwargs))
+        return func(*args, **kwargs)
+
+
+def _marked(func, args: list, kwargs: dict) -> tuple[list, dict]:
+    """The call's arguments with its query behind ``cp::unrewritten``."""
+    if args:
+        args[0] = torch.ops.cp.unrewritten(args[0], _name(func))
+    else:
+        kwargs["query"] = torch.ops.cp.unrewritten(kwargs["query"], _name(func))
+    return args, kwargs
+
+
+__all__ = ["LocalAttentionError", "LocalAttentionGuard"]
