@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .passes.rewrite import UnsupportedAttention
+from .passes.unrewritten import LocalAttentionError
 from .plan import ContextParallel, active_plan
 
 try:
@@ -131,10 +132,27 @@ def _check(module, query: Tensor, key: Tensor, attention_mask, dropout: float, k
         )
 
 
+def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
+    """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan that ran
+    the forward, it would attend to the shard alone. Each module remembers whether its latest forward
+    ran under a plan; a recompute (a forward inside backward) without one raises."""
+    recomputing = torch._C._current_autograd_node() is not None
+    if recomputing and plan is None and getattr(module, "_cp_compile_under_plan", False):
+        raise LocalAttentionError(
+            f"{type(module).__name__} recomputes its attention during backward (activation checkpointing) "
+            "outside `with plan:`, while its forward ran inside the plan: the recompute would attend to this "
+            "rank's shard of the sequence alone. Call loss.backward() inside `with plan:` as well."
+        )
+    if not recomputing:
+        module._cp_compile_under_plan = plan is not None
+
+
 def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
               scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
     plan = active_plan()
+    if not _compiling():
+        _check_recompute(module, plan)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

@@ -255,3 +255,43 @@ def test_another_backend_inside_a_plan_raises_instead_of_attending_locally(fake_
     with plan, pytest.raises(LocalAttentionError, match="backend other than plan.backend()"):
         compiled(shard(ids), position_ids=positions, use_cache=False)
     plan.positions(SEQ)  # forget the documents
+
+
+def checkpointed_eager(backward_inside: bool):
+    """Eager "cp_compile" with HF's gradient checkpointing: the layers recompute during backward."""
+    import torch.distributed as dist
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model("llama", "cp_compile"), tiny_model("llama", "sdpa")
+    reference.load_state_dict(model.state_dict())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, labels, _, _ = batch(None)
+    loss_of(reference(ids, use_cache=False).logits, labels).backward()
+    try:
+        with plan:
+            out = model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
+            loss = loss_of(out.logits, plan.shard(labels, 1))
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    except cp_compile.LocalAttentionError as e:
+        return str(e)
+    errs = []
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        summed = p.grad.clone()
+        dist.all_reduce(summed)
+        errs.append(rel_err(summed, ref.grad))
+    return max(errs)
+
+
+def test_checkpoint_recompute_outside_the_plan_raises(ranks):
+    """A checkpointed layer recomputes in backward: inside the plan it is CP again (exact); outside, it
+    raises on every rank instead of attending to the shard alone."""
+    for inside, outside in zip(ranks(2, checkpointed_eager, True), ranks(2, checkpointed_eager, False)):
+        assert inside < TOL
+        assert "recomputes its attention during backward" in outside and "inside `with plan:`" in outside
