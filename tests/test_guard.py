@@ -112,11 +112,33 @@ def test_correct_paths_run_under_the_guard(ranks, route):
         assert message is None and error < 1e-12, (message, error)
 
 
-def test_guard_leaves_with_the_plan():
-    """Outside the plan (and after it), plain attention is the user's own business again."""
-    from cp_compile.guard import LocalAttentionGuard
+def _guards() -> int:
     from torch.overrides import _get_current_function_mode_stack
 
-    assert not any(isinstance(m, LocalAttentionGuard) for m in _get_current_function_mode_stack())
-    q = torch.randn(1, HEADS, SEQ, DIM)
-    torch.testing.assert_close(_sdpa(q, q, q), _sdpa(q, q, q))
+    from cp_compile.guard import LocalAttentionGuard
+
+    return sum(isinstance(m, LocalAttentionGuard) for m in _get_current_function_mode_stack())
+
+
+def test_guard_lives_and_leaves_with_the_plan():
+    """The guard is on inside the plan only: outside it, plain attention is the user's own business."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cp_compile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        plan = cp_compile.ContextParallel()
+        q = torch.randn(1, HEADS, SEQ, DIM)
+        with plan:
+            assert _guards() == 1
+            with pytest.raises(cp_compile.LocalAttentionError):
+                _sdpa(q, q, q)
+        assert _guards() == 0
+        with pytest.raises(RuntimeError, match="boom"), plan:  # an exception leaves the plan too
+            raise RuntimeError("boom")
+        assert _guards() == 0
+        assert _sdpa(q, q, q).shape == q.shape  # runs: no error outside the plan
+    finally:
+        dist.destroy_process_group()

@@ -233,14 +233,18 @@ def test_titan_varlen_trains_like_one_process(ranks):
         # a SymInt; the rewrite costs the site at the call's length)
         assert r["local_lengths"] == ["int", "SymInt"]
         assert "varlen.py" not in r["report"] and "attention.py" in r["report"]  # names torchtitan's line
-        # the rule on every tensor: CP error against fp64 at most 2x the one-process error in the same dtypes
-        for step, (cp, single) in enumerate(r["logit_errs"]):
-            assert cp <= 2 * single, f"step {step} logits: CP error {cp:.3g} vs one process {single:.3g}"
-        # a scalar is too few samples for a ratio: the loss equals the one-process loss to bf16-attention noise
-        for step, (cp, single) in enumerate(r["loss_errs"]):
-            assert cp < 1e-4 and single < 1e-4, (step, cp, single)
-        for name, (cp, single) in r["grads"].items():
-            assert cp <= 2 * single, f"{name}: CP error {cp:.3g} vs one process {single:.3g}"
+        assert_as_close_as_one_process(r)
+
+
+def assert_as_close_as_one_process(r: dict) -> None:
+    """The rule on every tensor: CP error against fp64 at most 2x the one-process error in the same dtypes."""
+    for step, (cp, single) in enumerate(r["logit_errs"]):
+        assert cp <= 2 * single, f"step {step} logits: CP error {cp:.3g} vs one process {single:.3g}"
+    # a scalar is too few samples for a ratio: the loss equals the one-process loss to bf16-attention noise
+    for step, (cp, single) in enumerate(r["loss_errs"]):
+        assert cp < 1e-4 and single < 1e-4, (step, cp, single)
+    for name, (cp, single) in r["grads"].items():
+        assert cp <= 2 * single, f"{name}: CP error {cp:.3g} vs one process {single:.3g}"
 
 
 def test_titan_varlen_random_splits_compile_once(ranks):
@@ -253,12 +257,7 @@ def test_titan_varlen_random_splits_compile_once(ranks):
     for r in ranks(2, titan_varlen_case, splits, 0.0, timeout=900):
         assert len(r["slots"]) > 3  # the local slot count changed from split to split
         assert len(r["local_lengths"]) <= 2, r["local_lengths"]
-        for step, (cp, single) in enumerate(r["logit_errs"]):
-            assert cp <= 2 * single, f"step {step} logits: CP error {cp:.3g} vs one process {single:.3g}"
-        for step, (cp, single) in enumerate(r["loss_errs"]):
-            assert cp < 1e-4 and single < 1e-4, (step, cp, single)
-        for name, (cp, single) in r["grads"].items():
-            assert cp <= 2 * single, f"{name}: CP error {cp:.3g} vs one process {single:.3g}"
+        assert_as_close_as_one_process(r)
 
 
 # ----------------------------------------------------------------------------

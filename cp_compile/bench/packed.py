@@ -21,19 +21,28 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
+def packed_step(attention, x: Inputs):
+    """``fwd_bwd_step`` of ``attention(q, k, v)`` on the packed views; results back in [B, H, S_local, D]."""
+    b, h, s_local, d = x.q.shape
+    step_packed = fwd_bwd_step(attention, [_packed(t) for t in (x.q, x.k, x.v)], _packed(x.do))
+
+    def step():  # as the reference is
+        return tuple(t.view(b, s_local, h, -1).transpose(1, 2) for t in step_packed())
+
+    return step
+
+
+def documents(p: Problem, x: Inputs) -> torch.Tensor:
+    """``cu_seqlens`` with each batch row one document of the global length."""
+    return torch.arange(x.q.shape[0] + 1, dtype=torch.int32, device=x.q.device) * p.seq_len
+
+
 def _ours_packed_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    b, h, s_local, d = x.q.shape
-    cu = torch.arange(b + 1, dtype=torch.int32) * p.seq_len
-    packed_step = fwd_bwd_step(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=p.causal,
-                                                                           schedule="ring"),
-                               [_packed(t) for t in (x.q, x.k, x.v)], _packed(x.do))
-
-    def step():  # results back in [B, H, S_local, D], as the reference is
-        return tuple(t.view(b, s_local, h, -1).transpose(1, 2) for t in packed_step())
-
-    return step
+    cu = documents(p, x)
+    return packed_step(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=p.causal, schedule="ring"),
+                       x)
 
 
 register_variant(Variant(

@@ -79,6 +79,8 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
                  p.world_size, (p.seq_len + 1) / (2 * p.seq_len) if p.causal else 1.0, p.causal, True,
                  hybrid_mesh_shape(p.world_size))
     measured = {s: res[v]["time_s"] for s, v in MEASURED.items() if res.get(v, {}).get("time_s") is not None}
+    if not measured:  # --variants left out every schedule: nothing to compare the pick with
+        return {"line": "no schedule variant measured"}
     estimates = estimate_all(w, machine, available=set(measured))
     chosen = pick(estimates).schedule
     best = min(measured, key=measured.get) if measured else None
