@@ -20,17 +20,12 @@ from torch.overrides import TorchFunctionMode
 
 from .passes.unrewritten import LocalAttentionError, eager_message
 
-_SDPA = torch._C._nn.scaled_dot_product_attention
-_VARLEN = torch.ops.torch_attn._varlen_attn
-_VARLEN_DEFAULT = _VARLEN.default
-
-
-def _name(func) -> str:
-    if func is _SDPA:
-        return "F.scaled_dot_product_attention"
-    if func is _FLEX:
-        return "flex_attention"
-    return "varlen_attn"
+_NAMES = {  # what the guard watches, as the user wrote it
+    torch._C._nn.scaled_dot_product_attention: "F.scaled_dot_product_attention",
+    torch.ops.torch_attn._varlen_attn: "varlen_attn",
+    torch.ops.torch_attn._varlen_attn.default: "varlen_attn",
+    _FLEX: "flex_attention",
+}
 
 
 class LocalAttentionGuard(TorchFunctionMode):
@@ -38,19 +33,20 @@ class LocalAttentionGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA or func is _VARLEN or func is _VARLEN_DEFAULT or func is _FLEX:
+        name = _NAMES.get(func)
+        if name is not None:
             if not torch.compiler.is_compiling():
-                raise LocalAttentionError(eager_message(_name(func)))
-            args, kwargs = _marked(func, list(args), dict(kwargs))
+                raise LocalAttentionError(eager_message(name))
+            args, kwargs = _marked(name, list(args), dict(kwargs))
         return func(*args, **kwargs)
 
 
-def _marked(func, args: list, kwargs: dict) -> tuple[list, dict]:
+def _marked(name: str, args: list, kwargs: dict) -> tuple[list, dict]:
     """The call's arguments with its query behind ``cp::unrewritten``."""
     if args:
-        args[0] = torch.ops.cp.unrewritten(args[0], _name(func))
+        args[0] = torch.ops.cp.unrewritten(args[0], name)
     else:
-        kwargs["query"] = torch.ops.cp.unrewritten(kwargs["query"], _name(func))
+        kwargs["query"] = torch.ops.cp.unrewritten(kwargs["query"], name)
     return args, kwargs
 
 

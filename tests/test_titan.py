@@ -247,7 +247,7 @@ def assert_as_close_as_one_process(r: dict) -> None:
         assert cp <= 2 * single, f"{name}: CP error {cp:.3g} vs one process {single:.3g}"
 
 
-def test_titan_varlen_random_splits_compile_once(ranks):
+def test_titan_varlen_random_splits_compile_at_most_twice(ranks):
     """100 random document splits of the same token budget: every block compiled at most twice, and every
     step's logits, loss and gradients as close to fp64 as one process's (the weights held fixed)."""
     from test_dynamic import random_lengths

@@ -83,8 +83,8 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
         return {"line": "no schedule variant measured"}
     estimates = estimate_all(w, machine, available=set(measured))
     chosen = pick(estimates).schedule
-    best = min(measured, key=measured.get) if measured else None
-    ratio = measured[chosen] / measured[best] if best and chosen in measured else None
+    best = min(measured, key=measured.get)
+    ratio = measured[chosen] / measured[best] if chosen in measured else None
     estimated = {e.schedule: e.time_s for e in estimates if e.feasible}
     line = (f"auto picks {chosen}; best measured {best}"
             + (f"; auto's time / best = {ratio:.2f}" if ratio is not None else "")

@@ -22,7 +22,9 @@ import torch.fx as fx
 from ..kinds.flex import Mods, flex_options, register_mods
 from ..layout.blockmask import HEADER
 from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, constant, insert_schedule
+from .site import (
+    AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, constant, insert_schedule, traced_value,
+)
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_buffers",
@@ -53,11 +55,6 @@ def _is_noop_mask(gm: fx.GraphModule) -> bool:
     return all(not p.users for p in _placeholders(gm))
 
 
-def _value(arg):
-    """A traced argument's example value (a size of a graph with dynamic shapes), or the constant itself."""
-    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else arg
-
-
 def _check_flex(site: AttentionSite) -> None:
     where = f"at {site.source}"
     q, k = site.shape("query"), site.shape("key")
@@ -73,7 +70,7 @@ def _check_flex(site: AttentionSite) -> None:
         )
     block_mask = site.args["block_mask"]
     local = _example(site.query).shape[2]  # symbolic under dynamic shapes: comparing guards the relation
-    if not all(bool(_value(n) == local) for n in block_mask[:2]):
+    if not all(bool(traced_value(n) == local) for n in block_mask[:2]):
         raise UnsupportedAttention(
             f"flex_attention(block_mask=...) {where}: the mask covers {block_mask[1]} x {block_mask[0]} tokens, "
             f"the local q/k {q[2]}; pass plan.shard(block_mask)"

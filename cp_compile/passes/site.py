@@ -90,10 +90,13 @@ def _in_torch(frame_line: str) -> bool:
     return frame_line.startswith(f'File "{_TORCH_DIR}')
 
 
+def traced_value(arg):
+    """A graph node's example value (a fake tensor, a symbolic size), or ``arg`` itself when it is a constant."""
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else arg
+
+
 def _example(node) -> Optional[torch.Tensor]:
-    if not isinstance(node, fx.Node):
-        return None
-    val = node.meta.get("example_value", node.meta.get("val"))
+    val = traced_value(node) if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
 
 
@@ -109,10 +112,9 @@ def constant(value):
     """
     if isinstance(value, (list, tuple)):
         return type(value)(constant(v) for v in value)
-    if isinstance(value, fx.Node):
-        example = value.meta.get("example_value", value.meta.get("val"))
-        if type(example) in _SYMBOLIC:
-            return _SYMBOLIC[type(example)](example)
+    example = traced_value(value)
+    if type(example) in _SYMBOLIC:
+        return _SYMBOLIC[type(example)](example)
     return value
 
 
