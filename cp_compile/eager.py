@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .comm import group_name_of, is_2d_mesh, mesh_groups, resolve_group
@@ -159,3 +160,25 @@ def varlen_attention(
     out, _ = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, _scale(q, scale), enable_gqa,
                           "packed", packed_options(left, right))
     return thd(out) if heads else out
+
+
+def cached_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_positions: Tensor, k_positions: Tensor, group=None,
+    window: Optional[int] = None, scale: Optional[float] = None,
+) -> Tensor:
+    """Attention of queries every rank holds to a KV cache sharded over ``group`` (inference).
+
+    ``q [B, Hq, Lq, D]`` is the same on every rank, at global positions ``q_positions [Lq]``;
+    ``k_cache, v_cache [B, Hkv, L, D]`` are this rank's cache slots, ``k_positions [L]`` the global
+    position of each slot's token (``cp_compile.kernels.block.EMPTY_POSITION`` for an empty slot).
+    A key is visible when it is not after the query and, with ``window``, fewer than ``window``
+    positions before it (transformers' ``sliding_window``). Every rank gets the same result: each
+    attends to its own slots, then the partial results merge exactly across ranks. GQA when
+    ``Hq`` is a multiple of ``Hkv``. Not differentiable.
+    """
+    from .schedules.cached import check_cached_args
+
+    check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
+    left = -1 if window is None else int(window) - 1
+    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name_of(group), left,
+                                         _scale(q, scale))

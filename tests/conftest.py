@@ -23,3 +23,16 @@ def ranks(tmp_path_factory):
     yield run
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def fake_plan():
+    """A plan over a fake 2-rank process group: enough to trace and compile, values are not checked."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cp_compile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield cp_compile.ContextParallel()
+    dist.destroy_process_group()

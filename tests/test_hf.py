@@ -19,6 +19,8 @@ def tiny_model(arch: str, attn: str):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if arch == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif arch == "mistral":  # every layer a sliding window of 8 tokens
+        config, cls = transformers.MistralConfig(**common, sliding_window=8), transformers.MistralForCausalLM
     else:  # layer 0 full attention, layer 1 a sliding window of 8 tokens; q/k/v have biases
         config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
         cls = transformers.Qwen2ForCausalLM
@@ -174,19 +176,6 @@ def test_random_splits_compile_at_most_twice(ranks, arch, world_size, mode, pack
         assert graphs == [graphs[0]] and graphs[0] <= 2, graphs
         for r in results:
             assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
-
-
-@pytest.fixture
-def fake_plan():
-    """A plan over a fake 2-rank process group: enough to trace and compile, values are not checked."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import cp_compile
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield cp_compile.ContextParallel()
-    dist.destroy_process_group()
 
 
 def _unsupported_cause(error):

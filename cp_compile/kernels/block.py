@@ -342,3 +342,38 @@ def _block_backward(ctx, dout, dlse):
 
 
 block_attn.register_autograd(_block_backward, setup_context=_block_setup)
+
+
+# Positions far beyond any sequence: a cache slot holding no token carries it and is never visible.
+EMPTY_POSITION = 2**62
+
+
+def positions_visible(q_pos: Tensor, k_pos: Tensor, left: int) -> Tensor:
+    """[Lq, Lk] bool: a key is visible to a query when it is not after it and, with ``left >= 0``,
+    at most ``left`` positions before it (transformers' window ``w`` is ``left = w - 1``)."""
+    behind = q_pos[:, None] - k_pos[None, :]
+    visible = behind >= 0
+    return visible & (behind <= left) if left >= 0 else visible
+
+
+def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, left: int, scale: float,
+                   rows_per_block: int = 1024) -> tuple[Tensor, Tensor]:
+    """Queries at global positions ``q_pos`` against keys at ``k_pos`` (any order, empty slots at
+    ``EMPTY_POSITION``): (out, lse) in the accumulator dtype; a row that sees no key gets out 0,
+    lse -inf (a rank's share of a cache may hold nothing a query may see).
+
+    The math path, ``rows_per_block`` query rows at a time so that a long multi-token step keeps its
+    score matrix bounded.
+    """
+    outs, lses = [], []
+    for start in range(0, q.shape[2], rows_per_block):
+        rows = slice(start, start + rows_per_block)
+        qb = q[:, :, rows]
+        b, hq, lq, _ = qb.shape
+        s = _math_scores(qb, k, positions_visible(q_pos[rows], k_pos, left), scale)
+        lse = torch.logsumexp(s, dim=-1)
+        pivot = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # keeps exp away from -inf - -inf
+        out = torch.matmul(torch.exp(s - pivot.unsqueeze(-1)), v.to(s.dtype).unsqueeze(2))
+        outs.append(out.reshape(b, hq, lq, v.shape[-1]))
+        lses.append(lse.reshape(b, hq, lq))
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

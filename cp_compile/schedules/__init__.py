@@ -6,9 +6,12 @@ pair by ``whole.sequence_schedule`` or ``whole.heads_schedule``. A new schedule
 is one module here, imported below, plus its name in ``SCHEDULES`` (and the
 cost model's estimate in ``passes.cost``, and its group arguments in
 ``whole_op``).
+
+``cached`` is the one schedule outside that family: queries every rank holds
+against a KV cache sharded over the ranks (generation after a sharded prefill).
 """
 
-from . import allgather, hybrid, ring, ulysses  # noqa: F401  (registration)
+from . import allgather, cached, hybrid, ring, ulysses  # noqa: F401  (registration)
 
 SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
 HEAD_SCHEDULES = ("ulysses", "hybrid")

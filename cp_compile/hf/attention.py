@@ -30,6 +30,11 @@ What the attention runs, on this rank's shard (``[B, H, S_local, D]``):
   the zigzag layout (per-document zigzag of equal rows is exactly zigzag), with
   ``window_size=(sliding_window - 1, 0)``.
 
+- with a ``ShardedCache`` (generation, ``cp_compile.hf.generate``): during the
+  sharded prefill, the cases above; for tokens every rank holds (decoding,
+  drafts, a follow-up prompt), ``cp::cached_attention`` over every rank's
+  share of the cache (``cache.py``).
+
 Eagerly those are calls of the CP ops (``plan.attention``,
 ``cp_compile.varlen_attention``); under ``torch.compile`` they are plain
 ``F.scaled_dot_product_attention`` / ``varlen_attn`` calls, which the plan's
@@ -44,9 +49,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .passes.rewrite import UnsupportedAttention
-from .passes.unrewritten import LocalAttentionError
-from .plan import ContextParallel, active_plan
+from ..passes.rewrite import UnsupportedAttention
+from ..passes.unrewritten import LocalAttentionError
+from ..plan import ContextParallel, active_plan
+from .cache import CACHE_STEP
 
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -68,7 +74,7 @@ def mask(*args, **kwargs):
     """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; None inside one.
 
     Inside a plan it refuses what CP cannot honour: a KV cache holding earlier
-    tokens (decoding) and, eagerly, a 2-D padding mask with padding in it (an
+    tokens that is not a ``ShardedCache`` (whose mask sizes read as no cache) and, eagerly, a 2-D padding mask with padding in it (an
     all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
     """
     plan = active_plan()
@@ -78,7 +84,9 @@ def mask(*args, **kwargs):
     if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or q_length != kv_length:
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: a KV cache with earlier tokens "
-            f"(q_length={q_length}, kv_length={kv_length}) is not supported; call the model with use_cache=False"
+            f"(q_length={q_length}, kv_length={kv_length}) that is not sharded over the ranks; generate with "
+            f"cp_compile.hf.generate(model, input_ids, ...) (or pass cache=cp_compile.hf.ShardedCache(...)), "
+            "or call the model with use_cache=False"
         )
     padding = kwargs.get("attention_mask")
     if padding is not None and not _compiling() and not bool(padding.all()):
@@ -132,6 +140,20 @@ def _check(module, query: Tensor, key: Tensor, attention_mask, dropout: float, k
         )
 
 
+def _cached(module, query: Tensor, attention_mask, dropout: float, scaling: Optional[float], causal: bool,
+            step: tuple, kwargs: dict) -> Tensor:
+    """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt)."""
+    layer, positions = step
+    _check(module, query, query, attention_mask, dropout, kwargs)
+    if not causal:
+        raise UnsupportedAttention(f"attn_implementation={NAME!r}: a KV cache under context parallelism needs "
+                                   "causal attention")
+    window = kwargs.get("sliding_window")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = layer.attend(query, positions, -1 if window is None else int(window) - 1, scale)
+    return out.transpose(1, 2).contiguous()
+
+
 def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
     """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan that ran
     the forward, it would attend to the shard alone. Each module remembers whether its latest forward
@@ -156,8 +178,17 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    _check(module, query, key, attention_mask, dropout, kwargs)
+    step = kwargs.pop(CACHE_STEP, None)  # (layer, positions of its new tokens) from ShardedCache.update
+    if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r} under context parallelism: a forward without gradients that fills a KV "
+            "cache not sharded over the ranks (model.generate?). Generate with cp_compile.hf.generate(model, "
+            "input_ids, ...), which shards the prompt and the cache; for a forward that needs no cache, pass "
+            "use_cache=False")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if step is not None and step[1] is not None:
+        return _cached(module, query, attention_mask, dropout, scaling, causal, step, kwargs), None
+    _check(module, query, key, attention_mask, dropout, kwargs)
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape
     window = kwargs.get("sliding_window")
@@ -193,7 +224,7 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size,
                           enable_gqa=gqa)
     else:
-        from .eager import varlen_attention
+        from ..eager import varlen_attention
 
         if plan.schedule == "hybrid":
             raise UnsupportedAttention(f"attn_implementation={NAME!r}: eager packed attention with "

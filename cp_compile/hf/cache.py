@@ -1,0 +1,139 @@
+"""``ShardedCache``: a transformers ``Cache`` whose layers keep this rank's share of the K/V.
+
+Passed the documented way (``model.generate(..., cache=ShardedCache(...))``,
+or made by ``cp_compile.hf.generate``). Each layer is a ``kv_cache.CacheShard``.
+``update`` stores the new K/V and hands the attention function (``"cp_compile"``)
+what it needs through the attention kwargs that transformers passes to both:
+the layer, and the positions of the tokens just stored.
+
+- During a sharded prefill (``ShardedCache.sharded_prefill``) the K/V are this
+  rank's shard of the prompt: the layer stores them and the attention runs
+  the plan's CP schedule on them, as in training.
+- Otherwise the tokens are the same on every rank (decoding, drafts, a
+  follow-up prompt): one rank keeps each, and the attention is
+  ``cp::cached_attention`` over every rank's share.
+
+Mask sizes are reported as if there were no cache: under a plan the mask
+function builds no mask, and attention masks by the positions the cache holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels.block import EMPTY_POSITION
+from ..kv_cache import CacheShard
+from ..passes.rewrite import UnsupportedAttention
+from ..plan import ContextParallel, active_plan
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# Key of the attention kwargs under which ``update`` leaves (layer, positions of the new tokens or None).
+CACHE_STEP = "cp_compile_cache_step"
+
+
+def _unsupported(what: str):
+    def refuse(*args, **kwargs):
+        raise UnsupportedAttention(f"ShardedCache: {what} is not supported (the cache is sharded over the CP ranks)")
+    return refuse
+
+
+class ShardedLayer(CacheLayerMixin, CacheShard):
+    """One attention layer of a ``ShardedCache``."""
+
+    is_compileable = True
+    is_sliding = False  # a window is applied by position at attention time; every token is kept
+
+    def __init__(self, plan: ContextParallel, max_tokens: int):
+        CacheLayerMixin.__init__(self)
+        CacheShard.__init__(self, plan.group_name, plan.rank, plan.world_size, max_tokens)
+        self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self._allocate(key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: Optional[dict] = None, **_):
+        if kwargs is None:
+            raise UnsupportedAttention(
+                "ShardedCache: this model calls cache.update without its attention kwargs "
+                "(cache.update(k, v, layer_idx, kwargs=kwargs), as Llama, Qwen2 and Mistral do); it cannot be sharded")
+        if not torch.compiler.is_compiling() and active_plan() is None:
+            raise UnsupportedAttention("ShardedCache is used outside `with plan:`: attention would see this rank's "
+                                       "share of the cache alone; run the model inside the plan")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending_prefill is not None:
+            positions, tokens = self.pending_prefill
+            self.pending_prefill = None
+            self.prefill(key_states, value_states, positions, tokens)
+            kwargs[CACHE_STEP] = (self, None)
+            return key_states, value_states
+        kwargs[CACHE_STEP] = (self, self.append(key_states, value_states))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self):
+        return self.seen if torch.compiler.is_compiling() else int(self.seen)
+
+    def get_max_length(self) -> int:
+        return self.max_tokens
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions.fill_(EMPTY_POSITION)
+        for counter in (self.seen, self._append_start, self._append_slot):
+            counter.zero_()
+
+    crop = _unsupported("cropping (assisted decoding, rolling back tokens)")
+    reorder_cache = _unsupported("reordering (beam search)")
+    batch_repeat_interleave = _unsupported("repeating the batch (num_return_sequences > 1, beam search)")
+    batch_select_indices = _unsupported("selecting batch rows")
+
+
+class ShardedCache(Cache):
+    """A KV cache for a model with ``attn_implementation="cp_compile"``, sharded over ``plan``'s ranks.
+
+    ``max_cache_len`` is the longest sequence (prompt and generated tokens) it holds; each rank
+    preallocates about ``max_cache_len / C`` slots per layer. ``plan`` defaults to the active plan.
+    """
+
+    def __init__(self, config, max_cache_len: int, plan: Optional[ContextParallel] = None):
+        plan = plan if plan is not None else active_plan()
+        if plan is None:
+            raise ValueError("ShardedCache needs a plan: pass plan= or construct it inside `with plan:`")
+        text_config = config.get_text_config(decoder=True)
+        super().__init__(layers=[ShardedLayer(plan, max_cache_len) for _ in range(text_config.num_hidden_layers)])
+        self.plan = plan
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values this rank holds, over all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @contextlib.contextmanager
+    def sharded_prefill(self, positions: Tensor, tokens: int):
+        """Inside, the model's next forward is this rank's shard of a ``tokens``-token prompt whose slots
+        sit at ``positions`` (``EMPTY_POSITION`` for padding): each layer keeps those K/V."""
+        for layer in self.layers:
+            layer.pending_prefill = (positions, tokens)
+        try:
+            yield self
+        finally:
+            missed = [i for i, layer in enumerate(self.layers) if layer.pending_prefill is not None]
+            for i in missed:
+                self.layers[i].pending_prefill = None
+        if missed:
+            raise RuntimeError(f"the sharded prefill did not reach layers {missed} of the cache")

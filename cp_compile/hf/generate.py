@@ -1,0 +1,105 @@
+"""``cp_compile.hf.generate``: Hugging Face generation with the prompt and the KV cache sharded over the ranks.
+
+``model.generate`` alone cannot shard a prompt: it feeds the whole prompt to
+the model on every rank. This function runs all but the prompt's last token
+once, sharded by the plan's packed layout (every rank computes 1/C of the
+prefill and keeps 1/C of the K/V in a ``ShardedCache``), then hands over to
+``model.generate`` with that cache: transformers continues from a cache that
+already holds those tokens, so everything after the prefill (logits
+processors, sampling, stopping criteria, streamers, compiled decoding with a
+compileable cache) is transformers' own code, unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from ..kernels.block import EMPTY_POSITION
+from ..layout import packed_slots
+from ..passes.rewrite import UnsupportedAttention
+from ..plan import ContextParallel, active_plan
+from .attention import NAME
+from .cache import ShardedCache
+
+# generate() options that need more than one sequence, or a cache that can roll back: refused by name.
+_REFUSED = {
+    "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
+    "assistant_model": "assisted decoding", "prompt_lookup_num_tokens": "prompt lookup decoding",
+}
+
+
+def _generation_config(model, generate_kwargs: dict):
+    config = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in generate_kwargs.items() if k != "generation_config"})
+    return config
+
+
+def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
+    if model.config._attn_implementation != NAME:
+        raise ValueError(f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "
+                         f"(it has {model.config._attn_implementation!r})")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise UnsupportedAttention(f"cp_compile.hf.generate takes one prompt, input_ids [1, P]; got "
+                                   f"{tuple(input_ids.shape)} (a batch of prompts is not supported)")
+    for name, what in _REFUSED.items():
+        value = generate_kwargs.get(name, getattr(config, name, None))
+        if value not in (None, 1, 0):
+            raise UnsupportedAttention(f"cp_compile.hf.generate: {what} ({name}={value!r}) is not supported")
+    mask = generate_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise UnsupportedAttention("cp_compile.hf.generate: a padded prompt (zeros in attention_mask) is not supported")
+
+
+def _max_tokens(config, prompt: int) -> int:
+    """The cache's size: the generation's max_length, or transformers' ``max_cache_len`` when larger (a cache
+    size that stays the same across prompts keeps a compiled decode step's shapes)."""
+    longest = prompt + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    return max(longest, getattr(config, "max_cache_len", None) or 0)
+
+
+def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids: Tensor) -> None:
+    """Run ``input_ids [1, n]`` (the same on every rank) once, sharded over ``plan``: each rank computes
+    and caches its own tokens' K/V. Leaves ``plan.documents`` at this prompt (one document)."""
+    tokens = input_ids.shape[1]
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    slots = packed_slots(cu, plan.rank, plan.world_size)
+    positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+    local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
+    local_positions = plan.positions(cu_seqlens=cu, device=input_ids.device)[None]
+    with cache.sharded_prefill(positions, tokens), torch.no_grad():
+        model(input_ids=local_ids, position_ids=local_positions, cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def _check_ranks_agree(plan: ContextParallel, sequences: Tensor) -> None:
+    gathered = [torch.empty_like(sequences) for _ in range(plan.world_size)]
+    torch.distributed.all_gather(gathered, sequences.contiguous(), group=plan.group)
+    if any(not torch.equal(g, sequences) for g in gathered):
+        raise RuntimeError("ranks generated different tokens: sampling needs the same seed on every rank "
+                           "(torch.manual_seed(s) on each before generate)")
+
+
+def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
+    """``model.generate(input_ids, **generate_kwargs)`` under context parallelism, inside ``with plan:``.
+
+    ``input_ids [1, P]`` is the whole prompt, the same on every rank; every rank returns what
+    ``model.generate`` returns, the same on every rank. The prompt's first P - 1 tokens are
+    prefilled sharded over the plan; the cache (``cache``, by default a ``ShardedCache`` sized for
+    the generation's ``max_length``) keeps 1/C of the K/V on each rank. Greedy decoding and
+    sampling (seed every rank the same) are supported; beam search, several sequences per prompt,
+    assisted decoding, a batch of prompts and padding raise ``UnsupportedAttention``.
+    """
+    plan = active_plan()
+    if plan is None:
+        raise ValueError("cp_compile.hf.generate runs inside `with plan:`")
+    config = _generation_config(model, generate_kwargs)
+    _check(model, input_ids, generate_kwargs, config)
+    if cache is None:
+        cache = ShardedCache(model.config, _max_tokens(config, input_ids.shape[1]), plan)
+    if input_ids.shape[1] > 1 and cache.get_seq_length() == 0:
+        sharded_prefill(model, plan, cache, input_ids[:, :-1])
+    result = model.generate(input_ids, cache=cache, **generate_kwargs)
+    _check_ranks_agree(plan, result if isinstance(result, Tensor) else result.sequences)
+    return result

@@ -1,0 +1,104 @@
+"""A KV cache sharded over the ranks of a plan: each rank holds 1/C of every layer's keys and values.
+
+A prompt sharded with the plan's packed layout (``prefill``) leaves each rank
+the K/V of its own tokens. Tokens added later (``append``: decoding, drafts,
+a follow-up prompt) are computed on every rank, and each is kept by one rank,
+round robin over positions, so the shares stay within a token or two of each
+other. Every slot carries the global position of its token: attention
+(``attend``, the ``cp::cached_attention`` schedule) masks by position, so
+slots need no order and a sliding window is a position test.
+
+Storage is preallocated (``capacity`` slots per rank, one more as a scratch
+slot where a rank writes the tokens other ranks keep), and every per-step
+quantity (positions, the slot of a new token, the owner rank) is a tensor:
+a compiled decode step has static shapes and holds neither the rank nor the
+step, so one graph serves every token.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels.block import EMPTY_POSITION
+
+
+def capacity_for(max_tokens: int, world_size: int) -> int:
+    """Slots per rank that hold ``max_tokens`` however they split into a prefill and appends: the packed
+    layout pads the prompt to 2C chunks (at most 2 slots more than P/C), round robin adds at most one."""
+    return max_tokens // world_size + 3
+
+
+class CacheShard:
+    """This rank's share of one attention layer's KV cache, for sequences of at most ``max_tokens``.
+
+    Buffers are allocated by the first write (dtype, heads and device are the model's).
+    """
+
+    def __init__(self, group_name: str, rank: int, world_size: int, max_tokens: int):
+        self.group_name, self.world_size, self.max_tokens = group_name, world_size, max_tokens
+        self.capacity = capacity_for(max_tokens, world_size)
+        self.keys: Optional[Tensor] = None
+        self.values: Optional[Tensor] = None
+        self.positions = torch.full((self.capacity + 1,), EMPTY_POSITION, dtype=torch.int64)
+        self._rank = torch.tensor(rank)
+        self.seen = torch.zeros((), dtype=torch.int64)  # tokens of the sequence stored so far, over all ranks
+        self._append_start = torch.zeros((), dtype=torch.int64)  # first position kept round robin
+        self._append_slot = torch.zeros((), dtype=torch.int64)  # this rank's slot for its first such token
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        batch, heads = k.shape[:2]
+        self.keys = k.new_zeros(batch, heads, self.capacity + 1, k.shape[-1])
+        self.values = v.new_zeros(batch, heads, self.capacity + 1, v.shape[-1])
+        for name in ("positions", "_rank", "seen", "_append_start", "_append_slot"):
+            setattr(self, name, getattr(self, name).to(k.device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values this rank holds for the layer."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def prefill(self, k: Tensor, v: Tensor, positions: Tensor, tokens: int) -> None:
+        """Store this rank's slots ``[B, Hkv, L_local, D]`` of a prompt of ``tokens`` tokens sharded by the
+        packed layout; ``positions [L_local]`` is each slot's position, ``EMPTY_POSITION`` for padding."""
+        if self.keys is None:
+            self._allocate(k, v)
+        if int(self.seen):
+            raise ValueError("a sharded prefill fills an empty cache; run a follow-up prompt as a multi-token step")
+        slots = k.shape[2]
+        if slots > self.capacity or tokens > self.max_tokens:
+            raise ValueError(f"a {tokens}-token prompt does not fit a cache of {self.max_tokens} tokens")
+        self.keys[:, :, :slots] = k
+        self.values[:, :, :slots] = v
+        self.positions[:slots] = positions.to(self.positions.device)
+        self.seen.fill_(tokens)
+        self._append_start.fill_(tokens)
+        self._append_slot.fill_(slots)
+
+    def append(self, k: Tensor, v: Tensor) -> Tensor:
+        """Add the next ``L`` tokens (``[B, Hkv, L, D]``, the same on every rank); returns their positions.
+
+        Token p goes to rank ``(p - start) % C``; the others write it to the scratch slot, which stays
+        empty. All tensor arithmetic: the same ops on every rank, no host sync.
+        """
+        if self.keys is None:
+            self._allocate(k, v)
+        if not torch.compiler.is_compiling() and int(self.seen) + k.shape[2] > self.max_tokens:
+            raise ValueError(f"the cache holds {self.max_tokens} tokens; {int(self.seen)} are stored and "
+                             f"{k.shape[2]} more arrived (make the cache for the generation's max_length)")
+        new = self.seen + torch.arange(k.shape[2], device=self.seen.device)
+        turn = new - self._append_start
+        mine = turn % self.world_size == self._rank
+        slot = torch.where(mine, self._append_slot + turn // self.world_size, self.capacity)
+        self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
+        self.values.index_copy_(2, slot, v.to(self.values.dtype))
+        self.positions.index_copy_(0, slot, torch.where(mine, new, EMPTY_POSITION))
+        self.seen.add_(k.shape[2])
+        return new
+
+    def attend(self, q: Tensor, q_positions: Tensor, left: int, scale: float) -> Tensor:
+        """Attention of ``q`` (the same on every rank) over the whole cache, every rank's share."""
+        return torch.ops.cp.cached_attention(q, self.keys, self.values, q_positions, self.positions, self.group_name,
+                                             left, scale)

@@ -1,0 +1,234 @@
+"""Inference under CP: the sharded KV cache, cp::cached_attention, and Hugging Face generation against one process."""
+
+import pytest
+import torch
+
+from helpers import max_err
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def cached_parity(window, dtype):
+    """A 37-token cache dealt to the ranks in random slots (with empty ones), 5 queries at the end of the
+    sequence: cp::cached_attention against SDPA over the whole cache with the same visibility, in fp64."""
+    import torch.distributed as dist
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cp_compile
+    from cp_compile.kernels.block import EMPTY_POSITION
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    length, queries = 37, 5
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen, dtype=torch.float64)
+               for h, n in ((4, queries), (2, length), (2, length)))
+    owner = torch.randint(0, world, (length,), generator=gen)  # any split, any slot order
+    mine = (owner == rank).nonzero().flatten()
+    mine = mine[torch.randperm(mine.numel(), generator=torch.Generator().manual_seed(rank))]
+    slots = mine.numel() + 3  # three empty slots
+    k_pos = torch.full((slots,), EMPTY_POSITION)
+    k_pos[:mine.numel()] = mine
+    local_k, local_v = torch.zeros(1, 2, slots, 16, dtype=torch.float64), torch.zeros(1, 2, slots, 16, dtype=torch.float64)
+    local_k[:, :, :mine.numel()], local_v[:, :, :mine.numel()] = k[:, :, mine], v[:, :, mine]
+    q_pos = torch.arange(length - queries, length)  # the last 5 tokens, each sees itself and what came before
+
+    behind = q_pos[:, None] - torch.arange(length)[None]
+    visible = (behind >= 0) & ((behind < window) if window else True)
+    reference = sdpa(q, k, v, attn_mask=visible, enable_gqa=True)
+    single = sdpa(*(t.to(dtype) for t in (q, k, v)), attn_mask=visible, enable_gqa=True)
+    out = cp_compile.cached_attention(q.to(dtype), local_k.to(dtype), local_v.to(dtype), q_pos, k_pos,
+                                      window=window)
+    everyone = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(everyone, out)
+    return max_err(out, reference), max_err(single, reference), all(torch.equal(o, out) for o in everyone)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_attention_matches_one_device(ranks, world_size, window):
+    for err, _, same in ranks(world_size, cached_parity, window, torch.float64):
+        assert err < 1e-12 and same
+    for err, single, same in ranks(world_size, cached_parity, window, torch.bfloat16):
+        assert err <= 2 * single and same, (err, single)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("prompt", [1, 7, 24])
+def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt):
+    """The C shards of one layer (built in one process; placement needs no collective): a prompt prefilled by
+    the packed layout, then 1-, 3- and 1-token appends. Every position lives on exactly one rank, in one slot."""
+    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kv_cache import CacheShard
+    from cp_compile.layout import packed_slots, shard_packed
+
+    total = prompt + 5
+    tokens = torch.randn(1, 2, total, 8)
+    shards = [CacheShard("unused", r, world_size, total) for r in range(world_size)]
+    cu = torch.tensor([0, prompt])
+    for r, shard in enumerate(shards):
+        slots = packed_slots(cu, r, world_size)
+        local = shard_packed(tokens[:, :, :prompt], 2, cu, r, world_size)
+        shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
+        start = prompt
+        for n in (1, 3, 1):
+            assert torch.equal(shard.append(tokens[:, :, start:start + n], tokens[:, :, start:start + n]),
+                               torch.arange(start, start + n))
+            start += n
+    held = [s.positions[:s.capacity][s.positions[:s.capacity] != EMPTY_POSITION] for s in shards]
+    assert sorted(torch.cat(held).tolist()) == list(range(total))
+    assert max(map(len, held)) - min(map(len, held)) <= 2
+    for shard, positions in zip(shards, held):
+        stored = shard.keys[:, :, :shard.capacity][:, :, shard.positions[:shard.capacity] != EMPTY_POSITION]
+        assert torch.equal(stored, tokens[:, :, positions])
+        assert shard.capacity <= total // world_size + 3
+    with pytest.raises(ValueError, match="holds"):
+        shards[0].append(tokens[:, :, :1], tokens[:, :, :1])
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face generation
+# --------------------------------------------------------------------------------------------
+
+PROMPTS = [1, 9, 30]  # 9 and 30 are not multiples of 2C for C = 2, 3, 4
+NEW = 64
+
+
+def _prompt(n: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+def hf_generate_parity(arch: str, prompts: list, new: int, sample: bool = False):
+    """cp_compile.hf.generate against "sdpa" generate on one process: tokens, logits, cache bytes per rank."""
+    from test_hf import rel_err, tiny_model
+
+    import cp_compile
+    import cp_compile.hf
+
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    kwargs = dict(max_new_tokens=new, do_sample=sample, output_logits=True, return_dict_in_generate=True)
+    results = []
+    for n in prompts:
+        torch.manual_seed(5)
+        ref = reference.generate(_prompt(n), **kwargs)
+        torch.manual_seed(5)
+        with plan:
+            out = cp_compile.hf.generate(model, _prompt(n), **kwargs)
+        full = [i for i, layer in enumerate(ref.cache.layers) if not layer.is_sliding]
+        results.append(dict(prompt=n, same_tokens=torch.equal(out.sequences, ref.sequences),
+                            logits_err=rel_err(torch.stack(out.logits), torch.stack(ref.logits)),
+                            cache_bytes=sum(out.cache.layers[i].nbytes for i in full),
+                            one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_generate_matches_one_process(ranks, world_size):
+    """Greedy, 64 new tokens after prompts of 1, 9 and 30 tokens; Llama, Qwen2 (a sliding-window layer) and
+    Mistral (every layer a window of 8, shorter than the sequence)."""
+    for arch in ("llama", "qwen2", "mistral"):
+        per_rank = ranks(world_size, hf_generate_parity, arch, PROMPTS, NEW, timeout=600)
+        for results in per_rank:
+            for r in results:
+                assert r["same_tokens"] and r["logits_err"] < 1e-5, (arch, r)
+        # Full-attention layers: one process caches 93 tokens, each rank 1/C of them plus at most 5 slots
+        longest = per_rank[0][-1]
+        if longest["one_process_bytes"]:
+            assert longest["cache_bytes"] <= longest["one_process_bytes"] * (1 / world_size + 5 / 93)
+
+
+def test_sampling_with_one_seed_matches_one_process(ranks):
+    for results in ranks(2, hf_generate_parity, "qwen2", [9], 32, True):
+        assert results[0]["same_tokens"] and results[0]["logits_err"] < 1e-5, results
+
+
+def follow_up_and_plain_generate(arch: str):
+    """Two ways in that skip the sharded prefill, both multi-token steps over the sharded cache: a follow-up
+    prompt against the cache of an earlier generation, and model.generate with a ShardedCache passed in."""
+    from test_hf import tiny_model
+
+    import cp_compile
+    import cp_compile.hf
+
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    first, follow = _prompt(11), _prompt(6)
+    from transformers import DynamicCache
+
+    ref_cache = DynamicCache(config=reference.config)
+    ref_first = reference.generate(first, max_new_tokens=8, do_sample=False, cache=ref_cache)
+    ref_second = reference.generate(torch.cat([ref_first, follow], 1), max_new_tokens=8, do_sample=False,
+                                    cache=ref_cache)
+    with plan:
+        cache = cp_compile.hf.ShardedCache(model.config, max_cache_len=64)
+        out_first = cp_compile.hf.generate(model, first, cache=cache, max_new_tokens=8, do_sample=False)
+        out_second = cp_compile.hf.generate(model, torch.cat([out_first, follow], 1), cache=cache,
+                                            max_new_tokens=8, do_sample=False)
+        plain = model.generate(first, cache=cp_compile.hf.ShardedCache(model.config, 64), max_new_tokens=8,
+                               do_sample=False)
+    return torch.equal(out_second, ref_second), torch.equal(plain, ref_first)
+
+
+def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks):
+    for follow_up, plain in ranks(3, follow_up_and_plain_generate, "llama"):
+        assert follow_up and plain
+
+
+def compiled_decode(arch: str, prompts: list, new: int):
+    """transformers' own compiled decoding (a compileable cache, CompileConfig) through aot_eager, counting graphs."""
+    from test_hf import tiny_model
+    from transformers import CompileConfig
+
+    import cp_compile
+    import cp_compile.hf
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    config = CompileConfig(fullgraph=True, backend=counting, mode=None)
+    config._compile_all_devices = True  # transformers compiles decoding on its own on GPUs only
+    same, counts = [], []
+    for n in prompts:
+        ref = reference.generate(_prompt(n), max_new_tokens=new, do_sample=False)
+        with plan:
+            out = cp_compile.hf.generate(model, _prompt(n), max_new_tokens=new, do_sample=False,
+                                         compile_config=config)
+        same.append(torch.equal(out, ref))
+        counts.append(len(graphs))
+    return same, counts
+
+
+def test_compiled_decode_captures_one_graph_for_every_token(ranks):
+    """64 tokens from one graph; a second prompt length (a new cache size) compiles once more, a third none."""
+    for same, counts in ranks(2, compiled_decode, "qwen2", [9, 20, 30], NEW, timeout=600):
+        assert all(same) and counts == [1, 2, 2], (same, counts)
+
+
+def test_what_generation_under_cp_refuses(fake_plan):
+    from test_hf import tiny_model
+
+    import cp_compile.hf
+    from cp_compile import UnsupportedAttention
+
+    model = tiny_model("llama", "cp_compile")
+    ids = _prompt(9)
+    with fake_plan:
+        for kwargs, what in [(dict(num_beams=2), "beam search"), (dict(num_return_sequences=2, do_sample=True), "several sequences"),
+                             (dict(attention_mask=torch.tensor([[0] + [1] * 8])), "padded prompt")]:
+            with pytest.raises(UnsupportedAttention, match=what):
+                cp_compile.hf.generate(model, ids, max_new_tokens=4, **kwargs)
+        with pytest.raises(UnsupportedAttention, match="batch of prompts"):
+            cp_compile.hf.generate(model, ids.repeat(2, 1), max_new_tokens=4)
+        with pytest.raises(UnsupportedAttention, match=r"cp_compile\.hf\.generate"):  # the prompt would not be sharded
+            model.generate(ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="inside `with plan:`"):
+        cp_compile.hf.generate(model, ids, max_new_tokens=4)
