@@ -1,9 +1,9 @@
-"""Command line: ``python -m cp_compile demo`` and ``python -m cp_compile bench``."""
+"""Command line: ``python -m cp_compile demo``, ``bench`` and ``generate``."""
 
 import argparse
 import sys
 
-from . import bench, demo
+from . import bench, demo, inference
 
 
 def main(argv=None) -> int:
@@ -11,11 +11,15 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device"))
     bench.add_arguments(sub.add_parser("bench", help="time ours vs PyTorch's ring vs one device; JSON + PNG"))
+    inference.add_arguments(sub.add_parser("generate", help="Hugging Face generate under CP vs one process: "
+                                                            "tokens, prefill tokens/s, decode ms/token, cache memory"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
     if args.command == "bench":
         return bench.main(args)
+    if args.command == "generate":
+        return inference.main(args)
     return 2
 
 

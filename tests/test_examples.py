@@ -20,3 +20,17 @@ def test_train_packed_example(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "CP backend compiled" in run.stdout and "largest relative difference" in run.stdout
     assert plot.stat().st_size > 10_000
+
+
+def test_generate_command(tmp_path):
+    """``python -m cp_compile generate`` on a small model: it exits 1 if any token differs from one process."""
+    out, plot = tmp_path / "rows.json", tmp_path / "generate.png"
+    run = subprocess.run([sys.executable, "-m", "cp_compile", "generate", "--arch", "qwen2", "-C", "2", "-P", "9,33",
+                          "--new", "8", "--hidden", "64", "--layers", "2", "--window", "8", "--out", str(out),
+                          "--plot", str(plot)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [r["prompt"] for r in rows] == [9, 33] and all(r["same_tokens"] for r in rows)
+    assert plot.stat().st_size > 10_000

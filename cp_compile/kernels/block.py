@@ -363,17 +363,24 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     lse -inf (a rank's share of a cache may hold nothing a query may see).
 
     The math path, ``rows_per_block`` query rows at a time so that a long multi-token step keeps its
-    score matrix bounded.
+    score matrix bounded. The query heads sharing a key/value head are folded into the rows, so each
+    matmul reads the cache in place (a broadcast over the group would copy it once per query head).
     """
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    dt = acc_dtype(q.dtype)
+    keys, values = k.to(dt), v.to(dt)
     outs, lses = [], []
-    for start in range(0, q.shape[2], rows_per_block):
+    for start in range(0, lq, rows_per_block):
         rows = slice(start, start + rows_per_block)
-        qb = q[:, :, rows]
-        b, hq, lq, _ = qb.shape
-        s = _math_scores(qb, k, positions_visible(q_pos[rows], k_pos, left), scale)
+        n = q[:, :, rows].shape[2]
+        qg = q[:, :, rows].to(dt).reshape(b, hkv, group * n, d)
+        s = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left).repeat(group, 1), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         pivot = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # keeps exp away from -inf - -inf
-        out = torch.matmul(torch.exp(s - pivot.unsqueeze(-1)), v.to(s.dtype).unsqueeze(2))
-        outs.append(out.reshape(b, hq, lq, v.shape[-1]))
-        lses.append(lse.reshape(b, hq, lq))
+        out = torch.matmul(torch.exp(s - pivot.unsqueeze(-1)), values)
+        outs.append(out.reshape(b, hq, n, v.shape[-1]))
+        lses.append(lse.reshape(b, hq, n))
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

@@ -1,0 +1,226 @@
+"""``python -m cp_compile generate``: Hugging Face generation under CP, checked and timed against one process.
+
+A Hugging Face model (Llama, Qwen2 or Mistral; random weights, the same in
+every process) generates greedily after a random prompt on one process
+("sdpa") and on C local ranks (``cp_compile.hf.generate``: the prompt
+prefilled sharded over the ranks, then decoding over a ``ShardedCache``).
+Reported per (C, prompt length): whether every token matches, the largest
+relative logit difference, prefill tokens/s, decode ms/token and the K/V
+bytes each rank holds against one process. Exits 1 if a token differs.
+
+``--compile`` decodes with transformers' own compiled step (a compileable
+cache and ``CompileConfig``, Inductor); ``--plot`` draws prefill tokens/s and
+decode ms/token against prompt length, one line per C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .launch import RankPool
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def build_model(args, attn: str):
+    import transformers
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  max_position_embeddings=max(args.prompts) + args.new)
+    if args.arch == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif args.arch == "mistral":
+        config, cls = transformers.MistralConfig(**common, sliding_window=args.window), transformers.MistralForCausalLM
+    else:  # the first half of the layers full attention, the rest a sliding window
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=args.window,
+                                          max_window_layers=args.layers // 2)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attn, dtype=DTYPES[args.dtype]).eval()
+
+
+def _prompt(args, length: int) -> torch.Tensor:
+    return torch.randint(0, args.vocab, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+def _compile_config(args):
+    if not args.compile:
+        return {}
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode=None)
+    config._compile_all_devices = True  # transformers compiles decoding by itself on GPUs only
+    return {"compile_config": config}
+
+
+def _generate_timed(args, model, ids: torch.Tensor, prefill, cache):
+    """(result, prefill seconds, decode seconds per token): the first P - 1 tokens by ``prefill``, then
+    transformers' generate continues from the cache (its first step runs the prompt's last token)."""
+    kwargs = dict(max_new_tokens=args.new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  **_compile_config(args))
+    if args.compile:  # compile the decode step outside the timing
+        model.generate(ids, cache=cache(), **kwargs)
+    store = cache()
+    start = time.perf_counter()
+    with torch.no_grad():
+        store = prefill(ids[:, :-1], store)
+    middle = time.perf_counter()
+    result = model.generate(ids, cache=store, **kwargs)
+    end = time.perf_counter()
+    return result, middle - start, (end - middle) / args.new
+
+
+def reference_runs(args) -> dict:
+    """One process, one thread (one device's worth of compute next to each CP rank's)."""
+    from transformers import DynamicCache, StaticCache
+
+    torch.set_num_threads(1)
+    model = build_model(args, "sdpa")
+
+    def prefill(ids, cache):
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    runs = {}
+    for length in [args.prompts[0]] + args.prompts:  # the first run warms up (allocator, lazy inits), unrecorded
+        def cache():  # compiled decoding needs a compileable (static) cache, as ours is
+            if args.compile:
+                return StaticCache(config=model.config, max_cache_len=length + args.new)
+            return DynamicCache(config=model.config)
+        result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
+        runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
+                            decode_s=decode_s, cache_bytes=sum(t.nbytes for layer in result.cache.layers
+                                                               for t in (layer.keys, layer.values)))
+    return runs
+
+
+def rank_runs(args) -> dict:
+    import cp_compile
+    import cp_compile.hf
+
+    plan = cp_compile.ContextParallel()
+    model = build_model(args, "cp_compile")
+
+    def prefill(ids, cache):
+        if ids.shape[1]:
+            cp_compile.hf.sharded_prefill(model, plan, cache, ids)
+        return cache
+
+    runs = {}
+    with plan:
+        for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
+            def cache():
+                return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
+            result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
+            runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
+                                decode_s=decode_s, cache_bytes=result.cache.nbytes)
+    return runs
+
+
+def _rows(args, reference: dict, per_world: dict) -> list[dict]:
+    rows = []
+    for world_size, per_rank in per_world.items():
+        for length in args.prompts:
+            ref = reference[length]
+            mine = [runs[length] for runs in per_rank]
+            err = max(((m["logits"].double() - ref["logits"].double()).abs().max()
+                       / ref["logits"].double().abs().max()).item() for m in mine)
+            prefill_s = max(m["prefill_s"] for m in mine)
+            decode_s = max(m["decode_s"] for m in mine)
+            rows.append(dict(
+                C=world_size, prompt=length, same_tokens=all(torch.equal(m["sequences"], ref["sequences"]) for m in mine),
+                logits_rel_err=err, prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
+                ref_prefill_tok_s=(length - 1) / ref["prefill_s"] if length > 1 else None,
+                decode_ms=1e3 * decode_s, ref_decode_ms=1e3 * ref["decode_s"],
+                cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
+                ref_cache_MiB=ref["cache_bytes"] / 2**20))
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} {'decode ms/token':>19} "
+             f"{'K/V MiB per rank':>19}",
+             f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9}"]
+    for r in rows:
+        prefill = (f"{r['prefill_tok_s']:>9.0f} {r['ref_prefill_tok_s']:>9.0f}" if r["prefill_tok_s"]
+                   else f"{'-':>9} {'-':>9}")
+        lines.append(f"{r['C']:>2} {r['prompt']:>7} {'same' if r['same_tokens'] else 'DIFFER':>7} "
+                     f"{r['logits_rel_err']:>9.1e} {prefill} {r['decode_ms']:>9.1f} {r['ref_decode_ms']:>9.1f} "
+                     f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    prompts = sorted({r["prompt"] for r in rows})
+    first = [next(r for r in rows if r["prompt"] == p) for p in prompts]
+    left.plot(prompts, [r["ref_prefill_tok_s"] for r in first], "k--o", label="one process")
+    right.plot(prompts, [r["ref_decode_ms"] for r in first], "k--o", label="one process")
+    for world_size in sorted({r["C"] for r in rows}):
+        mine = [r for r in rows if r["C"] == world_size]
+        left.plot([r["prompt"] for r in mine], [r["prefill_tok_s"] for r in mine], "-o", label=f"CP, C={world_size}")
+        right.plot([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}")
+    for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
+    p.add_argument("--world-sizes", "-C", type=_ints, default=[2], help="comma list (default 2)")
+    p.add_argument("--prompts", "-P", type=_ints, default=[257, 1025], help="prompt lengths, comma list")
+    p.add_argument("--new", type=int, default=64, help="tokens to generate (greedy)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--window", type=int, default=128, help="sliding window of qwen2's and mistral's window layers")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--compile", action="store_true", help="compiled decoding (transformers' CompileConfig, Inductor)")
+    p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
+    p.add_argument("--plot", type=Path, default=None, help="PNG: prefill tokens/s and decode ms/token vs prompt length")
+
+
+def main(args: argparse.Namespace) -> int:
+    reference = reference_runs(args)
+    per_world = {}
+    for world_size in args.world_sizes:
+        pool = RankPool(world_size)
+        try:
+            per_world[world_size] = pool.run(rank_runs, args, timeout=3600)
+        finally:
+            pool.close()
+    rows = _rows(args, reference, per_world)
+    print(f"{args.arch}, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, {args.dtype}, "
+          f"{args.new} new tokens, decoding {'compiled' if args.compile else 'eager'}; one process = 1 thread, "
+          "each CP rank 1 thread (gloo)")
+    print(_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot, f"{args.arch} generate under CP ({args.dtype}, decoding "
+                              f"{'compiled' if args.compile else 'eager'})")
+    return 0 if all(r["same_tokens"] for r in rows) else 1
