@@ -5,19 +5,25 @@ the K/V of its own tokens. Tokens added later (``append``: decoding, drafts,
 a follow-up prompt) are computed on every rank, and each is kept by one rank,
 round robin over positions, so the shares stay within a token or two of each
 other. Every slot carries the global position of its token: attention
-(``attend``, the ``cp::cached_attention`` schedule) masks by position, so
-slots need no order and a sliding window is a position test.
+(the ``cp::cached_attention`` schedule) masks by position, so slots need no
+order and a sliding window is a position test.
 
-Storage is preallocated (``capacity`` slots per rank, one more as a scratch
-slot where a rank writes the tokens other ranks keep), and every per-step
-quantity (positions, the slot of a new token, the owner rank) is a tensor:
-a compiled decode step has static shapes and holds neither the rank nor the
-step, so one graph serves every token.
+A layer with a sliding window keeps only what a later query can see: from the
+prompt, the tokens of its last window; after it, a ring of
+``ceil(window / C) + 1`` slots per rank, where a token overwrites one that
+every later query has left behind. Its size does not grow with the sequence.
+
+Storage is preallocated (one more slot as a scratch slot, where a rank writes
+the tokens other ranks keep), and every per-step quantity (positions, the slot
+of a new token, the owner rank) is a tensor: a compiled decode step has
+static shapes and holds neither the rank nor the step, so one graph serves
+every token.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -31,15 +37,31 @@ def capacity_for(max_tokens: int, world_size: int) -> int:
     return max_tokens // world_size + 3
 
 
+class Step(NamedTuple):
+    """What attention of the tokens just appended reads: keys, values and their positions on this rank,
+    and the positions of the new tokens (the queries)."""
+
+    keys: Tensor
+    values: Tensor
+    key_positions: Tensor
+    query_positions: Tensor
+
+
 class CacheShard:
-    """This rank's share of one attention layer's KV cache, for sequences of at most ``max_tokens``.
+    """This rank's share of one attention layer's KV cache, for sequences of at most ``max_tokens``;
+    ``window`` (transformers' ``sliding_window``: a key is visible when ``q - k < window``) bounds it.
 
     Buffers are allocated by the first write (dtype, heads and device are the model's).
     """
 
-    def __init__(self, group_name: str, rank: int, world_size: int, max_tokens: int):
+    def __init__(self, group_name: str, rank: int, world_size: int, max_tokens: int, window: Optional[int] = None):
         self.group_name, self.world_size, self.max_tokens = group_name, world_size, max_tokens
         self.capacity = capacity_for(max_tokens, world_size)
+        self.window = window
+        self.ring = None  # slots of the window ring, after ``window`` slots for the prompt's last window
+        if window is not None and window + math.ceil(window / world_size) + 1 < self.capacity:
+            self.ring = math.ceil(window / world_size) + 1
+            self.capacity = window + self.ring
         self.keys: Optional[Tensor] = None
         self.values: Optional[Tensor] = None
         self.positions = torch.full((self.capacity + 1,), EMPTY_POSITION, dtype=torch.int64)
@@ -67,21 +89,24 @@ class CacheShard:
             self._allocate(k, v)
         if int(self.seen):
             raise ValueError("a sharded prefill fills an empty cache; run a follow-up prompt as a multi-token step")
-        slots = k.shape[2]
-        if slots > self.capacity or tokens > self.max_tokens:
+        if tokens > self.max_tokens:
             raise ValueError(f"a {tokens}-token prompt does not fit a cache of {self.max_tokens} tokens")
+        positions = positions.to(self.positions.device)
+        if self.ring is not None:  # the first later query (position ``tokens``) sees back to tokens - window + 1
+            kept = ((positions != EMPTY_POSITION) & (positions > tokens - self.window)).nonzero().flatten()
+            k, v, positions = k[:, :, kept], v[:, :, kept], positions[kept]
+        slots = k.shape[2]
         self.keys[:, :, :slots] = k
         self.values[:, :, :slots] = v
-        self.positions[:slots] = positions.to(self.positions.device)
+        self.positions[:slots] = positions
         self.seen.fill_(tokens)
         self._append_start.fill_(tokens)
-        self._append_slot.fill_(slots)
+        self._append_slot.fill_(self.window if self.ring is not None else slots)
 
-    def append(self, k: Tensor, v: Tensor) -> Tensor:
-        """Add the next ``L`` tokens (``[B, Hkv, L, D]``, the same on every rank); returns their positions.
-
-        Token p goes to rank ``(p - start) % C``; the others write it to the scratch slot, which stays
-        empty. All tensor arithmetic: the same ops on every rank, no host sync.
+    def append(self, k: Tensor, v: Tensor) -> Step:
+        """Add the next ``L`` tokens (``[B, Hkv, L, D]``, the same on every rank); returns what their attention
+        reads. Token p goes to rank ``(p - start) % C``; the others write it to the scratch slot, which stays
+        empty. All tensor arithmetic: the same ops on every rank, no host sync when compiled.
         """
         if self.keys is None:
             self._allocate(k, v)
@@ -91,14 +116,27 @@ class CacheShard:
         new = self.seen + torch.arange(k.shape[2], device=self.seen.device)
         turn = new - self._append_start
         mine = turn % self.world_size == self._rank
-        slot = torch.where(mine, self._append_slot + turn // self.world_size, self.capacity)
+        self.seen.add_(k.shape[2])
+        if self.ring is None:
+            self._write(k, v, new, mine, self._append_slot + turn // self.world_size)
+            return Step(self.keys, self.values, self.positions, new)
+        # The ring is read before it is written: a step longer than the ring still sees its own early tokens
+        # (each counted on its owner only), and only its last tokens, the ones a later query can see, are kept.
+        step = Step(torch.cat([self.keys, k.to(self.keys.dtype)], 2), torch.cat([self.values, v.to(self.values.dtype)], 2),
+                    torch.cat([self.positions, torch.where(mine, new, EMPTY_POSITION)]), new)
+        last = slice(max(0, k.shape[2] - self.ring * self.world_size), None)
+        self._write(k[:, :, last], v[:, :, last], new[last], mine[last],
+                    self._append_slot + (turn[last] // self.world_size) % self.ring)
+        return step
+
+    def _write(self, k: Tensor, v: Tensor, positions: Tensor, mine: Tensor, slot: Tensor) -> None:
+        slot = torch.where(mine, slot, self.capacity)
         self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
         self.values.index_copy_(2, slot, v.to(self.values.dtype))
-        self.positions.index_copy_(0, slot, torch.where(mine, new, EMPTY_POSITION))
-        self.seen.add_(k.shape[2])
-        return new
+        self.positions.index_copy_(0, slot, torch.where(mine, positions, EMPTY_POSITION))
 
-    def attend(self, q: Tensor, q_positions: Tensor, left: int, scale: float) -> Tensor:
-        """Attention of ``q`` (the same on every rank) over the whole cache, every rank's share."""
-        return torch.ops.cp.cached_attention(q, self.keys, self.values, q_positions, self.positions, self.group_name,
-                                             left, scale)
+    def attend(self, q: Tensor, step: Step, scale: float) -> Tensor:
+        """Attention of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share."""
+        left = -1 if self.window is None else self.window - 1
+        return torch.ops.cp.cached_attention(q, step.keys, step.values, step.query_positions, step.key_positions,
+                                             self.group_name, left, scale)

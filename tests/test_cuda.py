@@ -113,6 +113,31 @@ def test_packed_tiles_on_device(device, dtype, window):
     _errors_within_rule([out, *grads], single, reference, ["out", "dq", "dk", "dv"])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("window", [None, 40])
+def test_cached_attention_kernel_on_device(device, dtype, window):
+    """The decode kernel (queries at positions against cache slots in any order, empty slots included)."""
+    from cp_compile.kernels.block import EMPTY_POSITION, positions_attn
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 3, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 300, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    k_pos = torch.randperm(300, generator=g)
+    k_pos[k_pos > 280] = EMPTY_POSITION  # 19 empty slots
+    q_pos = torch.tensor([250, 251, 252])
+    behind = q_pos[:, None] - k_pos[None, :]
+    visible = (behind >= 0) & ((behind < window) if window else True)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(q.device), enable_gqa=True)
+
+    reference = sdpa(q, k, v)
+    low = [t.to(device, DTYPES[dtype]) for t in (q, k, v)]
+    out, _ = positions_attn(*low, q_pos.to(device), k_pos.to(device), -1 if window is None else window - 1, 64**-0.5)
+    _errors_within_rule([out.to(low[0].dtype)], [sdpa(*low)], [reference], ["out"])
+
+
 # ----------------------------------------------------------------------------
 # The Triton merge on the device against the torch merge.
 # ----------------------------------------------------------------------------

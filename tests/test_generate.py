@@ -71,8 +71,8 @@ def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt
         shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
         start = prompt
         for n in (1, 3, 1):
-            assert torch.equal(shard.append(tokens[:, :, start:start + n], tokens[:, :, start:start + n]),
-                               torch.arange(start, start + n))
+            step = shard.append(tokens[:, :, start:start + n], tokens[:, :, start:start + n])
+            assert torch.equal(step.query_positions, torch.arange(start, start + n))
             start += n
     held = [s.positions[:s.capacity][s.positions[:s.capacity] != EMPTY_POSITION] for s in shards]
     assert sorted(torch.cat(held).tolist()) == list(range(total))
@@ -83,6 +83,39 @@ def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt
         assert shard.capacity <= total // world_size + 3
     with pytest.raises(ValueError, match="holds"):
         shards[0].append(tokens[:, :, :1], tokens[:, :, :1])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("steps", [[1] * 12, [20, 1, 3]])
+def test_window_shards_keep_what_later_queries_see(world_size, steps):
+    """A window of 6 after a 23-token prompt: each step's tokens must find, over all ranks, every position of
+    their windows exactly once, with its own K/V, from a fixed number of slots per rank (a 20-token step is
+    longer than the ring)."""
+    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kv_cache import CacheShard
+    from cp_compile.layout import packed_slots, shard_packed
+
+    window, prompt = 6, 23
+    tokens = torch.randn(1, 2, prompt + sum(steps), 8)
+    shards = [CacheShard("unused", r, world_size, 200, window) for r in range(world_size)]
+    cu = torch.tensor([0, prompt])
+    for r, shard in enumerate(shards):
+        slots = packed_slots(cu, r, world_size)
+        local = shard_packed(tokens[:, :, :prompt], 2, cu, r, world_size)
+        shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
+        assert shard.capacity == window + -(-window // world_size) + 1
+    start = prompt
+    for n in steps:
+        seen = []
+        for shard in shards:
+            new = tokens[:, :, start:start + n]
+            step = shard.append(new, new)
+            assert torch.equal(step.query_positions, torch.arange(start, start + n))
+            wanted = (step.key_positions > start - window) & (step.key_positions < start + n)
+            seen.append(step.key_positions[wanted])
+            assert torch.equal(step.keys[:, :, wanted], tokens[:, :, step.key_positions[wanted]])
+        assert sorted(torch.cat(seen).tolist()) == list(range(start - window + 1, start + n))
+        start += n
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,10 +149,13 @@ def hf_generate_parity(arch: str, prompts: list, new: int, sample: bool = False)
         with plan:
             out = cp_compile.hf.generate(model, _prompt(n), **kwargs)
         full = [i for i, layer in enumerate(ref.cache.layers) if not layer.is_sliding]
+        sliding = [i for i, layer in enumerate(ref.cache.layers) if layer.is_sliding]
         results.append(dict(prompt=n, same_tokens=torch.equal(out.sequences, ref.sequences),
                             logits_err=rel_err(torch.stack(out.logits), torch.stack(ref.logits)),
                             cache_bytes=sum(out.cache.layers[i].nbytes for i in full),
-                            one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full)))
+                            one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full),
+                            window_bytes=sum(out.cache.layers[i].nbytes for i in sliding),
+                            one_process_window_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in sliding)))
     return results
 
 
@@ -132,10 +168,14 @@ def test_generate_matches_one_process(ranks, world_size):
         for results in per_rank:
             for r in results:
                 assert r["same_tokens"] and r["logits_err"] < 1e-5, (arch, r)
-        # Full-attention layers: one process caches 93 tokens, each rank 1/C of them plus at most 5 slots
+        # Full-attention layers: one process caches 93 tokens, each rank 1/C of them plus at most 5 slots.
+        # Sliding layers (window 8): one process keeps 7 tokens, each rank 8 + ceil(8 / C) + 2 slots at most.
         longest = per_rank[0][-1]
         if longest["one_process_bytes"]:
             assert longest["cache_bytes"] <= longest["one_process_bytes"] * (1 / world_size + 5 / 93)
+        if longest["one_process_window_bytes"]:
+            slots = 8 + -(-8 // world_size) + 2
+            assert longest["window_bytes"] <= longest["one_process_window_bytes"] / 7 * slots
 
 
 def test_sampling_with_one_seed_matches_one_process(ranks):

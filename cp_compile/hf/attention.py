@@ -143,15 +143,17 @@ def _check(module, query: Tensor, key: Tensor, attention_mask, dropout: float, k
 def _cached(module, query: Tensor, attention_mask, dropout: float, scaling: Optional[float], causal: bool,
             step: tuple, kwargs: dict) -> Tensor:
     """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt)."""
-    layer, positions = step
+    layer, appended = step
     _check(module, query, query, attention_mask, dropout, kwargs)
     if not causal:
         raise UnsupportedAttention(f"attn_implementation={NAME!r}: a KV cache under context parallelism needs "
                                    "causal attention")
     window = kwargs.get("sliding_window")
+    if not _compiling() and window != layer.window:
+        raise UnsupportedAttention(f"{type(module).__name__} attends with sliding_window={window}, but its "
+                                   f"ShardedCache layer was made for {layer.window} (from the model's config)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = layer.attend(query, positions, -1 if window is None else int(window) - 1, scale)
-    return out.transpose(1, 2).contiguous()
+    return layer.attend(query, appended, scale).transpose(1, 2).contiguous()
 
 
 def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
@@ -178,7 +180,7 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    step = kwargs.pop(CACHE_STEP, None)  # (layer, positions of its new tokens) from ShardedCache.update
+    step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: a forward without gradients that fills a KV "

@@ -11,7 +11,8 @@ the layer, and the positions of the tokens just stored.
   the plan's CP schedule on them, as in training.
 - Otherwise the tokens are the same on every rank (decoding, drafts, a
   follow-up prompt): one rank keeps each, and the attention is
-  ``cp::cached_attention`` over every rank's share.
+  ``cp::cached_attention`` over every rank's share. A sliding-window layer
+  keeps a bounded share (``kv_cache``).
 
 Mask sizes are reported as if there were no cache: under a plan the mask
 function builds no mask, and attention masks by the positions the cache holds.
@@ -30,9 +31,9 @@ from ..kv_cache import CacheShard
 from ..passes.rewrite import UnsupportedAttention
 from ..plan import ContextParallel, active_plan
 
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-# Key of the attention kwargs under which ``update`` leaves (layer, positions of the new tokens or None).
+# Key of the attention kwargs under which ``update`` leaves (layer, its kv_cache.Step, or None in a sharded prefill).
 CACHE_STEP = "cp_compile_cache_step"
 
 
@@ -43,14 +44,14 @@ def _unsupported(what: str):
 
 
 class ShardedLayer(CacheLayerMixin, CacheShard):
-    """One attention layer of a ``ShardedCache``."""
+    """One attention layer of a ``ShardedCache``; ``window``: its sliding window (None: full attention)."""
 
     is_compileable = True
-    is_sliding = False  # a window is applied by position at attention time; every token is kept
 
-    def __init__(self, plan: ContextParallel, max_tokens: int):
+    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None):
         CacheLayerMixin.__init__(self)
-        CacheShard.__init__(self, plan.group_name, plan.rank, plan.world_size, max_tokens)
+        CacheShard.__init__(self, plan.group_name, plan.rank, plan.world_size, max_tokens, window)
+        self.is_sliding = window is not None
         self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -73,8 +74,9 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             self.prefill(key_states, value_states, positions, tokens)
             kwargs[CACHE_STEP] = (self, None)
             return key_states, value_states
-        kwargs[CACHE_STEP] = (self, self.append(key_states, value_states))
-        return self.keys, self.values
+        step = self.append(key_states, value_states)
+        kwargs[CACHE_STEP] = (self, step)
+        return step.keys, step.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0
@@ -108,8 +110,14 @@ class ShardedCache(Cache):
         plan = plan if plan is not None else active_plan()
         if plan is None:
             raise ValueError("ShardedCache needs a plan: pass plan= or construct it inside `with plan:`")
-        text_config = config.get_text_config(decoder=True)
-        super().__init__(layers=[ShardedLayer(plan, max_cache_len) for _ in range(text_config.num_hidden_layers)])
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        layers = []
+        for index, (kind, extra) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise UnsupportedAttention(f"ShardedCache: layer {index} is {kind!r}; only full and sliding-window "
+                                           "attention layers can be sharded")
+            layers.append(ShardedLayer(plan, max_cache_len, extra.get("sliding_window")))
+        super().__init__(layers=layers)
         self.plan = plan
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
