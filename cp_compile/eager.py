@@ -31,7 +31,8 @@ def _groups(group, schedule: str) -> tuple[str, tuple]:
     return names[0], tuple(names[1:])
 
 
-def _scale(q: Tensor, scale: Optional[float]) -> float:
+def softmax_scale(q: Tensor, scale: Optional[float]) -> float:
+    """``scale``, or SDPA's default ``1 / sqrt(head dim)``."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -44,7 +45,7 @@ def run_schedule(schedule: str, q: Tensor, k: Tensor, v: Tensor, extra: list, gr
 
 
 def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout) -> Tensor:
-    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, _scale(q, scale), enable_gqa, "sdpa", "")[0]
+    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, softmax_scale(q, scale), enable_gqa, "sdpa", "")[0]
 
 
 def ring_attention(
@@ -126,7 +127,7 @@ def flex_attention(
 
         schedule = "hybrid" if is_2d_mesh(group) else choose_flex(
             q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
-    out, lse = run_schedule(schedule, q, k, v, buffers, group, False, layout, _scale(q, scale),
+    out, lse = run_schedule(schedule, q, k, v, buffers, group, False, layout, softmax_scale(q, scale),
                             q.shape[1] != k.shape[1], "flex", flex_options(key, mask_b, mask_h))
     return (out, lse) if return_lse else out
 
@@ -157,7 +158,7 @@ def varlen_attention(
             q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine)[0]
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
-    out, _ = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, _scale(q, scale), enable_gqa,
+    out, _ = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, softmax_scale(q, scale), enable_gqa,
                           "packed", packed_options(left, right))
     return thd(out) if heads else out
 
@@ -180,5 +181,8 @@ def cached_attention(
 
     check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
     left = -1 if window is None else int(window) - 1
-    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name_of(group), left,
-                                         _scale(q, scale))
+    group_name, scale = group_name_of(group), softmax_scale(q, scale)
+    # the ranks' caches may hold different numbers of slots: compare everything else
+    torch.ops.cp.agree(q, k_cache.narrow(2, 0, 0), v_cache.narrow(2, 0, 0), group_name,
+                       f"cached_attention left={left} scale={scale}")
+    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale)

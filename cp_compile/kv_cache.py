@@ -8,10 +8,13 @@ other. Every slot carries the global position of its token: attention
 (the ``cp::cached_attention`` schedule) masks by position, so slots need no
 order and a sliding window is a position test.
 
-A layer with a sliding window keeps only what a later query can see: from the
-prompt, the tokens of its last window; after it, a ring of
-``ceil(window / C) + 1`` slots per rank, where a token overwrites one that
-every later query has left behind. Its size does not grow with the sequence.
+A layer with a sliding window keeps only what a later query can see, in a
+ring of ``ceil(window / C) + 1`` slots per rank where a token overwrites one
+that every later query has left behind: its size does not grow with the
+sequence, and it is about 1/C of one process's window. The prompt's last
+window is computed by whichever ranks the packed layout gave it to, so the
+prefill gathers those tokens once (one all-gather per window layer) and
+deals them round robin like appended tokens.
 
 Storage is preallocated (one more slot as a scratch slot, where a rank writes
 the tokens other ranks keep), and every per-step quantity (positions, the slot
@@ -28,6 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .comm.gather import gather_dim0
 from .kernels.block import EMPTY_POSITION
 
 
@@ -58,10 +62,9 @@ class CacheShard:
         self.group_name, self.world_size, self.max_tokens = group_name, world_size, max_tokens
         self.capacity = capacity_for(max_tokens, world_size)
         self.window = window
-        self.ring = None  # slots of the window ring, after ``window`` slots for the prompt's last window
-        if window is not None and window + math.ceil(window / world_size) + 1 < self.capacity:
-            self.ring = math.ceil(window / world_size) + 1
-            self.capacity = window + self.ring
+        self.ring = None  # slots of the window ring: every slot of the layer, when the window bounds it
+        if window is not None and math.ceil(window / world_size) + 1 < self.capacity:
+            self.ring = self.capacity = math.ceil(window / world_size) + 1
         self.keys: Optional[Tensor] = None
         self.values: Optional[Tensor] = None
         self.positions = torch.full((self.capacity + 1,), EMPTY_POSITION, dtype=torch.int64)
@@ -92,16 +95,44 @@ class CacheShard:
         if tokens > self.max_tokens:
             raise ValueError(f"a {tokens}-token prompt does not fit a cache of {self.max_tokens} tokens")
         positions = positions.to(self.positions.device)
-        if self.ring is not None:  # the first later query (position ``tokens``) sees back to tokens - window + 1
-            kept = ((positions != EMPTY_POSITION) & (positions > tokens - self.window)).nonzero().flatten()
-            k, v, positions = k[:, :, kept], v[:, :, kept], positions[kept]
+        self.seen.fill_(tokens)
+        if self.ring is not None:
+            self._deal_last_window(k, v, positions, tokens)
+            return
         slots = k.shape[2]
         self.keys[:, :, :slots] = k
         self.values[:, :, :slots] = v
         self.positions[:slots] = positions
-        self.seen.fill_(tokens)
         self._append_start.fill_(tokens)
-        self._append_slot.fill_(self.window if self.ring is not None else slots)
+        self._append_slot.fill_(slots)
+
+    def _deal_last_window(self, k: Tensor, v: Tensor, positions: Tensor, tokens: int) -> None:
+        """The prompt's tokens a later query can see (the first, at ``tokens``, sees back to
+        ``tokens - window + 1``), from every rank, dealt round robin into the ring as if appended.
+        Collective: one all-gather of at most ``window - 1`` slots per rank."""
+        first = max(0, tokens - self.window + 1)
+        self._append_start.fill_(first)
+        self._append_slot.fill_(0)
+        most = min(self.window - 1, k.shape[2])  # what one rank can hold of the last window
+        if most == 0:
+            return
+        kept = ((positions != EMPTY_POSITION) & (positions >= first)).nonzero().flatten()
+        slots = torch.zeros(most, dtype=torch.int64, device=k.device)
+        slots[:kept.numel()] = kept
+        held = torch.full((most,), EMPTY_POSITION, dtype=torch.int64, device=k.device)
+        held[:kept.numel()] = positions[kept]
+        kv = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(2, slots)
+        # keys, values and positions travel as bytes in one collective: no float dtype holds a position exactly
+        payload = torch.cat([kv.flatten().view(torch.uint8), held.view(torch.uint8)])
+        everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
+        kv_bytes = kv.numel() * kv.element_size()
+        gathered = everyone[:, :kv_bytes].contiguous().view(kv.dtype).view(self.world_size, *kv.shape)
+        gathered = gathered.movedim(0, 2).flatten(2, 3)
+        gathered_positions = everyone[:, kv_bytes:].contiguous().view(torch.int64).flatten()
+        turn = gathered_positions - first
+        mine = (gathered_positions != EMPTY_POSITION) & (turn % self.world_size == self._rank)
+        self._write(gathered[..., :k.shape[-1]], gathered[..., k.shape[-1]:], gathered_positions, mine,
+                    (turn // self.world_size) % self.ring)
 
     def append(self, k: Tensor, v: Tensor) -> Step:
         """Add the next ``L`` tokens (``[B, Hkv, L, D]``, the same on every rank); returns what their attention

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -212,9 +211,8 @@ class ContextParallel:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
-        from .eager import run_schedule
+        from .eager import run_schedule, softmax_scale
 
         schedule = "ring" if self.schedule == "auto" else self.schedule
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return run_schedule(schedule, q, k, v, [], (self.group_name, *self.mesh_groups), is_causal,
-                            self.load_balance, scale, enable_gqa, "sdpa", "")[0]
+                            self.load_balance, softmax_scale(q, scale), enable_gqa, "sdpa", "")[0]

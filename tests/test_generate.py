@@ -85,36 +85,49 @@ def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt
         shards[0].append(tokens[:, :, :1], tokens[:, :, :1])
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("steps", [[1] * 12, [20, 1, 3]])
-def test_window_shards_keep_what_later_queries_see(world_size, steps):
-    """A window of 6 after a 23-token prompt: each step's tokens must find, over all ranks, every position of
-    their windows exactly once, with its own K/V, from a fixed number of slots per rank (a 20-token step is
-    longer than the ring)."""
+def window_shard_steps(window: int, prompt: int, steps: list):
+    """This rank's window layer after a prompt and then ``steps``: per step, the (position, key) pairs this
+    rank's share lets the new tokens see, from a fixed number of slots."""
+    import torch.distributed as dist
+
     from cp_compile.kernels.block import EMPTY_POSITION
     from cp_compile.kv_cache import CacheShard
     from cp_compile.layout import packed_slots, shard_packed
+    from cp_compile.plan import ContextParallel
 
-    window, prompt = 6, 23
-    tokens = torch.randn(1, 2, prompt + sum(steps), 8)
-    shards = [CacheShard("unused", r, world_size, 200, window) for r in range(world_size)]
+    plan = ContextParallel()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = torch.randn(1, 2, prompt + sum(steps), 8, generator=torch.Generator().manual_seed(3))
+    shard = CacheShard(plan.group_name, rank, world, 200, window)
     cu = torch.tensor([0, prompt])
-    for r, shard in enumerate(shards):
-        slots = packed_slots(cu, r, world_size)
-        local = shard_packed(tokens[:, :, :prompt], 2, cu, r, world_size)
-        shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
-        assert shard.capacity == window + -(-window // world_size) + 1
-    start = prompt
+    slots = packed_slots(cu, rank, world)
+    local = shard_packed(tokens[:, :, :prompt], 2, cu, rank, world)
+    shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
+    seen, start = [], prompt
     for n in steps:
-        seen = []
-        for shard in shards:
-            new = tokens[:, :, start:start + n]
-            step = shard.append(new, new)
-            assert torch.equal(step.query_positions, torch.arange(start, start + n))
-            wanted = (step.key_positions > start - window) & (step.key_positions < start + n)
-            seen.append(step.key_positions[wanted])
-            assert torch.equal(step.keys[:, :, wanted], tokens[:, :, step.key_positions[wanted]])
-        assert sorted(torch.cat(seen).tolist()) == list(range(start - window + 1, start + n))
+        new = tokens[:, :, start:start + n]
+        step = shard.append(new, new)
+        assert torch.equal(step.query_positions, torch.arange(start, start + n))
+        wanted = (step.key_positions > start - window) & (step.key_positions < start + n)
+        positions = step.key_positions[wanted]
+        assert torch.equal(step.keys[:, :, wanted], tokens[:, :, positions])  # each slot holds its own token
+        seen.append(positions.tolist())
+        start += n
+    return shard.capacity, seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("steps", [[1] * 12, [20, 1, 3]])
+def test_window_shards_keep_what_later_queries_see(ranks, world_size, steps):
+    """A window of 6 after a 23-token prompt: each step's tokens must find, over all ranks, every position of
+    their windows exactly once, from ceil(6 / C) + 1 slots per rank (a 20-token step is longer than the ring)."""
+    window, prompt = 6, 23
+    per_rank = ranks(world_size, window_shard_steps, window, prompt, steps)
+    assert all(capacity == -(-window // world_size) + 1 for capacity, _ in per_rank)
+    start = prompt
+    for i, n in enumerate(steps):
+        everyone = sorted(p for _, seen in per_rank for p in seen[i])
+        assert everyone == list(range(start - window + 1, start + n))
         start += n
 
 
@@ -169,17 +182,19 @@ def test_generate_matches_one_process(ranks, world_size):
             for r in results:
                 assert r["same_tokens"] and r["logits_err"] < 1e-5, (arch, r)
         # Full-attention layers: one process caches 93 tokens, each rank 1/C of them plus at most 5 slots.
-        # Sliding layers (window 8): one process keeps 7 tokens, each rank 8 + ceil(8 / C) + 2 slots at most.
+        # Sliding layers (window 8): one process keeps 7 tokens, each rank a ring of ceil(8 / C) + 1 slots
+        # and one scratch slot.
         longest = per_rank[0][-1]
         if longest["one_process_bytes"]:
             assert longest["cache_bytes"] <= longest["one_process_bytes"] * (1 / world_size + 5 / 93)
         if longest["one_process_window_bytes"]:
-            slots = 8 + -(-8 // world_size) + 2
-            assert longest["window_bytes"] <= longest["one_process_window_bytes"] / 7 * slots
+            slots = -(-8 // world_size) + 2
+            assert longest["window_bytes"] == longest["one_process_window_bytes"] / 7 * slots
 
 
-def test_sampling_with_one_seed_matches_one_process(ranks):
-    for results in ranks(2, hf_generate_parity, "qwen2", [9], 32, True):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sampling_with_one_seed_matches_one_process(ranks, world_size):
+    for results in ranks(world_size, hf_generate_parity, "qwen2", [9], 32, True):
         assert results[0]["same_tokens"] and results[0]["logits_err"] < 1e-5, results
 
 
@@ -211,8 +226,9 @@ def follow_up_and_plain_generate(arch: str):
     return torch.equal(out_second, ref_second), torch.equal(plain, ref_first)
 
 
-def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks):
-    for follow_up, plain in ranks(3, follow_up_and_plain_generate, "llama"):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks, arch):
+    for follow_up, plain in ranks(3, follow_up_and_plain_generate, arch):
         assert follow_up and plain
 
 
@@ -244,31 +260,96 @@ def compiled_decode(arch: str, prompts: list, new: int):
                                          compile_config=config)
         same.append(torch.equal(out, ref))
         counts.append(len(graphs))
-    return same, counts
+    return same, counts, [gm.code for gm in graphs]
 
 
 def test_compiled_decode_captures_one_graph_for_every_token(ranks):
-    """64 tokens from one graph; a second prompt length (a new cache size) compiles once more, a third none."""
-    for same, counts in ranks(2, compiled_decode, "qwen2", [9, 20, 30], NEW, timeout=600):
+    """64 tokens from one graph; a second prompt length (a new cache size) compiles once more, a third none.
+    The graphs hold neither the rank nor the position: the same code on every rank."""
+    per_rank = ranks(2, compiled_decode, "qwen2", [9, 20, 30], NEW, timeout=600)
+    for same, counts, _ in per_rank:
         assert all(same) and counts == [1, 2, 2], (same, counts)
+    assert per_rank[0][2] == per_rank[1][2]
 
 
-def test_what_generation_under_cp_refuses(fake_plan):
+def refusals():
+    """What generation under CP refuses, each on every rank before any collective could hang: name -> message."""
+    import torch.distributed as dist
     from test_hf import tiny_model
 
+    import cp_compile
     import cp_compile.hf
-    from cp_compile import UnsupportedAttention
 
+    plan = cp_compile.ContextParallel()
     model = tiny_model("llama", "cp_compile")
     ids = _prompt(9)
-    with fake_plan:
-        for kwargs, what in [(dict(num_beams=2), "beam search"), (dict(num_return_sequences=2, do_sample=True), "several sequences"),
-                             (dict(attention_mask=torch.tensor([[0] + [1] * 8])), "padded prompt")]:
-            with pytest.raises(UnsupportedAttention, match=what):
-                cp_compile.hf.generate(model, ids, max_new_tokens=4, **kwargs)
-        with pytest.raises(UnsupportedAttention, match="batch of prompts"):
-            cp_compile.hf.generate(model, ids.repeat(2, 1), max_new_tokens=4)
-        with pytest.raises(UnsupportedAttention, match=r"cp_compile\.hf\.generate"):  # the prompt would not be sharded
-            model.generate(ids, max_new_tokens=4)
-    with pytest.raises(ValueError, match="inside `with plan:`"):
-        cp_compile.hf.generate(model, ids, max_new_tokens=4)
+    seen = {}
+
+    def refused(name, fn):
+        try:
+            fn()
+        except (cp_compile.UnsupportedAttention, ValueError, RuntimeError) as e:
+            seen[name] = f"{type(e).__name__}: {e}"
+
+    generate = lambda **kw: cp_compile.hf.generate(model, kw.pop("ids", ids), max_new_tokens=4, **kw)  # noqa: E731
+    refused("outside a plan", generate)
+    with plan:
+        for name, kwargs in [("num_beams", dict(num_beams=2)),
+                             ("num_return_sequences", dict(num_return_sequences=2, do_sample=True)),
+                             ("penalty_alpha", dict(penalty_alpha=0.6, top_k=4)),
+                             ("max_time", dict(max_time=10.0)),
+                             ("use_cache", dict(use_cache=False)),
+                             ("padding", dict(attention_mask=torch.tensor([[0] + [1] * 8]))),
+                             ("batch", dict(ids=ids.repeat(2, 1))),
+                             ("small cache", dict(cache=cp_compile.hf.ShardedCache(model.config, 10)))]:
+            refused(name, lambda: generate(**kwargs))
+        refused("model.generate", lambda: model.generate(ids, max_new_tokens=4))  # the prompt would not be sharded
+        refused("other prompts", lambda: generate(ids=_prompt(9) + dist.get_rank()))
+        torch.manual_seed(dist.get_rank())  # sampling seeded differently on each rank
+        refused("other seeds", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=32, do_sample=True,
+                                                              temperature=5.0))
+    return seen
+
+
+def test_what_generation_under_cp_refuses(ranks):
+    expected = {
+        "outside a plan": "inside `with plan:`", "num_beams": "beam search", "num_return_sequences": "several sequences",
+        "penalty_alpha": "contrastive search", "max_time": "wall-clock", "use_cache": "use_cache=False",
+        "padding": "padded prompt", "batch": "batch of prompts", "small cache": "max_cache_len=13",
+        "model.generate": r"cp_compile.hf.generate", "other prompts": "different prompts",
+        "other seeds": "different tokens",
+    }
+    per_rank = ranks(2, refusals, timeout=300)
+    for seen in per_rank:
+        assert set(seen) == set(expected), set(expected) ^ set(seen)
+        for name, text in expected.items():
+            assert text in seen[name], (name, seen[name])
+    assert per_rank[0] == per_rank[1]  # the same error on every rank
+
+
+def opcheck_cached():
+    from cp_compile.plan import ContextParallel
+
+    plan = ContextParallel()
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    k_pos, q_pos = torch.tensor([0, 4, 2, 2**62, 1]), torch.tensor([4, 5, 6])
+    torch.library.opcheck(torch.ops.cp.cached_attention.default, (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3))
+    return True
+
+
+def test_cached_attention_passes_opcheck(ranks):
+    assert all(ranks(2, opcheck_cached))
+
+
+def nothing_visible():
+    """Queries before every cached key (and empty slots) on every rank: out 0, never NaN."""
+    import cp_compile
+    from cp_compile.kernels.block import EMPTY_POSITION
+
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8)
+    return cp_compile.cached_attention(q, k, k, torch.tensor([0, 1]), torch.tensor([5, 6, EMPTY_POSITION]))
+
+
+def test_a_query_that_sees_nothing_gets_zeros(ranks):
+    for out in ranks(2, nothing_visible):
+        assert torch.equal(out, torch.zeros_like(out))

@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..eager import softmax_scale
 from ..passes.rewrite import UnsupportedAttention
 from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
@@ -152,8 +153,7 @@ def _cached(module, query: Tensor, attention_mask, dropout: float, scaling: Opti
     if not _compiling() and window != layer.window:
         raise UnsupportedAttention(f"{type(module).__name__} attends with sliding_window={window}, but its "
                                    f"ShardedCache layer was made for {layer.window} (from the model's config)")
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return layer.attend(query, appended, scale).transpose(1, 2).contiguous()
+    return layer.attend(query, appended, softmax_scale(query, scaling)).transpose(1, 2).contiguous()
 
 
 def _check_recompute(module, plan: Optional[ContextParallel]) -> None:

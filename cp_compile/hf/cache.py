@@ -89,6 +89,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
 
     def reset(self) -> None:
         super().reset()
+        self.pending_prefill = None
         self.positions.fill_(EMPTY_POSITION)
         for counter in (self.seen, self._append_start, self._append_slot):
             counter.zero_()

@@ -17,6 +17,8 @@ import copy
 import torch
 from torch import Tensor
 
+from transformers import StoppingCriteria, StoppingCriteriaList
+
 from ..kernels.block import EMPTY_POSITION
 from ..layout import packed_slots
 from ..passes.rewrite import UnsupportedAttention
@@ -24,10 +26,13 @@ from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .cache import ShardedCache
 
-# generate() options that need more than one sequence, or a cache that can roll back: refused by name.
+# generate() options refused by name: they need more than one sequence, a cache that can roll back, or
+# decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
 _REFUSED = {
     "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
     "assistant_model": "assisted decoding", "prompt_lookup_num_tokens": "prompt lookup decoding",
+    "assistant_early_exit": "self-speculative decoding", "penalty_alpha": "contrastive search",
+    "dola_layers": "DoLa decoding", "max_time": "a wall-clock limit",
 }
 
 
@@ -48,6 +53,9 @@ def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
         value = generate_kwargs.get(name, getattr(config, name, None))
         if value not in (None, 1, 0):
             raise UnsupportedAttention(f"cp_compile.hf.generate: {what} ({name}={value!r}) is not supported")
+    if generate_kwargs.get("use_cache", config.use_cache) is False:
+        raise UnsupportedAttention("cp_compile.hf.generate: use_cache=False is not supported (generation under CP "
+                                   "attends to the sharded KV cache)")
     mask = generate_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise UnsupportedAttention("cp_compile.hf.generate: a padded prompt (zeros in attention_mask) is not supported")
@@ -62,23 +70,55 @@ def _max_tokens(config, prompt: int) -> int:
 
 def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids: Tensor) -> None:
     """Run ``input_ids [1, n]`` (the same on every rank) once, sharded over ``plan``: each rank computes
-    and caches its own tokens' K/V. Leaves ``plan.documents`` at this prompt (one document)."""
+    and caches its own tokens' K/V. The prompt reaches the attention as one packed document
+    (``cu_seq_lens_q``), so the plan's recorded documents stay as they were."""
     tokens = input_ids.shape[1]
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     slots = packed_slots(cu, plan.rank, plan.world_size)
     positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
-    local_positions = plan.positions(cu_seqlens=cu, device=input_ids.device)[None]
+    documents = cu.to(input_ids.device)
     with cache.sharded_prefill(positions, tokens), torch.no_grad():
-        model(input_ids=local_ids, position_ids=local_positions, cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=local_ids, position_ids=slots["pos"].to(input_ids.device)[None], cache=cache,
+              use_cache=True, logits_to_keep=1, cu_seq_lens_q=documents, cu_seq_lens_k=documents)
 
 
-def _check_ranks_agree(plan: ContextParallel, sequences: Tensor) -> None:
-    gathered = [torch.empty_like(sequences) for _ in range(plan.world_size)]
-    torch.distributed.all_gather(gathered, sequences.contiguous(), group=plan.group)
-    if any(not torch.equal(g, sequences) for g in gathered):
-        raise RuntimeError("ranks generated different tokens: sampling needs the same seed on every rank "
-                           "(torch.manual_seed(s) on each before generate)")
+def _gathered(plan: ContextParallel, t: Tensor) -> Tensor:
+    """Every rank's ``t``, stacked in rank order."""
+    flat = t.contiguous().flatten()
+    everyone = flat.new_empty(plan.world_size * flat.numel())
+    torch.distributed.all_gather_into_tensor(everyone, flat, group=plan.group)
+    return everyone.view(plan.world_size, *t.shape)
+
+
+def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
+    """Every rank must generate from the same prompt: its length and a digest, compared on every rank."""
+    ids = input_ids.flatten().long()
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device) % 1_000_003
+    mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), (ids * weights).sum()])
+    if not bool((_gathered(plan, mine) == mine).all()):
+        raise ValueError("cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
+                         "prompt, the same on every rank")
+
+
+class SameTokensOnEveryRank(StoppingCriteria):
+    """Compares every step's new tokens across the ranks (one all-gather of ``[B, 1]`` per token).
+
+    Ranks that drew different tokens (sampling seeded differently) would go on to stop at different
+    steps, and a rank that stops leaves the others waiting in the next layer's collective. This
+    criterion raises the same error on every rank at the first step where they differ; it never stops
+    generation itself.
+    """
+
+    def __init__(self, plan: ContextParallel):
+        self.plan = plan
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        last = input_ids[:, -1:]
+        if not bool((_gathered(self.plan, last) == last).all()):
+            raise RuntimeError("cp_compile.hf.generate: the ranks generated different tokens; sampling needs the "
+                               "same seed on every rank (torch.manual_seed(s) on each before generate)")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
@@ -88,18 +128,25 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     ``model.generate`` returns, the same on every rank. The prompt's first P - 1 tokens are
     prefilled sharded over the plan; the cache (``cache``, by default a ``ShardedCache`` sized for
     the generation's ``max_length``) keeps 1/C of the K/V on each rank. Greedy decoding and
-    sampling (seed every rank the same) are supported; beam search, several sequences per prompt,
-    assisted decoding, a batch of prompts and padding raise ``UnsupportedAttention``.
+    sampling (seed every rank the same) are supported; every new token is compared across the
+    ranks, and ranks that differ all raise. Beam search, several sequences per prompt, assisted
+    decoding, contrastive search, DoLa, ``max_time``, a batch of prompts and padding raise
+    ``UnsupportedAttention``.
     """
     plan = active_plan()
     if plan is None:
         raise ValueError("cp_compile.hf.generate runs inside `with plan:`")
     config = _generation_config(model, generate_kwargs)
     _check(model, input_ids, generate_kwargs, config)
+    longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
-        cache = ShardedCache(model.config, _max_tokens(config, input_ids.shape[1]), plan)
+        cache = ShardedCache(model.config, longest, plan)
+    elif cache.get_max_length() < longest:
+        raise ValueError(f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
+                         f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}")
+    _check_same_prompt(plan, input_ids)
     if input_ids.shape[1] > 1 and cache.get_seq_length() == 0:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
-    result = model.generate(input_ids, cache=cache, **generate_kwargs)
-    _check_ranks_agree(plan, result if isinstance(result, Tensor) else result.sequences)
-    return result
+    criteria = StoppingCriteriaList([*(generate_kwargs.pop("stopping_criteria", None) or []),
+                                     SameTokensOnEveryRank(plan)])
+    return model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)

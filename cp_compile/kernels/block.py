@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .merge import acc_dtype, merge_partial
+from .merge import acc_dtype, merge_partial, pivot
 
 MASK_KINDS = ("none", "causal", "causal_bottom_right", "empty")
 
@@ -379,8 +379,7 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
         s = torch.matmul(qg, keys.transpose(-1, -2)) * scale
         s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left).repeat(group, 1), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
-        pivot = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # keeps exp away from -inf - -inf
-        out = torch.matmul(torch.exp(s - pivot.unsqueeze(-1)), values)
+        out = torch.matmul(torch.exp(s - pivot(lse).unsqueeze(-1)), values)
         outs.append(out.reshape(b, hq, n, v.shape[-1]))
         lses.append(lse.reshape(b, hq, n))
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

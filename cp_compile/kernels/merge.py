@@ -17,15 +17,19 @@ import torch
 from torch import Tensor
 
 
-
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of lse and of every accumulator for inputs of ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def pivot(lse: Tensor) -> Tensor:
+    """``lse`` with rows that see no key (-inf) at 0: ``exp(x - pivot(lse))`` never meets -inf - (-inf)."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
 def _weights(acc_lse: Tensor, lse: Tensor, new_lse: Tensor) -> tuple[Tensor, Tensor]:
-    pivot = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    return torch.exp(acc_lse - pivot), torch.exp(lse.to(acc_lse.dtype) - pivot)
+    finite = pivot(new_lse)
+    return torch.exp(acc_lse - finite), torch.exp(lse.to(acc_lse.dtype) - finite)
 
 
 def merge_partial(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.merge import acc_dtype
+from ..kernels.merge import acc_dtype, pivot
 from ..layout.blockmask import HEADER, MAGIC, layout_chunk, layout_perm, shard_info
 from ..torch_compat import flex_index_helpers
 from .base import Call, Kind, Units, register_kind
@@ -213,9 +213,7 @@ def _chunk_pairs(call: MaskCall, mask: Tensor, n_rows: int, n_cols: int) -> Tens
 
 
 def _probs(s: Tensor, lse: Tensor) -> Tensor:
-    # rows seeing nothing have lse = -inf: weigh them against 0, never exp(-inf + inf)
-    pivot = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(s - pivot.unsqueeze(-1))
+    return torch.exp(s - pivot(lse).unsqueeze(-1))
 
 
 def _pieces(call: MaskCall, q_len: int, rows: Tensor, cols: Tensor, direction: str):

@@ -20,14 +20,12 @@ from torch import Tensor
 from ..comm import resolve_group
 from ..comm.gather import gather_dim0
 from ..kernels.block import positions_attn
-from ..kernels.merge import acc_dtype
+from ..kernels.merge import acc_dtype, pivot
 
 
 def merge_ranks(outs: Tensor, lses: Tensor) -> Tensor:
     """Every rank's partial (out [C, ...], lse [C, ...]) merged in one fixed order."""
-    lse = torch.logsumexp(lses, dim=0)
-    pivot = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return (outs * torch.exp(lses - pivot).unsqueeze(-1)).sum(0)
+    return (outs * torch.exp(lses - pivot(torch.logsumexp(lses, dim=0))).unsqueeze(-1)).sum(0)
 
 
 @torch.library.custom_op("cp::cached_attention", mutates_args=())
@@ -47,6 +45,9 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
 @cached_attention.register_fake
 def _(q, k, v, q_pos, k_pos, group_name, left, scale):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+torch.fx.node.has_side_effect(torch.ops.cp.cached_attention.default)  # a collective: never dropped on one rank
 
 
 def check_cached_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:
