@@ -5,6 +5,11 @@ benchmarks and the test suite start C workers once and send them functions.
 Each call runs ``fn(*args, **kwargs)`` on every rank with the process group
 already initialised and returns the per-rank results in rank order.
 
+``RankPool(C, init_group=False)`` starts the workers as ``torchrun`` starts a
+script instead: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT are set, and no process group exists until the code sent
+creates one (the documentation's examples run that way).
+
 A call that does not finish in time (a rank stuck in a collective) tears the
 pool down and raises ``TimeoutError``; the next call starts a fresh pool. An
 exception on any rank is re-raised here with every failing rank's traceback.
@@ -33,24 +38,29 @@ class RankError(RuntimeError):
         super().__init__(f"ranks {sorted(errors)} raised:\n{details}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], init_group: bool) -> None:
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout),
-    )
+    if init_group:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    else:  # what torchrun sets for a script
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import cp_compile  # noqa: F401  (register the ops once per worker)
 
     results.put(("ready", rank, True, None))
@@ -67,15 +77,17 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int,
             results.put((task_id, rank, True, value))
         except BaseException as e:  # noqa: BLE001  (reported to the caller)
             results.put((task_id, rank, False, (type(e).__name__, str(e), traceback.format_exc())))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class RankPool:
     """``world_size`` local gloo ranks, reusable across calls."""
 
     def __init__(self, world_size: int, threads_per_rank: int = 1, pg_timeout: float = 60.0,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None):
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None, init_group: bool = True):
         self.world_size = world_size
+        self.init_group = init_group
         self.env = dict(env or {})  # set in each worker before anything runs
         self.threads_per_rank = threads_per_rank
         self.pg_timeout = pg_timeout
@@ -85,14 +97,14 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank,
-                      self.pg_timeout, self.env),
+                      self.pg_timeout, self.env, self.init_group),
                 daemon=True,
             )
             for r in range(self.world_size)
