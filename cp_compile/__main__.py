@@ -1,9 +1,10 @@
-"""Command line: ``python -m cp_compile demo``, ``bench`` and ``generate``."""
+"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy`` and ``generate``."""
 
 import argparse
 import sys
 
 from . import bench, demo, inference
+from .bench import accuracy
 
 
 def main(argv=None) -> int:
@@ -11,6 +12,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device"))
     bench.add_arguments(sub.add_parser("bench", help="time ours vs PyTorch's ring vs one device; JSON + PNG"))
+    accuracy.add_arguments(sub.add_parser("accuracy", help="each schedule's error against fp64 as C grows, as a "
+                                                          "ratio to one device's; JSON + PNG"))
     inference.add_arguments(sub.add_parser("generate", help="Hugging Face generate under CP vs one process: "
                                                             "tokens, prefill tokens/s, decode ms/token, cache memory"))
     args = parser.parse_args(argv)
@@ -18,6 +21,8 @@ def main(argv=None) -> int:
         return demo.main(args)
     if args.command == "bench":
         return bench.main(args)
+    if args.command == "accuracy":
+        return accuracy.main(args)
     if args.command == "generate":
         return inference.main(args)
     return 2

@@ -1,4 +1,4 @@
-"""The examples run as their docstrings say (short runs: the long ones are in the README's results)."""
+"""The examples run as their docstrings say (short runs: the long ones are in docs/results.md)."""
 
 import subprocess
 import sys
@@ -33,4 +33,19 @@ def test_generate_command(tmp_path):
 
     rows = json.loads(out.read_text())
     assert [r["prompt"] for r in rows] == [9, 33] and all(r["same_tokens"] for r in rows)
+    assert plot.stat().st_size > 10_000
+
+
+def test_accuracy_command(tmp_path):
+    """``python -m cp_compile accuracy`` at a small size: every schedule within the gates, JSON and PNG written."""
+    out, plot = tmp_path / "accuracy.json", tmp_path / "accuracy.png"
+    run = subprocess.run([sys.executable, "-m", "cp_compile", "accuracy", "-C", "1,2", "-S", "96", "--heads", "4",
+                          "--kv-heads", "2", "--head-dim", "16", "--out", str(out), "--plot", str(plot)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [r["C"] for r in rows] == [1, 2]
+    assert all(r[s]["ratio"] <= 2 and r[s]["fp64"] < 1e-10 for r in rows for s in ("ring", "allgather", "ulysses"))
     assert plot.stat().st_size > 10_000

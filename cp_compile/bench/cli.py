@@ -62,8 +62,11 @@ def plot(results: dict, path: Path) -> None:
     causal_values = sorted({c["config"]["causal"] for c in configs}, reverse=True)
     seq_lens = sorted({c["config"]["seq_len"] for c in configs})
     markers = "osD^v<>"
-    fig = plt.figure(figsize=(13, 11), constrained_layout=True)
-    grid = fig.add_gridspec(3, len(causal_values))
+    spare = iter(["tab:cyan", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:gray"])
+    colors = {name: _COLORS.get(name) or next(spare, None) for name in results["variants"]}
+    timeline = _has_timeline(results)
+    fig = plt.figure(figsize=(13, 11 if timeline else 7.5), constrained_layout=True)
+    grid = fig.add_gridspec(3 if timeline else 2, len(causal_values))
     for col, causal in enumerate(causal_values):
         ax_t, ax_m = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for name in results["variants"]:
@@ -73,7 +76,7 @@ def plot(results: dict, path: Path) -> None:
                 pts = [(w, e) for w, e in sorted(pts, key=lambda t: t[0]) if e.get("time_s") is not None]
                 if not pts:
                     continue
-                style = dict(color=_COLORS.get(name), marker=markers[si % len(markers)],
+                style = dict(color=colors[name], marker=markers[si % len(markers)],
                              linestyle="--" if name == SINGLE else "-")
                 label = f"{name}, S={s}"
                 ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
@@ -86,14 +89,18 @@ def plot(results: dict, path: Path) -> None:
             ax.set_xticks(sorted({c["config"]["world_size"] for c in configs}))
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
-    ax = fig.add_subplot(grid[2, :])
-    _plot_timeline(ax, results)
+    if timeline:
+        _plot_timeline(fig.add_subplot(grid[2, :]), results)
     fig.suptitle(f"cp_compile bench: B={configs[0]['config']['batch']} H={configs[0]['config']['heads']} "
                  f"D={configs[0]['config']['head_dim']} {configs[0]['config']['dtype']}, "
                  f"{results['meta']['device']}, {results['meta']['threads_per_rank']} thread/rank")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _has_timeline(results: dict) -> bool:
+    return any("timeline" in c["variants"].get(OURS, {}) for c in results["configs"])
 
 
 def _plot_timeline(ax, results: dict) -> None:
@@ -187,11 +194,28 @@ def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOpt
     return opts
 
 
+def plot_timeline(results: dict, path: Path) -> None:
+    """The per-rank timeline alone (one ring of "ours eager"), when one was recorded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2.6), constrained_layout=True)
+    _plot_timeline(ax, results)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(results: dict, out: Path) -> Path:
+    """The JSON at ``out``, the figure next to it, and ``<out>_timeline.png`` when a timeline was recorded."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     png = out.with_suffix(".png")
     plot(results, png)
+    if _has_timeline(results):
+        plot_timeline(results, out.with_name(out.stem + "_timeline.png"))
     return png
 
 

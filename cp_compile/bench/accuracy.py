@@ -1,0 +1,135 @@
+"""``python -m cp_compile accuracy``: each schedule's error against fp64, as C grows.
+
+The same seeded global q, k, v and output gradient on every rank. The
+reference is single-device SDPA in fp64; the yardstick is single-device SDPA
+in the low precision (``--dtype``). For each schedule and C, the CP output
+and input gradients are computed in that precision from this rank's shards
+and gathered, and the report gives
+
+    ratio = max |CP - fp64| / max |single device - fp64|
+
+over out, dq, dk and dv (the project's gate: at most 2), and the fp64 CP
+error itself (the gate: about 1e-10). ``--plot`` draws both against C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..launch import RankPool
+
+SCHEDULES = ("ring", "allgather", "ulysses")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _inputs(args, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, args.heads, args.seq, args.head_dim), (1, args.kv_heads, args.seq, args.head_dim),
+              (1, args.kv_heads, args.seq, args.head_dim), (1, args.heads, args.seq, args.head_dim)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _single(q, k, v, do, causal: bool) -> list[torch.Tensor]:
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                           enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(do)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _cp(plan, schedule: str, q, k, v, do, causal: bool) -> list[torch.Tensor]:
+    import cp_compile
+
+    attend = {"ring": cp_compile.ring_attention, "allgather": cp_compile.allgather_attention,
+              "ulysses": cp_compile.ulysses_attention}[schedule]
+    local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    out = attend(*local, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(plan.shard(do, 2))
+    return [plan.unshard(t.detach(), 2) for t in [out] + [x.grad for x in local]]
+
+
+def _worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want))
+
+
+def errors_rank(args) -> dict:
+    """Runs on every rank of a C-rank group: every schedule's errors in fp64 and in ``args.dtype``."""
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    low = DTYPES[args.dtype]
+    reference = _single(*_inputs(args, torch.float64), args.causal)
+    single = _worst(_single(*_inputs(args, low), args.causal), reference)
+    row = {"single": single}
+    for schedule in args.schedules:
+        row[schedule] = {
+            "fp64": _worst(_cp(plan, schedule, *_inputs(args, torch.float64), args.causal), reference),
+            "ratio": _worst(_cp(plan, schedule, *_inputs(args, low), args.causal), reference) / single,
+        }
+    return row
+
+
+def plot(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ratio, ax_fp64) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    sizes = [r["C"] for r in rows]
+    for schedule in args.schedules:
+        ax_ratio.plot(sizes, [r[schedule]["ratio"] for r in rows], marker="o", label=schedule)
+        ax_fp64.plot(sizes, [max(r[schedule]["fp64"], 1e-18) for r in rows], marker="o", label=schedule)
+    ax_ratio.axhline(2.0, color="0.5", linestyle="--", label="gate: 2x one device")
+    ax_ratio.set(title=f"{args.dtype}: CP error / one-device error (against fp64)", xlabel="C (ranks)",
+                 ylabel="ratio (max over out, dq, dk, dv)", ylim=(0, 2.5))
+    ax_fp64.axhline(1e-10, color="0.5", linestyle="--", label="gate: 1e-10")
+    ax_fp64.set(title="fp64: CP against one device (0 drawn at 1e-18)", xlabel="C (ranks)", ylabel="max abs error", yscale="log")
+    for ax in (ax_ratio, ax_fp64):
+        ax.set_xticks(sizes)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{'causal' if args.causal else 'non-causal'}, S={args.seq}, heads {args.heads}/{args.kv_heads}, "
+                 f"D={args.head_dim}, fwd+bwd")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-sizes", "-C", default="1,2,3,4", help="comma list (default 1,2,3,4)")
+    p.add_argument("--seq", "-S", type=int, default=1536, help="global tokens; must split into 2C chunks for each C")
+    p.add_argument("--heads", type=int, default=12, help="query heads (Ulysses needs them to divide by C)")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma list of ring, allgather, ulysses")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="write the PNG")
+
+
+def main(args: argparse.Namespace) -> int:
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    rows = []
+    print(f"{'C':>2} {'one device':>11} " + " ".join(f"{s + ' ratio':>15} {s + ' fp64':>15}" for s in args.schedules))
+    for size in (int(c) for c in args.world_sizes.split(",") if c):
+        with RankPool(size) as pool:
+            row = pool.run(errors_rank, args, timeout=3600)[0]
+        row["C"] = size
+        rows.append(row)
+        print(f"{size:>2} {row['single']:>11.2e} " + " ".join(
+            f"{row[s]['ratio']:>15.2f} {row[s]['fp64']:>15.1e}" for s in args.schedules), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args, args.plot)
+    worst = max(row[s]["ratio"] for row in rows for s in args.schedules)
+    exact = max(row[s]["fp64"] for row in rows for s in args.schedules)
+    print(f"worst ratio {worst:.2f} (gate 2), worst fp64 error {exact:.1e} (gate 1e-10)")
+    return 0 if worst <= 2.0 and exact <= 1e-10 else 1
