@@ -13,6 +13,8 @@ from torch import Tensor
 
 
 def causal():
+    """A query sees itself and every earlier key."""
+
     def mask(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
@@ -49,6 +51,8 @@ def prefix_lm(prefix_len: int):
 
 
 def and_(*mods):
+    """Visible where every one of ``mods`` is."""
+
     def mask(b, h, q_idx, kv_idx):
         result = mods[0](b, h, q_idx, kv_idx)
         for mod in mods[1:]:
@@ -59,6 +63,8 @@ def and_(*mods):
 
 
 def or_(*mods):
+    """Visible where any one of ``mods`` is."""
+
     def mask(b, h, q_idx, kv_idx):
         result = mods[0](b, h, q_idx, kv_idx)
         for mod in mods[1:]:
