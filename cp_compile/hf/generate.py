@@ -87,7 +87,7 @@ def _gathered(plan: ContextParallel, t: Tensor) -> Tensor:
     """Every rank's ``t``, stacked in rank order."""
     flat = t.contiguous().flatten()
     everyone = flat.new_empty(plan.world_size * flat.numel())
-    torch.distributed.all_gather_into_tensor(everyone, flat, group=plan.group)
+    torch.distributed.all_gather_single(everyone, flat, group=plan.group)
     return everyone.view(plan.world_size, *t.shape)
 
 
