@@ -41,13 +41,9 @@ def _single(q, k, v, do, causal: bool) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _cp(plan, schedule: str, q, k, v, do, causal: bool) -> list[torch.Tensor]:
-    import cp_compile
-
-    attend = {"ring": cp_compile.ring_attention, "allgather": cp_compile.allgather_attention,
-              "ulysses": cp_compile.ulysses_attention}[schedule]
+def _cp(plan, q, k, v, do, causal: bool) -> list[torch.Tensor]:
     local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    out = attend(*local, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    out = plan.attention(*local, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     out.backward(plan.shard(do, 2))
     return [plan.unshard(t.detach(), 2) for t in [out] + [x.grad for x in local]]
 
@@ -60,15 +56,15 @@ def errors_rank(args) -> dict:
     """Runs on every rank of a C-rank group: every schedule's errors in fp64 and in ``args.dtype``."""
     import cp_compile
 
-    plan = cp_compile.ContextParallel()
     low = DTYPES[args.dtype]
     reference = _single(*_inputs(args, torch.float64), args.causal)
     single = _worst(_single(*_inputs(args, low), args.causal), reference)
     row = {"single": single}
     for schedule in args.schedules:
+        plan = cp_compile.ContextParallel(schedule=schedule)
         row[schedule] = {
-            "fp64": _worst(_cp(plan, schedule, *_inputs(args, torch.float64), args.causal), reference),
-            "ratio": _worst(_cp(plan, schedule, *_inputs(args, low), args.causal), reference) / single,
+            "fp64": _worst(_cp(plan, *_inputs(args, torch.float64), args.causal), reference),
+            "ratio": _worst(_cp(plan, *_inputs(args, low), args.causal), reference) / single,
         }
     return row
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..comm.gather import gather_dim0
 from ..kernels.block import EMPTY_POSITION
 from ..layout import packed_slots
 from ..passes.rewrite import UnsupportedAttention
@@ -83,20 +84,12 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
               use_cache=True, logits_to_keep=1, cu_seq_lens_q=documents, cu_seq_lens_k=documents)
 
 
-def _gathered(plan: ContextParallel, t: Tensor) -> Tensor:
-    """Every rank's ``t``, stacked in rank order."""
-    flat = t.contiguous().flatten()
-    everyone = flat.new_empty(plan.world_size * flat.numel())
-    torch.distributed.all_gather_single(everyone, flat, group=plan.group)
-    return everyone.view(plan.world_size, *t.shape)
-
-
 def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
     """Every rank must generate from the same prompt: its length and a digest, compared on every rank."""
     ids = input_ids.flatten().long()
     weights = torch.arange(1, ids.numel() + 1, device=ids.device) % 1_000_003
     mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), (ids * weights).sum()])
-    if not bool((_gathered(plan, mine) == mine).all()):
+    if not bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all()):
         raise ValueError("cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
                          "prompt, the same on every rank")
 
@@ -115,7 +108,7 @@ class SameTokensOnEveryRank(StoppingCriteria):
 
     def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
         last = input_ids[:, -1:]
-        if not bool((_gathered(self.plan, last) == last).all()):
+        if not bool((gather_dim0(last[None], self.plan.group_name, self.plan.world_size) == last).all()):
             raise RuntimeError("cp_compile.hf.generate: the ranks generated different tokens; sampling needs the "
                                "same seed on every rank (torch.manual_seed(s) on each before generate)")
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
