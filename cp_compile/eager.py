@@ -135,37 +135,49 @@ def flex_attention(
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group=None, *, is_causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), scale: Optional[float] = None, enable_gqa: bool = False,
-    schedule: str = "auto", machine=None,
-) -> Tensor:
+    schedule: str = "auto", machine=None, chunk: int = 0, softcap: float = 0.0, return_lse: bool = False,
+):
     """CP attention over packed documents. Differentiable.
 
     ``q, k, v`` are this rank's ``[T_local, H, D]`` slots (``ContextParallel.shard(x, 0,
     cu_seqlens=cu)``); ``cu_seqlens`` is the global int32 tensor of document
     boundaries, as on one device. ``window_size=(left, right)`` as in torch's
     ``varlen_attn`` (-1 unbounded; ``(-1, 0)`` or ``is_causal=True``: causal).
+    ``chunk > 0`` limits each query to keys in its own chunk of ``chunk``
+    positions of its document (chunked attention); ``softcap > 0`` caps every
+    score at ``softcap * tanh(score / softcap)``; ``return_lse`` also returns
+    the log-sum-exp ``[T_local, H]`` (fp32; fp64 for fp64 input), differentiable.
     ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
     must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
     query heads must divide by its a2a size) or ``"auto"``: the cost model's
     choice (``passes.masked.choose_packed``) from the documents, the window and
     ``machine`` (a ``cp_compile.Machine``; default: the device type's profile),
-    the same choice a compiled ``varlen_attn`` site makes.
+    the same choice a compiled ``varlen_attn`` site makes. Inside a compiled
+    region the documents are not known while tracing, and ``"auto"`` means
+    ``"allgather"``.
     """
     left, right = window_of(window_size, is_causal)
-    if schedule == "auto":
+    if schedule == "auto" and (is_2d_mesh(group) or isinstance(group, tuple)):
+        schedule = "hybrid"
+    elif schedule == "auto" and torch.compiler.is_compiling():
+        schedule = "allgather"
+    elif schedule == "auto":
         from .passes.masked import choose_packed
 
-        schedule = "hybrid" if is_2d_mesh(group) else choose_packed(
-            q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine)[0]
+        schedule = choose_packed(q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right),
+                                 machine)[0]
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
-    out, _ = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, softmax_scale(q, scale), enable_gqa,
-                          "packed", packed_options(left, right))
-    return thd(out) if heads else out
+    out, lse = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, softmax_scale(q, scale),
+                            enable_gqa, "packed", packed_options(left, right, chunk, softcap))
+    if heads:
+        out, lse = thd(out), thd(lse)
+    return (out, lse) if return_lse else out
 
 
 def cached_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, q_positions: Tensor, k_positions: Tensor, group=None,
-    window: Optional[int] = None, scale: Optional[float] = None,
+    window: Optional[int] = None, scale: Optional[float] = None, chunk: int = 0, softcap: float = 0.0,
 ) -> Tensor:
     """Attention of queries every rank holds to a KV cache sharded over ``group`` (inference).
 
@@ -173,16 +185,18 @@ def cached_attention(
     ``k_cache, v_cache [B, Hkv, L, D]`` are this rank's cache slots, ``k_positions [L]`` the global
     position of each slot's token (``cp_compile.kernels.block.EMPTY_POSITION`` for an empty slot).
     A key is visible when it is not after the query and, with ``window``, fewer than ``window``
-    positions before it (transformers' ``sliding_window``). Every rank gets the same result: each
+    positions before it (transformers' ``sliding_window``) and, with ``chunk``, in the query's chunk
+    of ``chunk`` positions; ``softcap > 0`` caps the scores. Every rank gets the same result: each
     attends to its own slots, then the partial results merge exactly across ranks. GQA when
     ``Hq`` is a multiple of ``Hkv``. Not differentiable.
     """
-    from .schedules.cached import check_cached_args
+    from .schedules.cached import cached_options, check_cached_args
 
     check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
     left = -1 if window is None else int(window) - 1
     group_name, scale = group_name_of(group), softmax_scale(q, scale)
     # the ranks' caches may hold different numbers of slots: compare everything else
     torch.ops.cp.agree(q, k_cache.narrow(2, 0, 0), v_cache.narrow(2, 0, 0), group_name,
-                       f"cached_attention left={left} scale={scale}")
-    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale)
+                       f"cached_attention left={left} scale={scale} {cached_options(chunk, softcap)}")
+    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale,
+                                         cached_options(chunk, softcap))[0]

@@ -94,6 +94,11 @@ class CacheShard:
             raise ValueError("a sharded prefill fills an empty cache; run a follow-up prompt as a multi-token step")
         if tokens > self.max_tokens:
             raise ValueError(f"a {tokens}-token prompt does not fit a cache of {self.max_tokens} tokens")
+        if k.dim() != 4 or k.shape[2] != positions.shape[0] or v.shape[:3] != k.shape[:3]:
+            raise ValueError(
+                f"the sharded prefill stores keys {tuple(k.shape)} and values {tuple(v.shape)}, but this rank holds "
+                f"{positions.shape[0]} slots of the prompt: the model does not hand the cache [batch, heads, tokens, "
+                "dim] keys and values of its shard (a model with attention code of its own)")
         positions = positions.to(self.positions.device)
         self.seen.fill_(tokens)
         if self.ring is not None:
@@ -166,8 +171,9 @@ class CacheShard:
         self.values.index_copy_(2, slot, v.to(self.values.dtype))
         self.positions.index_copy_(0, slot, torch.where(mine, positions, EMPTY_POSITION))
 
-    def attend(self, q: Tensor, step: Step, scale: float) -> Tensor:
-        """Attention of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share."""
+    def attend(self, q: Tensor, step: Step, scale: float, options: str = "") -> tuple[Tensor, Tensor]:
+        """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
+        ``options`` from ``schedules.cached.cached_options``."""
         left = -1 if self.window is None else self.window - 1
         return torch.ops.cp.cached_attention(q, step.keys, step.values, step.query_positions, step.key_positions,
-                                             self.group_name, left, scale)
+                                             self.group_name, left, scale, options)

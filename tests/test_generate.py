@@ -331,9 +331,14 @@ def opcheck_cached():
     from cp_compile.plan import ContextParallel
 
     plan = ContextParallel()
-    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    from cp_compile.schedules.cached import cached_options
+
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     k_pos, q_pos = torch.tensor([0, 4, 2, 2**62, 1]), torch.tensor([4, 5, 6])
-    torch.library.opcheck(torch.ops.cp.cached_attention.default, (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3))
+    for v_dim, options in [(8, cached_options()), (6, cached_options(chunk=4)), (8, cached_options(softcap=2.0))]:
+        v = torch.randn(1, 2, 5, v_dim)
+        torch.library.opcheck(torch.ops.cp.cached_attention.default,
+                              (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3, options))
     return True
 
 

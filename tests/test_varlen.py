@@ -188,8 +188,8 @@ def run_packed(lengths, hq, hkv, d):
             local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
             computed = []
             real_attn = varlen_ops.tiles_attn  # counts the forward calls with any tile to compute
-            varlen_ops.tiles_attn = lambda q, k, v, tiles, scale: (computed.extend([1] if tiles else [])
-                                                                  or real_attn(q, k, v, tiles, scale))
+            varlen_ops.tiles_attn = lambda q, k, v, tiles, *rest: (computed.extend([1] if tiles else [])
+                                                                  or real_attn(q, k, v, tiles, *rest))
             try:
                 out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
                                                   schedule=schedule)

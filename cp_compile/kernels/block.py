@@ -83,13 +83,18 @@ def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.view(b, kv_heads, hq // kv_heads, length, d).sum(2)
 
 
-def _math_scores(q: Tensor, k: Tensor, visible: Optional[Tensor], scale: float) -> Tensor:
-    """Scores in the accumulator dtype, [B, Hkv, G, Lq, Lk], without repeating K; -inf where not ``visible``."""
+def _math_scores(q: Tensor, k: Tensor, visible: Optional[Tensor], scale: float, softcap: float = 0.0) -> Tensor:
+    """Scores in the accumulator dtype, [B, Hkv, G, Lq, Lk], without repeating K; -inf where not ``visible``.
+
+    With ``softcap > 0`` the scores are ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2's logit
+    soft-capping): a per-score map, so partial results still merge exactly."""
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
     qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)
     s = torch.matmul(qg, k.to(dt).unsqueeze(2).transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     return s if visible is None else s.masked_fill(~visible, float("-inf"))
 
 
@@ -97,42 +102,54 @@ def _causal(q: Tensor, k: Tensor, causal: bool) -> Optional[Tensor]:
     return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() if causal else None
 
 
-def _math_fwd(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor], scale: float):
+def _math_fwd(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor], scale: float, softcap: float = 0.0):
     """Every row must see some key (true of every tile this module builds)."""
     b, hq, lq, _ = q.shape
-    s = _math_scores(q, k, visible, scale)
+    s = _math_scores(q, k, visible, scale, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.matmul(p, v.to(s.dtype).unsqueeze(2))
     return out.reshape(b, hq, lq, v.shape[-1]).to(q.dtype), lse.reshape(b, hq, lq)
 
 
-def _math_probs(q, k, lse, visible, scale):
+def _math_probs(q, k, lse, visible, scale, softcap: float = 0.0):
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
-    s = _math_scores(q, k, visible, scale)
-    return torch.exp(s - lse.to(s.dtype).view(b, hkv, hq // hkv, lq, 1))
+    s = _math_scores(q, k, visible, scale, softcap)
+    return torch.exp(s - lse.to(s.dtype).view(b, hkv, hq // hkv, lq, 1)), s
 
 
-def _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse=None):
+def _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse=None, softcap: float = 0.0):
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
     g = hq // hkv
-    p = _math_probs(q, k, lse, visible, scale)
+    p, s = _math_probs(q, k, lse, visible, scale, softcap)
     do = dout.to(dt).view(b, hkv, g, lq, -1)
     dp = torch.matmul(do, v.to(dt).unsqueeze(2).transpose(-1, -2))
     delta = (do * out.to(dt).view(b, hkv, g, lq, -1)).sum(-1, keepdim=True)
     if dlse is not None:  # d lse_i / d s_ij = p_ij
         delta = delta - dlse.to(dt).view(b, hkv, g, lq, 1)
     ds = p * (dp - delta) * scale
+    if softcap:  # d(c tanh(x / c))/dx = 1 - tanh^2; masked scores are -inf, their p is 0
+        ds = ds * (1 - (s.masked_fill(p == 0, 0) / softcap) ** 2)
     dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, g, lq, d)).sum(2)
     dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv  # in the accumulator dtype: every caller accumulates or casts once
+
+
+def _pad_dim(t: Tensor, dim: int) -> Tensor:
+    return t if t.shape[-1] == dim else torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
 
 
 def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if q.shape[-1] != v.shape[-1] and not _use_math(q):
+        # the fused kernels take one head dim: zero columns change neither the scores (q, k) nor the
+        # kept columns of the output (v); multi-head latent attention has q/k wider than v
+        dim = max(q.shape[-1], v.shape[-1])
+        out, lse = _tile_fwd(_pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim), causal, scale)
+        return out[..., : v.shape[-1]], lse
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
@@ -147,7 +164,17 @@ def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
 
 
 def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
+    """(dq, dk, dv) of one dense tile, in the inputs' dtype or, where the kernel gives it, the accumulator's."""
+    if q.shape[-1] != v.shape[-1] and not _use_math(q):  # see _tile_fwd
+        dim = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = _tile_bwd(*(_pad_dim(t, dim) for t in (dout, q, k, v, out)), lse, causal, scale)
+        return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     if q.device.type == "cpu":
+        if q.dtype in (torch.bfloat16, torch.float16):
+            # the CPU kernel computes in fp32 either way; given fp32 inputs it also sums the query heads of a
+            # key/value group in fp32 before its one rounding (in bf16 its dK/dV error doubles at 3 groups)
+            # (the gradients stay fp32 for the caller's accumulators)
+            return _tile_bwd(*(t.float() for t in (dout, q, k, v, out)), lse, causal, scale)
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -179,7 +206,7 @@ def _lse_grad(dlse, q, k, lse, causal, scale):
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
-    p = _math_probs(q, k, lse, _causal(q, k, causal), scale)
+    p, _ = _math_probs(q, k, lse, _causal(q, k, causal), scale)
     ds = p * dlse.to(dt).view(b, hkv, hq // hkv, lq, 1) * scale
     dq = torch.matmul(ds, k.to(dt).unsqueeze(2)).reshape(b, hq, lq, d)
     dk = torch.matmul(ds.transpose(-1, -2), q.to(dt).view(b, hkv, hq // hkv, lq, d)).sum(2)
@@ -232,10 +259,13 @@ def block_attn_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) ->
     return out, lse
 
 
-def block_attn_backward_impl(
+def block_attn_backward_parts(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     mask: str, scale: float, dlse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the block, unrounded: as the tile kernel returns them (fp32 from the CPU kernel for
+    low-precision input), accumulated over the block's tiles in the accumulator dtype. For callers that
+    accumulate further before one cast (packed tiles)."""
     pieces = _pieces(q.shape[2], k.shape[2], mask)
     whole = (slice(0, q.shape[2]), slice(0, k.shape[2]))
     dq = dk = dv = None
@@ -244,17 +274,27 @@ def block_attn_backward_impl(
         tq, tk, tv = _tile_bwd(dout[:, :, rows], *args, out[:, :, rows], lse[:, :, rows].contiguous(), causal, scale)
         if dlse is not None:
             eq, ek = _lse_grad(dlse[:, :, rows], args[0], args[1], lse[:, :, rows], causal, scale)
-            tq, tk = (tq + eq).to(q.dtype), (tk + ek).to(k.dtype)
+            tq, tk = tq + eq, tk + ek
         if len(pieces) == 1 and (rows, cols) == whole:  # the tile is the block: no accumulators
             return tq, tk, tv
         if dq is None:
-            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dt = acc_dtype(q.dtype)
+            dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
         dq[:, :, rows] += tq
         dk[:, :, cols] += tk
         dv[:, :, cols] += tv
     if dq is None:  # nothing visible
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return dq, dk, dv
+
+
+def block_attn_backward_impl(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: str, scale: float, dlse: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes (``block_attn_backward_parts``, cast once)."""
+    dq, dk, dv = block_attn_backward_parts(dout, q, k, v, out, lse, mask, scale, dlse)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def band_visible(lq: int, lk: int, offset: int, left: int, right: int, device=None) -> Tensor:
@@ -269,15 +309,25 @@ def band_visible(lq: int, lk: int, offset: int, left: int, right: int, device=No
     return visible
 
 
-def band_attn_impl(q, k, v, offset: int, left: int, right: int, scale: float) -> tuple[Tensor, Tensor]:
-    """A window tile no fused kernel expresses: the math path, memory Lq x Lk (bounded by the window)."""
-    return _math_fwd(q, k, v, band_visible(q.shape[2], k.shape[2], offset, left, right, q.device), scale)
+def tile_visible(kind: str, lq: int, lk: int, offset: int, window: tuple[int, int], device=None) -> Optional[Tensor]:
+    """[Lq, Lk] bool of a tile of ``kind`` ``"none"`` (None: everything), ``"causal"`` (top-left) or
+    ``"band"`` (``band_visible``)."""
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    return band_visible(lq, lk, offset, *window, device)
 
 
-def band_attn_backward_impl(dout, q, k, v, out, lse, offset: int, left: int, right: int, scale: float,
-                            dlse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    visible = band_visible(q.shape[2], k.shape[2], offset, left, right, q.device)
-    return _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse)
+def math_attn_impl(q, k, v, visible: Optional[Tensor], scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """A tile no fused kernel expresses (a window edge, soft-capped scores): the math path, memory Lq x Lk."""
+    return _math_fwd(q, k, v, visible, scale, softcap)
+
+
+def math_attn_backward_impl(dout, q, k, v, out, lse, visible: Optional[Tensor], scale: float,
+                            dlse: Optional[Tensor], softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a math tile, in the accumulator dtype."""
+    return _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse, softcap)
 
 
 def check_block_args(q: Tensor, k: Tensor, v: Tensor, mask: str) -> None:
@@ -348,16 +398,21 @@ block_attn.register_autograd(_block_backward, setup_context=_block_setup)
 EMPTY_POSITION = 2**62
 
 
-def positions_visible(q_pos: Tensor, k_pos: Tensor, left: int) -> Tensor:
+def positions_visible(q_pos: Tensor, k_pos: Tensor, left: int, chunk: int = 0) -> Tensor:
     """[Lq, Lk] bool: a key is visible to a query when it is not after it and, with ``left >= 0``,
-    at most ``left`` positions before it (transformers' window ``w`` is ``left = w - 1``)."""
+    at most ``left`` positions before it (transformers' window ``w`` is ``left = w - 1``) and, with
+    ``chunk > 0``, in the same chunk of ``chunk`` positions (Llama 4's chunked attention)."""
     behind = q_pos[:, None] - k_pos[None, :]
     visible = behind >= 0
-    return visible & (behind <= left) if left >= 0 else visible
+    if left >= 0:
+        visible &= behind <= left
+    if chunk > 0:
+        visible &= (q_pos[:, None] // chunk) == (k_pos[None, :] // chunk)
+    return visible
 
 
 def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, left: int, scale: float,
-                   rows_per_block: int = 1024) -> tuple[Tensor, Tensor]:
+                   rows_per_block: int = 1024, chunk: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Queries at global positions ``q_pos`` against keys at ``k_pos`` (any order, empty slots at
     ``EMPTY_POSITION``): (out, lse) in the accumulator dtype; a row that sees no key gets out 0,
     lse -inf (a rank's share of a cache may hold nothing a query may see).
@@ -377,7 +432,9 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
         n = q[:, :, rows].shape[2]
         qg = q[:, :, rows].to(dt).reshape(b, hkv, group * n, d)
         s = torch.matmul(qg, keys.transpose(-1, -2)) * scale
-        s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left).repeat(group, 1), float("-inf"))
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         out = torch.matmul(torch.exp(s - pivot(lse).unsqueeze(-1)), values)
         outs.append(out.reshape(b, hq, n, v.shape[-1]))

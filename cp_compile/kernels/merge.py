@@ -105,3 +105,16 @@ def accumulate_(acc: Tensor, x: Tensor, heads_from: int = 0) -> None:
 @accumulate_.register_fake
 def _(acc, x, heads_from=0):
     return None
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor, head_dim: int) -> Tensor:
+    """Attention sinks (GPT-OSS): each head's learned logit joins every row's softmax denominator.
+
+    The merged result of the real keys (``out``, ``lse``) becomes
+    ``out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink)``: folded once, after the
+    schedule, in the accumulator dtype. ``head_dim`` is the dimension of ``lse`` holding the heads
+    (``out`` has one more, the head dim). Differentiable in ``out``, ``lse`` and ``sinks``."""
+    shape = [1] * lse.dim()
+    shape[head_dim] = -1
+    kept = torch.sigmoid(lse - sinks.to(lse.dtype).view(shape))
+    return (out.to(lse.dtype) * kept.unsqueeze(-1)).to(out.dtype)

@@ -32,7 +32,9 @@ import torch
 from torch import Tensor
 
 from ..layout import Segment
-from .block import band_attn_backward_impl, band_attn_impl, block_attn_backward_impl, block_attn_impl
+from .block import (
+    block_attn_backward_parts, block_attn_impl, math_attn_backward_impl, math_attn_impl, tile_visible,
+)
 from .merge import acc_dtype, merge_into_
 
 
@@ -113,23 +115,33 @@ def _bhld(t: Tensor, row: int, length: int) -> Tensor:
     return t.narrow(0, row, length).transpose(0, 1).unsqueeze(0)
 
 
-def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: Sequence[Tile], scale: float) -> tuple[Tensor, Tensor]:
-    """(out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] fp32/fp64)."""
+def _math(t: Tile, softcap: float) -> bool:
+    """Band tiles, and every tile of soft-capped scores (no fused kernel caps), take the math path."""
+    return t.kind == "band" or softcap > 0
+
+
+def _visible(t: Tile, device):
+    return tile_visible(t.kind, t.q_len, t.k_len, t.offset, t.window, device)
+
+
+def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: Sequence[Tile], scale: float,
+               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] fp32/fp64); ``softcap > 0`` caps the scores."""
     dt = acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)
     lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
     for t in tiles:
         qt = _bhld(q, t.q_row, t.q_len)
         kt, vt = _bhld(k, t.k_row, t.k_len), _bhld(v, t.k_row, t.k_len)
-        if t.kind == "band":
-            part_out, part_lse = band_attn_impl(qt, kt, vt, t.offset, *t.window, scale)
+        if _math(t, softcap):
+            part_out, part_lse = math_attn_impl(qt, kt, vt, _visible(t, q.device), scale, softcap)
         else:
             part_out, part_lse = block_attn_impl(qt, kt, vt, t.kind, scale)
         merge_into_(_bhld(out, t.q_row, t.q_len), _bhld(lse, t.q_row, t.q_len), part_out, part_lse)
     return out.to(q.dtype), lse
 
 
-def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: Sequence[Tile], scale: float):
+def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: Sequence[Tile], scale: float, softcap: float = 0.0):
     """(dq, dk, dv) in the accumulator dtype, given the final out and lse (and an lse gradient)."""
     dt = acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
@@ -138,10 +150,10 @@ def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: Sequence[Tile], sc
         cols = lambda x: _bhld(x, t.k_row, t.k_len)  # noqa: E731
         args = (rows(dout), rows(q), cols(k), cols(v), rows(out), rows(lse))
         tile_dlse = None if dlse is None else rows(dlse)
-        if t.kind == "band":
-            tq, tk, tv = band_attn_backward_impl(*args, t.offset, *t.window, scale, tile_dlse)
+        if _math(t, softcap):
+            tq, tk, tv = math_attn_backward_impl(*args, _visible(t, q.device), scale, tile_dlse, softcap)
         else:
-            tq, tk, tv = block_attn_backward_impl(*args, t.kind, scale, tile_dlse)
+            tq, tk, tv = block_attn_backward_parts(*args, t.kind, scale, tile_dlse)
         rows(dq).add_(tq)
         cols(dk).add_(tk)
         cols(dv).add_(tv)

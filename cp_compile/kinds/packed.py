@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,9 @@ from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..kernels.block import dense_like
 from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
-from ..layout import check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments
+from ..layout import (
+    Segment, check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments,
+)
 from .base import Call, Kind, Units, register_kind
 
 
@@ -105,14 +108,36 @@ def _(cu_seqlens, group_name):
 torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
 
 
-def packed_options(window_left: int, window_right: int) -> str:
-    """The ``options`` of a packed call: the window (left, right)."""
-    return f"window={int(window_left)},{int(window_right)}"
+def packed_options(window_left: int, window_right: int, chunk: int = 0, softcap: float = 0.0) -> str:
+    """The ``options`` of a packed call: the window (left, right), and when set the chunk size
+    (keys visible only inside the query's chunk of ``chunk`` positions of its document) and the
+    logit soft-cap."""
+    options = f"window={int(window_left)},{int(window_right)}"
+    if chunk:
+        options += f" chunk={int(chunk)}"
+    if softcap:
+        options += f" softcap={float(softcap)!r}"
+    return options
 
 
-def _window(call: Call) -> tuple[int, int]:
-    left, right = call.option("window").split(",")
-    return int(left), int(right)
+class PackedSettings(NamedTuple):
+    left: int
+    right: int
+    chunk: int
+    softcap: float
+
+
+def parse_packed_options(options: str) -> PackedSettings:
+    """What ``packed_options`` wrote."""
+    items = dict(item.split("=", 1) for item in options.split())
+    if "window" not in items:
+        raise ValueError(f"packed attention options {options!r} lack window=")
+    left, right = items["window"].split(",")
+    return PackedSettings(int(left), int(right), int(items.get("chunk", 0)), float(items.get("softcap", 0.0)))
+
+
+def packed_settings(call: Call) -> PackedSettings:
+    return parse_packed_options(call.options)
 
 
 def bhsd(t: Tensor) -> Tensor:
@@ -129,7 +154,23 @@ def _unit_runs(cu: list[int], unit: int, units: Units) -> tuple:
     return packed_segments(cu, range(unit * units.a2a, (unit + 1) * units.a2a), units.world_size)
 
 
-def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int, right: int) -> tuple:
+@functools.lru_cache(maxsize=256)
+def _chunked(runs: tuple[Segment, ...], chunk: int) -> tuple[Segment, ...]:
+    """Runs cut at every multiple of ``chunk`` positions, each piece its own (document, chunk):
+    tiles then pair only keys of the query's chunk."""
+    if not chunk:
+        return runs
+    pieces = []
+    for run in runs:
+        start, end = run.pos, run.pos + run.length
+        while start < end:
+            stop = min(end, (start // chunk + 1) * chunk)
+            pieces.append(Segment(run.row + start - run.pos, (run.doc, start // chunk), start, stop - start))
+            start = stop
+    return tuple(pieces)
+
+
+def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int, right: int, chunk: int = 0) -> tuple:
     """The tiles of the queries' unit against the keys ``units`` names, from cu_seqlens and the rank."""
     cu = check_cu_seqlens(cu_seqlens)
     local = packed_local_len(cu, units.world_size)
@@ -143,7 +184,7 @@ def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int
     if k.shape[0] != expected:
         raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected} for step {units.step}")
     k_runs = sequence_segments(cu) if units.gathered else _unit_runs(cu, units.k_unit, units)
-    return plan_tiles(_unit_runs(cu, units.q_unit, units), k_runs, left, right)
+    return plan_tiles(_chunked(_unit_runs(cu, units.q_unit, units), chunk), _chunked(k_runs, chunk), left, right)
 
 
 # the layout argument of packed calls: slots are per-document zigzag whatever the plan's layout, and
@@ -159,7 +200,9 @@ class Packed(Kind):
         heads_view = q.dim() == 4
         if heads_view:
             q, k, v = thd(q), thd(k), thd(v)
-        out, lse = tiles_attn(q, k, v, unit_tiles(q, k, extra[0], units, *_window(call)), call.scale)
+        settings = packed_settings(call)
+        tiles = unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk)
+        out, lse = tiles_attn(q, k, v, tiles, call.scale, settings.softcap)
         return (bhsd(out), bhsd(lse)) if heads_view else (out, lse)
 
     def attend_backward(self, dout, q, k, v, out, lse, dlse, extra, units: Units, call: Call):
@@ -167,12 +210,13 @@ class Packed(Kind):
         if heads_view:
             dout, q, k, v, out, lse = (thd(t) for t in (dout, q, k, v, out, lse))
             dlse = None if dlse is None else thd(dlse)
-        tiles = unit_tiles(q, k, extra[0], units, *_window(call))
-        grads = tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, call.scale)
+        settings = packed_settings(call)
+        tiles = unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk)
+        grads = tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, call.scale, settings.softcap)
         return tuple(bhsd(g) for g in grads) if heads_view else grads
 
     def agreed(self, call: Call) -> str:
-        return f"window={_window(call)} scale={call.scale!r}"
+        return f"{packed_settings(call)} scale={call.scale!r}"
 
     def agree_extra(self, extra, group_name: str) -> None:
         torch.ops.cp.agree_cu_seqlens(extra[0], group_name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .cp_site import CP_KIND
 from .flex_site import FLEX_KIND
 from .sdpa_site import SDPA_KIND
 from .site import (  # noqa: F401  (re-exported: the pass's vocabulary)
@@ -30,7 +31,7 @@ from .site import (  # noqa: F401  (re-exported: the pass's vocabulary)
 from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_KIND
 
-SITE_KINDS: list[SiteKind] = [SDPA_KIND, VARLEN_KIND, FLEX_KIND]
+SITE_KINDS: list[SiteKind] = [SDPA_KIND, VARLEN_KIND, FLEX_KIND, CP_KIND]
 
 
 def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:

@@ -66,12 +66,13 @@ class AttentionSite:
 
     @property
     def source(self) -> str:
-        """The user's source line, from the frame Dynamo recorded: the innermost frame outside torch
-        itself (``varlen_attn`` and ``flex_attention`` are Python wrappers whose own lines say nothing)."""
+        """The user's source line, from the frame Dynamo recorded: the innermost frame outside torch and
+        cp_compile (``varlen_attn`` and ``flex_attention`` are Python wrappers whose own lines say nothing,
+        and so are cp_compile's integrations calling them for a model)."""
         trace = self.node.meta.get("stack_trace") or ""
         lines = [ln.strip() for ln in trace.strip().splitlines()]
         frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-        outside = [i for i in frames if not _in_torch(lines[i])]
+        outside = [i for i in frames if not _in_library(lines[i])]
         for i in (outside or frames)[-1:]:
             code = lines[i + 1] if i + 1 < len(lines) else ""
             return f"{lines[i]}: {code}"
@@ -82,12 +83,13 @@ class AttentionSite:
         return "top-level graph" if self.owner_path == "" else f"inside {self.owner_path}"
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # torch, cp_compile
 
 
-def _in_torch(frame_line: str) -> bool:
-    """Whether a 'File "...", line n, in f' line names a file of torch itself."""
-    return frame_line.startswith(f'File "{_TORCH_DIR}')
+def _in_library(frame_line: str) -> bool:
+    """Whether a 'File "...", line n, in f' line names a file of torch or of cp_compile."""
+    return any(frame_line.startswith(f'File "{d}') for d in _LIBRARY_DIRS)
 
 
 def traced_value(arg):

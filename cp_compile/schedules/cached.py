@@ -23,28 +23,37 @@ from ..kernels.block import positions_attn
 from ..kernels.merge import acc_dtype, pivot
 
 
-def merge_ranks(outs: Tensor, lses: Tensor) -> Tensor:
-    """Every rank's partial (out [C, ...], lse [C, ...]) merged in one fixed order."""
-    return (outs * torch.exp(lses - pivot(torch.logsumexp(lses, dim=0))).unsqueeze(-1)).sum(0)
+def cached_options(chunk: int = 0, softcap: float = 0.0) -> str:
+    """The ``options`` of ``cp::cached_attention``: chunked attention's chunk size and the logit soft-cap."""
+    return f"chunk={int(chunk)} softcap={float(softcap)!r}"
+
+
+def _cached_settings(options: str) -> tuple[int, float]:
+    items = dict(item.split("=", 1) for item in options.split())
+    return int(items.get("chunk", 0)), float(items.get("softcap", 0.0))
 
 
 @torch.library.custom_op("cp::cached_attention", mutates_args=())
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, group_name: str,
-                     left: int, scale: float) -> Tensor:
+                     left: int, scale: float, options: str) -> tuple[Tensor, Tensor]:
     """``q [B, Hq, Lq, D]`` (the same on every rank) at positions ``q_pos [Lq]`` against this rank's
-    cache ``k, v [B, Hkv, L, D]`` at ``k_pos [L]``; returns the attention over every rank's cache.
-    Collective: every rank of ``group_name`` calls it with the same ``q``."""
-    out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale)
+    cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]``; returns the attention over every
+    rank's cache, (out in q's dtype, lse in the accumulator dtype). Collective: every rank of
+    ``group_name`` calls it with the same ``q``."""
+    chunk, softcap = _cached_settings(options)
+    out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)
     world_size = resolve_group(group_name).size()
     if world_size > 1:  # out and lse travel as one tensor: one collective per layer
         both = gather_dim0(torch.cat([out, lse.unsqueeze(-1)], dim=-1).unsqueeze(0), group_name, world_size)
-        out = merge_ranks(both[..., :-1], both[..., -1])
-    return out.to(q.dtype)
+        outs, lses = both[..., :-1], both[..., -1]
+        lse = torch.logsumexp(lses, dim=0)
+        out = (outs * torch.exp(lses - pivot(lse)).unsqueeze(-1)).sum(0)
+    return out.to(q.dtype), lse.contiguous()
 
 
 @cached_attention.register_fake
-def _(q, k, v, q_pos, k_pos, group_name, left, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+def _(q, k, v, q_pos, k_pos, group_name, left, scale, options):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
 torch.fx.node.has_side_effect(torch.ops.cp.cached_attention.default)  # a collective: never dropped on one rank

@@ -1,0 +1,47 @@
+"""Attention site kind "cp": a schedule's whole op the model called itself, already in the graph.
+
+Attention that torch's calls cannot express (chunked attention, soft-capped
+scores, attention sinks through the returned lse; ``cp_compile.hf`` runs them
+with ``cp_compile.varlen_attention``) reaches the Dynamo graph as the
+schedule's whole op. Nothing is rewritten: the op is already CP, and Stage 2
+expands it like any other. The site is recorded so that ``explain`` lists it,
+with the schedule the call named and the kind's options.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.fx as fx
+
+from ..kinds.packed import parse_packed_options
+from ..schedules.registry import FORWARD_OPS
+from .site import AttentionSite, CPOptions, SiteKind
+
+
+def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
+    target = getattr(node.target, "default", node.target)  # an op packet or its overload
+    if target not in FORWARD_OPS:
+        return None
+    q, k, v, extra, *rest = node.args
+    is_causal, layout, scale, enable_gqa, kind, options = rest[-6:]
+    return {"query": q, "key": k, "value": v, "extra": extra, "groups": tuple(rest[:-6]), "is_causal": is_causal,
+            "layout": layout, "scale": scale, "enable_gqa": enable_gqa, "kind": kind, "options": options,
+            "schedule": target.__name__.split(".")[0].removesuffix("_attention")}
+
+
+def _check_cp(site: AttentionSite) -> None:
+    """The op checks its own arguments, on every rank, when it runs."""
+
+
+def _record_cp(site: AttentionSite, options: CPOptions) -> None:
+    args = site.args
+    detail = f"{args['kind']} kind" + (f", {args['options']}" if args["options"] else "")
+    causal = bool(args["is_causal"])
+    if args["kind"] == "packed":  # the packed kind is causal through its window
+        causal = parse_packed_options(args["options"]).right == 0
+    site.decision.update({"schedule": args["schedule"], "why": f"called as a CP op ({detail})", "is_causal": causal,
+                          "scale": args["scale"], "enable_gqa": args["enable_gqa"]})
+
+
+CP_KIND = SiteKind("cp", _match_cp, _check_cp, _record_cp)
