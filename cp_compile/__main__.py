@@ -1,10 +1,16 @@
-"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy`` and ``generate``."""
+"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate`` and ``models``."""
 
 import argparse
 import sys
 
 from . import bench, demo, inference
 from .bench import accuracy
+
+
+def _models():
+    from .bench import models  # imports transformers' model registry only when asked
+
+    return models
 
 
 def main(argv=None) -> int:
@@ -16,6 +22,10 @@ def main(argv=None) -> int:
                                                           "ratio to one device's; JSON + PNG"))
     inference.add_arguments(sub.add_parser("generate", help="Hugging Face generate under CP vs one process: "
                                                             "tokens, prefill tokens/s, decode ms/token, cache memory"))
+    sub_models = sub.add_parser("models", help="every decoder-only causal-LM family of the installed transformers "
+                                               "under CP vs one process: train step and generation; table, JSON, "
+                                               "Markdown")
+    _models().add_arguments(sub_models)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
@@ -25,6 +35,8 @@ def main(argv=None) -> int:
         return accuracy.main(args)
     if args.command == "generate":
         return inference.main(args)
+    if args.command == "models":
+        return _models().main(args)
     return 2
 
 

@@ -28,11 +28,27 @@ _NAMES = {  # what the guard watches, as the user wrote it
 }
 
 
+# sequence mixers other than attention that cp_compile does not make CP: a short causal convolution (Mamba,
+# DeltaNet, LFM's "conv" layers) would see the tokens of this rank's shard alone
+_MIXERS = {torch.conv1d: "a 1-D convolution (F.conv1d / nn.Conv1d: a state-space, DeltaNet or short-convolution "
+                         "layer mixing tokens along the sequence)"}
+
+
+def mixer_message(what: str) -> str:
+    return (f"{what} ran inside `with plan:`: cp_compile does not parallelise it, so it would mix only the tokens "
+            "of this rank's shard of the sequence. Run this model without a plan (a model with such layers declares "
+            "them in config.layer_types, which cp_compile.hf refuses by name).")
+
+
 class LocalAttentionGuard(TorchFunctionMode):
-    """Raises on plain attention run eagerly; marks it for ``plan.backend()`` while Dynamo traces."""
+    """Raises on plain attention run eagerly; marks it for ``plan.backend()`` while Dynamo traces. Raises on
+    the sequence mixers of ``_MIXERS`` eagerly and while Dynamo traces."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        mixer = _MIXERS.get(func)
+        if mixer is not None:
+            raise LocalAttentionError(mixer_message(mixer))
         name = _NAMES.get(func)
         if name is not None:
             if not torch.compiler.is_compiling():

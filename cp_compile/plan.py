@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+from typing import Callable, ContextManager, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,19 @@ from .comm import group_name_of, mesh_groups
 from .torch_compat import resolve_process_group
 
 _ACTIVE: list = []  # (plan, its guard) for each ``with plan:`` entered, innermost last
+# what integrations keep in force while any plan is active: context-manager factories, entered by the
+# outermost ``with plan:`` (``while_active``)
+_WHILE_ACTIVE: list[Callable[[], ContextManager]] = []
+_ACTIVE_STACK: list[contextlib.ExitStack] = []
+
+
+def while_active(factory: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
+    """Registers ``factory``: the outermost ``with plan:`` enters ``factory()`` and leaves it at its exit.
+
+    The extension point of integrations that must watch what runs inside a plan (``cp_compile.hf``
+    installs module hooks there, so that nothing of it runs outside every plan)."""
+    _WHILE_ACTIVE.append(factory)
+    return factory
 
 
 def active_plan() -> Optional["ContextParallel"]:
@@ -23,6 +37,24 @@ def active_plan() -> Optional["ContextParallel"]:
     while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
     """
     return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def made_by(t) -> Optional[tuple["ContextParallel", str]]:
+    """(plan, "shard" | "positions") when ``t``, or the tensor it is a view of, is what a plan's ``shard``
+    or ``positions`` returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own).
+    Integrations read it to tell a plan's shards from whole sequences."""
+    for x in (t, getattr(t, "_base", None)):
+        mark = getattr(x, "_cp_compile_made_by", None) if isinstance(x, Tensor) else None
+        if mark is not None:
+            return mark
+    return None
+
+
+def _made(plan: "ContextParallel", t: Tensor, what: str) -> Tensor:
+    if t._base is not None:  # a view: views of it would name its base, not it
+        t = t.clone()
+    t._cp_compile_made_by = (plan, what)
+    return t
 
 
 def _dynamic(x: Tensor, dim: int) -> Tensor:
@@ -105,6 +137,11 @@ class ContextParallel:
         """
         from .guard import LocalAttentionGuard
 
+        if not _ACTIVE:
+            stack = contextlib.ExitStack()
+            for factory in _WHILE_ACTIVE:
+                stack.enter_context(factory())
+            _ACTIVE_STACK.append(stack)
         guard = LocalAttentionGuard()
         guard.__enter__()
         _ACTIVE.append((self, guard))
@@ -116,6 +153,8 @@ class ContextParallel:
                 _, guard = _ACTIVE.pop(i)
                 guard.__exit__(*exc)
                 break
+        if not _ACTIVE and _ACTIVE_STACK:
+            _ACTIVE_STACK.pop().close()
 
     @property
     def documents(self) -> Optional[Tensor]:
@@ -160,10 +199,13 @@ class ContextParallel:
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
                 _dynamic(cu_seqlens, 0)
-            return _dynamic(_layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size), seq_dim)
+            local = _made(self, _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size), "shard")
+            return _dynamic(local, seq_dim)
         if self.balanced is not None:
-            return x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
-        return _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
+            local = x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
+        else:
+            local = _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
+        return _made(self, local, "shard")
 
     def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """The full tensor, on every rank, from each rank's shard (packed: without padding)."""
@@ -186,13 +228,14 @@ class ContextParallel:
         if cu_seqlens is not None:
             cu = torch.tensor(_layout.check_cu_seqlens(cu_seqlens), dtype=torch.int32)
             self._documents = (_dynamic(cu, 0), _layout.packed_local_len(cu, self.world_size))
-            return _dynamic(_layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device), 0)
+            positions = _layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device)
+            return _dynamic(_made(self, positions, "positions"), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         self._documents = None
-        if self.balanced is not None:
-            return self._balanced_positions(seq_len, device)
-        return _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
+        positions = (self._balanced_positions(seq_len, device) if self.balanced is not None
+                     else _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device))
+        return _made(self, positions, "positions")
 
     def _balanced_positions(self, seq_len: int, device) -> Tensor:
         if seq_len != self.balanced.perm.numel():

@@ -1,14 +1,33 @@
 """Hugging Face transformers: ``attn_implementation="cp_compile"``, a sharded KV cache, and generation.
 
-``import cp_compile.hf`` registers the attention and mask functions
-(``attention.py``) through transformers' documented extension points; no
-model code is patched. ``ShardedCache`` (``cache.py``) keeps each rank's share
-of the K/V; ``generate`` (``generate.py``) runs ``model.generate`` with the
-prompt prefilled sharded over the plan.
+``import cp_compile.hf`` registers, here and nowhere else, through transformers' and torch's documented
+extension points (no model code is patched):
+
+- the attention function ``attention`` and the mask function ``mask`` (``attention.py``) under the name
+  ``"cp_compile"`` with ``transformers.AttentionInterface`` and ``AttentionMaskInterface``;
+- with ``plan.while_active``, a global module forward pre-hook and forward hook, installed when the first
+  plan is entered (``forward.py``): checks on a whole model call (global positions, labels, a model that
+  never reaches attention).
+
+``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs
+``model.generate`` with the prompt prefilled sharded over the plan.
 """
 
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("cp_compile.hf needs transformers >= 5 (pip install 'cp_compile[hf]')") from e
+
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from ..plan import while_active
 from .attention import NAME, attention, mask
 from .cache import ShardedCache
+from .forward import model_call_checks
 from .generate import generate, sharded_prefill
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, mask)
+while_active(model_call_checks)
 
 __all__ = ["NAME", "ShardedCache", "attention", "generate", "mask", "sharded_prefill"]

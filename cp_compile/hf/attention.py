@@ -9,11 +9,14 @@ loaded or switched with ``attn_implementation="cp_compile"`` then runs:
 - **outside every plan** exactly as ``"sdpa"``: the mask function is
   ``sdpa_mask`` and the attention function ``sdpa_attention_forward``;
 - **inside ``with plan:``** (``cp_compile.active_plan()``) under context
-  parallelism: the mask function returns None (no mask tensor is built from
-  the local ``position_ids``; under CP a zigzag shard's positions would look
-  like two documents to transformers' packed-sequence detection), and the
-  attention function runs causal attention over the global sequence, or over
-  packed documents.
+  parallelism: the mask function builds no tensor (a rank holds a shard of the
+  queries and none of the other keys) but returns a ``MaskSpec``, what the
+  mask function transformers handed it means: causal or not, a sliding window,
+  a chunk size (``masks.py``; a mask function it cannot read raises). The spec
+  reaches the attention function in the mask's place, so a window or chunk
+  applied only by the mask (PhiMoE, Llama 4) is honoured. A model whose
+  ``config.layer_types`` declares a sequence mixer other than attention
+  (linear attention, Mamba, convolutions) is refused there too.
 
 What the attention runs, on this rank's shard (``[B, H, S_local, D]``):
 
@@ -25,42 +28,50 @@ What the attention runs, on this rank's shard (``[B, H, S_local, D]``):
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits it,
   global), else from the plan's latest ``positions(cu_seqlens=...)`` call
   (``plan.documents``);
-- a sliding window (Mistral, Qwen2's ``sliding_attention`` layers) shorter
-  than the sequence: the packed path as well, each row being one document of
-  the zigzag layout (per-document zigzag of equal rows is exactly zigzag), with
-  ``window_size=(sliding_window - 1, 0)``.
+- a sliding window (Mistral, Qwen2's ``sliding_attention`` layers, PhiMoE)
+  shorter than the sequence: the packed path as well, each row being one
+  document of the zigzag layout (per-document zigzag of equal rows is exactly
+  zigzag), with ``window_size=(sliding_window - 1, 0)``;
+- chunked attention (Llama 4's ``chunked_attention`` layers), soft-capped
+  scores (Gemma 2's ``softcap``) and attention sinks (GPT-OSS's ``s_aux``):
+  the packed kind's ops directly (``cp_compile.varlen_attention`` with
+  ``chunk``, ``softcap`` and ``return_lse``; the sinks fold into the merged
+  result, ``kernels.merge.fold_sinks``), eager and compiled alike;
+- query/key heads wider than value heads (multi-head latent attention) on
+  every path: the kernels take unequal head dims.
 
 - with a ``ShardedCache`` (generation, ``cp_compile.hf.generate``): during the
   sharded prefill, the cases above; for tokens every rank holds (decoding,
   drafts, a follow-up prompt), ``cp::cached_attention`` over every rank's
-  share of the cache (``cache.py``).
+  share of the cache (``cache.py``), with the chunk, cap and sinks as well.
 
 Eagerly those are calls of the CP ops (``plan.attention``,
-``cp_compile.varlen_attention``); under ``torch.compile`` they are plain
-``F.scaled_dot_product_attention`` / ``varlen_attn`` calls, which the plan's
-backend rewrites (so a compiled model must be run inside ``with plan:`` too,
-and compiled with ``plan.backend()``).
+``cp_compile.varlen_attention``); under ``torch.compile`` one causal sequence
+and windows are plain ``F.scaled_dot_product_attention`` / ``varlen_attn``
+calls, which the plan's backend rewrites, and the rest the CP ops, which its
+second stage expands (so a compiled model must be run inside ``with plan:``
+too, and compiled with ``plan.backend()``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ..eager import softmax_scale
+from ..kernels.merge import fold_sinks
 from ..passes.rewrite import UnsupportedAttention
 from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
+from ..schedules.cached import cached_options
 from .cache import CACHE_STEP
+from .forward import check_outside_plan, count_call
+from .masks import MaskSpec, describe, model_name
 
-try:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("cp_compile.hf needs transformers >= 5 (pip install 'cp_compile[hf]')") from e
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 NAME = "cp_compile"
 
@@ -71,16 +82,42 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def mask(*args, **kwargs):
-    """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; None inside one.
+# the token mixers cp_compile runs under CP, as transformers' ``config.layer_types`` names them; "moe"
+# and "mlp" layers mix nothing along the sequence
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
 
-    Inside a plan it refuses what CP cannot honour: a KV cache holding earlier
-    tokens that is not a ``ShardedCache`` (whose mask sizes read as no cache) and, eagerly, a 2-D padding mask with padding in it (an
-    all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
+
+def check_layer_types(config) -> None:
+    """Refuses a model whose ``config.layer_types`` declares a sequence mixer that is not attention
+    (linear attention, Mamba, short convolutions, hybrids of those): it would run on this rank's
+    shard of the sequence as if the shard were the whole sequence."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in _LAYER_TYPES})
+    if other:
+        where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)
+        raise UnsupportedAttention(
+            f"{model_name(config)} under context parallelism: its config.layer_types declares {where}, a sequence "
+            "mixer that cp_compile does not parallelise; it would run on this rank's shard of the sequence alone. "
+            f"Supported layer types: {', '.join(_LAYER_TYPES)}. Run this model without a plan."
+        )
+
+
+def mask(*args, **kwargs):
+    """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; inside one a ``MaskSpec``.
+
+    Inside a plan no mask tensor is built: the spec says what the mask function means (causal, a
+    window, a chunk size; ``masks.py``) and travels to the attention function in its place. It
+    refuses what CP cannot honour: a model whose ``config.layer_types`` declares a sequence mixer other
+    than attention, a mask function it does not understand, a KV cache holding earlier tokens that is
+    not a ``ShardedCache`` (whose mask sizes read as no cache) and, eagerly, a 2-D padding mask with
+    padding in it (an all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
     """
     plan = active_plan()
     if plan is None:
         return sdpa_mask(*args, **kwargs)
+    count_call()
+    config = kwargs.get("config")
+    check_layer_types(config)
     q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
     if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or q_length != kv_length:
         raise UnsupportedAttention(
@@ -90,13 +127,16 @@ def mask(*args, **kwargs):
             "or call the model with use_cache=False"
         )
     padding = kwargs.get("attention_mask")
+    if isinstance(padding, MaskSpec):  # prepared by generate for the model's builders: this function decides
+        padding = None
     if padding is not None and not _compiling() and not bool(padding.all()):
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: a padding attention_mask is not supported; "
             "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
             "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
         )
-    return None
+    return describe(kwargs.get("mask_function") or causal_mask_function, config, kwargs.get("local_size"),
+                    bool(kwargs.get("use_vmap", False)))
 
 
 def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[Tensor]:
@@ -123,37 +163,77 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[T
     return cu
 
 
-def _check(module, query: Tensor, key: Tensor, attention_mask, dropout: float, kwargs: dict) -> None:
+class _Variant(NamedTuple):
+    """What one attention call computes besides plain softmax attention (all read from the call)."""
+
+    spec: MaskSpec
+    softcap: float  # > 0: scores capped at softcap * tanh(score / softcap) (Gemma 2)
+    sinks: Optional[Tensor]  # [H] per-head logits in every row's softmax denominator (GPT-OSS's s_aux)
+
+    @property
+    def needs_kind(self) -> bool:
+        """Run through the packed kind's ops (chunks, caps and sinks are not in torch's attention calls)."""
+        return bool(self.spec.chunk or self.softcap or self.sinks is not None)
+
+
+def _variant(module, query: Tensor, key: Tensor, attention_mask, dropout: float, is_causal: Optional[bool],
+             kwargs: dict) -> _Variant:
     where = f"attn_implementation={NAME!r} under context parallelism ({type(module).__name__})"
-    if attention_mask is not None:
+    if attention_mask is None:  # a model that builds no mask: causal as the call or the module says, as SDPA does
+        spec = MaskSpec(bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)))
+    elif isinstance(attention_mask, MaskSpec):
+        spec = attention_mask
+    else:
         raise UnsupportedAttention(
             f"{where}: an attention mask tensor reached the attention (a 4-D mask passed to the model?); "
             "CP computes causal attention over the global sequence, or over packed documents"
         )
     if dropout:
         raise UnsupportedAttention(f"{where}: attention dropout ({dropout}) is not supported; set attention_dropout=0")
-    for name in ("softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedAttention(f"{where}: {name} is not supported")
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedAttention(f"{where}: position_bias is not supported")
     if key.shape[2] != query.shape[2]:
         raise UnsupportedAttention(
             f"{where}: {query.shape[2]} queries against {key.shape[2]} keys (a KV cache?); use use_cache=False"
         )
+    _check_module(module)
+    return _Variant(spec, float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"))
 
 
-def _cached(module, query: Tensor, attention_mask, dropout: float, scaling: Optional[float], causal: bool,
-            step: tuple, kwargs: dict) -> Tensor:
-    """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt)."""
+def _check_module(module) -> None:
+    """What a module declares that changes its queries by local position (Llama 4's temperature tuning
+    of its layers without RoPE numbers the tokens of the shard from 0)."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        raise UnsupportedAttention(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) scales its queries by their "
+            "position counted from the start of this rank's shard (attn_temperature_tuning on a layer without "
+            "RoPE): under context parallelism the positions would be wrong. Set attn_temperature_tuning=False "
+            "in the config, or run this model without a plan."
+        )
+
+
+def _fold_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor], head_dim: int) -> Tensor:
+    return out if sinks is None else fold_sinks(out, lse, sinks, head_dim)
+
+
+def _cached(module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant, scaling: Optional[float],
+            step: tuple) -> Tensor:
+    """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt).
+
+    The keys and values are the attention's own arguments: this rank's cache slots as the model made
+    them from what ``ShardedCache.update`` returned, slot for slot (a model caching a compressed
+    latent, as DeepSeek-V3's multi-head latent attention does, expands it after the update)."""
     layer, appended = step
-    _check(module, query, query, attention_mask, dropout, kwargs)
-    if not causal:
+    appended = appended._replace(keys=key, values=value)
+    if not variant.spec.causal:
         raise UnsupportedAttention(f"attn_implementation={NAME!r}: a KV cache under context parallelism needs "
                                    "causal attention")
-    window = kwargs.get("sliding_window")
-    if not _compiling() and window != layer.window:
-        raise UnsupportedAttention(f"{type(module).__name__} attends with sliding_window={window}, but its "
-                                   f"ShardedCache layer was made for {layer.window} (from the model's config)")
-    return layer.attend(query, appended, softmax_scale(query, scaling)).transpose(1, 2).contiguous()
+    if not _compiling() and variant.spec.window != layer.window:
+        raise UnsupportedAttention(f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
+                                   f"its ShardedCache layer was made for {layer.window} (from the model's config)")
+    options = cached_options(variant.spec.chunk or 0, variant.softcap)
+    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options)
+    return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 
 def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
@@ -178,8 +258,12 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     if not _compiling():
         _check_recompute(module, plan)
     if plan is None:
+        if not _compiling():
+            check_outside_plan(module, kwargs.get("position_ids"))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    count_call()
+    check_layer_types(module.config)
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
         raise UnsupportedAttention(
@@ -187,54 +271,51 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
             "cache not sharded over the ranks (model.generate?). Generate with cp_compile.hf.generate(model, "
             "input_ids, ...), which shards the prompt and the cache; for a forward that needs no cache, pass "
             "use_cache=False")
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if step is not None and step[1] is not None:
-        return _cached(module, query, attention_mask, dropout, scaling, causal, step, kwargs), None
-    _check(module, query, key, attention_mask, dropout, kwargs)
+        variant = _variant(module, query, query, attention_mask, dropout, is_causal, kwargs)
+        return _cached(module, query, key, value, variant, scaling, step), None
+    variant = _variant(module, query, key, attention_mask, dropout, is_causal, kwargs)
+    causal, window = variant.spec.causal, variant.spec.window
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape
-    window = kwargs.get("sliding_window")
     cu = _documents(plan, query, kwargs)
-    if cu is None and (window is None or window >= local * plan.world_size):  # the window sees everything
+    whole = window is None or window >= local * plan.world_size  # the window sees everything
+    if cu is None and whole and not variant.needs_kind:
         if _compiling():  # rewritten by plan.backend()
             out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=causal,
                                                                    scale=scaling, enable_gqa=gqa)
         else:
             out = plan.attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
-    if window is not None and not causal:
+    if (window is not None or variant.spec.chunk) and not causal:
         raise UnsupportedAttention(f"attn_implementation={NAME!r} under context parallelism: a bidirectional "
-                                   "sliding window is not supported")
+                                   "sliding window or chunk is not supported")
     if cu is None:  # rows as documents: per-document zigzag of equal rows is the zigzag layout
         if plan.load_balance != "zigzag":
             raise UnsupportedAttention(
-                f"attn_implementation={NAME!r} under context parallelism: a sliding window needs "
-                f"load_balance='zigzag' (the plan has {plan.load_balance!r})"
+                f"attn_implementation={NAME!r} under context parallelism: a sliding window, chunked attention, "
+                f"soft-capping or attention sinks need load_balance='zigzag' (the plan has {plan.load_balance!r})"
             )
         cu = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * (local * plan.world_size)
     elif batch != 1:
         raise UnsupportedAttention(f"attn_implementation={NAME!r}: packed documents need one row (batch 1); "
                                    f"got batch {batch}")
-    left = -1 if window is None else int(window) - 1  # transformers: key visible when q - k < sliding_window
+    left = -1 if window is None or whole else int(window) - 1  # transformers: key visible when q - k < window
     window_size = (left, 0 if causal else -1)
     q, k, v = (t.transpose(1, 2).reshape(batch * local, t.shape[1], t.shape[3]) for t in (query, key, value))
-    if _compiling():  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)
+    if variant.needs_kind or not _compiling():
+        from ..eager import varlen_attention
+
+        group = (plan.group_name, *plan.mesh_groups) if plan.mesh_groups else plan.group_name
+        out, lse = varlen_attention(q, k, v, cu, group, window_size=window_size,
+                                    scale=scaling, enable_gqa=gqa, schedule=plan.schedule,
+                                    chunk=variant.spec.chunk or 0, softcap=variant.softcap, return_lse=True)
+        out = _fold_sinks(out, lse, variant.sinks, 1)
+    else:  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)
         from torch.nn.attention.varlen import varlen_attn
 
         # max_length_q is a kernel hint the CP ops do not need; reading it would guard on its value
         max_len = local * plan.world_size
         out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size,
                           enable_gqa=gqa)
-    else:
-        from ..eager import varlen_attention
-
-        if plan.schedule == "hybrid":
-            raise UnsupportedAttention(f"attn_implementation={NAME!r}: eager packed attention with "
-                                       "schedule='hybrid' needs the mesh; compile with plan.backend()")
-        out = varlen_attention(q, k, v, cu, plan.group_name, window_size=window_size, scale=scaling,
-                               enable_gqa=gqa, schedule=plan.schedule)
     return out.view(batch, local, *out.shape[1:]), None
-
-
-AttentionInterface.register(NAME, attention)
-AttentionMaskInterface.register(NAME, mask)

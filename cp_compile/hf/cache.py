@@ -114,10 +114,12 @@ class ShardedCache(Cache):
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = []
         for index, (kind, extra) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind not in ("full_attention", "sliding_attention"):
-                raise UnsupportedAttention(f"ShardedCache: layer {index} is {kind!r}; only full and sliding-window "
-                                           "attention layers can be sharded")
-            layers.append(ShardedLayer(plan, max_cache_len, extra.get("sliding_window")))
+            if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
+                raise UnsupportedAttention(f"ShardedCache: layer {index} is {kind!r}; only full, sliding-window and "
+                                           "chunked attention layers can be sharded")
+            # a chunked layer keeps every token: which keys its queries see is decided at attention time
+            window = extra.get("sliding_window") if kind == "sliding_attention" else None
+            layers.append(ShardedLayer(plan, max_cache_len, window))
         super().__init__(layers=layers)
         self.plan = plan
 

@@ -1,0 +1,185 @@
+"""Checks on a whole transformers model call: what only the model's own arguments show.
+
+From the first plan on (``plan.while_active``; they return at once outside every plan) a global
+module forward pre-hook and forward hook follow the outermost ``"cp_compile"`` transformers model of
+each eager call (they return at once for every other module, and while Dynamo traces) and check,
+once the model's forward returned and before its output is used:
+
+- that the model reached the attention or mask function of ``"cp_compile"`` at least once (a model
+  with attention code of its own, or none, had every rank process its shard alone);
+- when the input is a plan's shard (``plan.shard``): that ``position_ids`` were given and global
+  (transformers numbers the tokens of the shard from 0 when none are given, and RoPE then sees local
+  positions), that ``labels`` came with ``shift_labels`` (transformers' causal-LM loss shifts labels
+  inside the shard, pairing each shard's last token with the wrong label) and ``shift_labels`` with
+  ``num_items_in_batch`` (else the loss is a mean over this rank's tokens).
+
+Outside every plan, the attention function refuses positions a plan made (``check_outside_plan``):
+the model was fed a plan's shard.
+
+Each check raises the same ``UnsupportedAttention`` on every rank (every rank runs the same model on
+the same kind of input), the global-positions check under ``load_balance="contiguous"`` after one small
+all-reduce of the verdicts (rank 0's own positions are right there). A plan's tensors are recognised by
+``plan.made_by``: views of them too, not copies. A model compiled whole is checked from its
+``torch.compile`` wrapper's call; the count of attention calls is not kept for compiled models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.eval_frame import OptimizedModule
+from transformers import PreTrainedModel
+
+from ..layout import positions as layout_positions
+from ..passes.site import UnsupportedAttention
+from ..plan import active_plan, made_by
+
+_COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+
+# The models in flight inside a plan: [model, calls of the attention and mask functions] for the outermost
+# transformers model of each eager forward.
+_FORWARDS: list[list] = []
+
+
+def count_call() -> None:
+    """Called by the attention and mask functions of ``"cp_compile"`` under a plan."""
+    # while Dynamo traces, the state below must stay unread: it holds the model being traced
+    if not torch.compiler.is_compiling() and _FORWARDS:
+        _FORWARDS[-1][1] += 1
+
+
+def _transformers_model(module):
+    """The transformers model a call runs: ``module``, or the model a ``torch.compile`` wrapper holds; else None."""
+    model = module._orig_mod if isinstance(module, OptimizedModule) else module
+    return model if isinstance(model, PreTrainedModel) else None
+
+
+def _has_compiled_part(module) -> bool:
+    """Attention inside a compiled module runs without calling the functions above at run time."""
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
+
+
+def _argument(name: str, position: int, args: tuple, kwargs: dict):
+    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
+
+
+def start_model_call(module, args: tuple) -> None:
+    """Global forward pre-hook: inside a plan, follows the outermost ``"cp_compile"`` model of a call."""
+    if torch.compiler.is_compiling() or _FORWARDS or active_plan() is None:
+        return
+    model = _transformers_model(module)
+    if model is not None and model.config._attn_implementation == "cp_compile":
+        _FORWARDS.append([module, 0])
+
+
+def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
+    """Global forward hook (with kwargs, always called): the checks of the module docstring, once the forward
+    returned. When the forward raised, torch calls it with ``(args, None)``: nothing more to say then."""
+    if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1][0] is not module:
+        return
+    _, calls = _FORWARDS.pop()
+    if len(kwargs_and_output) == 2 and kwargs_and_output[1] is not None:
+        _check_call_under_plan(module, args, kwargs_and_output[0], calls)
+
+
+_HOOKS: list = []  # the two global hooks' handles, once installed
+
+
+@contextlib.contextmanager
+def model_call_checks():
+    """Entered with each outermost plan (``plan.while_active``): the two global module hooks.
+
+    They are installed at the first plan and stay (returning at once outside every plan): Dynamo guards
+    on the set of global hooks, so hooks that came and went with each plan would recompile every
+    compiled model at every step."""
+    if not _HOOKS:
+        _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(start_model_call))
+        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(end_model_call, with_kwargs=True,
+                                                                          always_call=True))
+        # torch warns at every call of a compiled module while global hooks exist that they fire for its
+        # wrapper too: these two check a compiled model from its wrapper's call on purpose
+        warnings.filterwarnings("ignore", message=_COMPILED_WITH_HOOKS)
+    try:
+        yield
+    finally:
+        _FORWARDS.clear()
+
+
+def check_outside_plan(module, position_ids) -> None:
+    """Outside every plan, the attention function of ``"cp_compile"`` refuses positions a plan made: the model
+    was fed a plan's shard and is attending within it."""
+    made = made_by(position_ids)
+    if made is not None:
+        raise UnsupportedAttention(
+            f"{type(module).__name__} was called outside `with plan:` with position_ids that a ContextParallel plan "
+            "made: it would attend within this rank's shard alone. Call the model inside `with plan:`")
+
+
+def _inputs(args: tuple, kwargs: dict):
+    inputs = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
+    return inputs if inputs is not None else kwargs.get("inputs_embeds")
+
+
+def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int) -> None:
+    plan, model = active_plan(), _transformers_model(module)
+    if plan is None:
+        return
+    if calls == 0 and not _has_compiled_part(module):
+        raise UnsupportedAttention(
+            f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
+            "attention interface (its own attention code, or a recurrent model with none), so every rank "
+            "processed only its shard of the sequence; this model cannot run under context parallelism")
+    inputs = _inputs(args, kwargs)
+    made = made_by(inputs)
+    if made is None or made[0] is not plan or made[1] != "shard":
+        return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
+    _check_positions(model, plan, kwargs.get("position_ids"))
+    _check_labels(model, kwargs)
+
+
+def _check_positions(model, plan, positions) -> None:
+    where = f"{type(model).__name__} under context parallelism"
+    if positions is None:
+        raise UnsupportedAttention(
+            f"{where}: no position_ids; transformers would number this rank's shard from 0, so RoPE would see "
+            "local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
+            "plan.positions(cu_seqlens=cu)[None])")
+    made = made_by(positions)
+    if (made is not None and made[0] is plan) or plan.world_size == 1:
+        return
+    local = positions.shape[-1]
+    if plan.load_balance == "contiguous":  # rank 0's own positions are 0..L-1: compare with the layout's
+        wrong = plan.documents is None and not bool((positions == layout_positions(
+            local * plan.world_size, plan.rank, plan.world_size, "contiguous", positions.device)).all())
+        verdict = torch.tensor([int(wrong)])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=plan.group)
+        wrong = bool(verdict.item())
+    else:  # zigzag and balanced shards never hold 0..L-1 in order at C > 1
+        wrong = bool((positions == torch.arange(local, device=positions.device)).all())
+    if wrong:
+        raise UnsupportedAttention(
+            f"{where}: position_ids number this rank's shard from 0, as if it were the whole sequence, so RoPE "
+            "would see local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
+            "plan.positions(cu_seqlens=cu)[None])")
+
+
+def _check_labels(model, kwargs: dict) -> None:
+    where = f"{type(model).__name__} under context parallelism"
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise UnsupportedAttention(
+            f"{where}: labels= without shift_labels=; transformers' loss shifts labels inside this rank's shard "
+            "(pairing the shard's last token with the wrong label) and means over its tokens. Shift the labels on "
+            "the global sequence (-100 at each document's end), shard them with plan.shard, and pass them as "
+            "labels= and shift_labels=, with num_items_in_batch= the global count of labels that are not -100")
+    if kwargs.get("shift_labels") is not None and kwargs.get("num_items_in_batch") is None:
+        raise UnsupportedAttention(
+            f"{where}: shift_labels= without num_items_in_batch=; the loss would be the mean over this rank's "
+            "tokens. Pass num_items_in_batch= the global count of labels that are not -100 (then each rank's loss "
+            "is its share of the global mean: sum them, or all-reduce the gradients)")
+
+
+__all__ = ["check_outside_plan", "count_call", "model_call_checks"]

@@ -1,0 +1,165 @@
+"""What a transformers mask function means, for attention that never sees a mask tensor.
+
+transformers builds every mask from a *mask function* ``f(batch, head, q_idx, kv_idx) -> bool``
+composed in ``masking_utils`` (causal, a sliding-window overlay, a chunk overlay, padding, packed
+sequences, ``and_masks`` / ``or_masks`` of those) and hands it to the mask interface. Under a plan
+no mask tensor can be built (a rank holds a shard of the queries and none of the other keys), so
+``mask`` (``attention.py``) reads what the function says instead and passes it on to the attention
+function as a ``MaskSpec``: causal or not, a window, a chunk size. The window and the chunk thus
+come from the mask, which is what one process's SDPA obeys, not from attention kwargs that a model
+may leave None (PhiMoE's window, Llama 4's chunks).
+
+A function made of anything else (a model's own mask function, ``or_masks``, a bidirectional
+window, image blocks) raises ``UnsupportedAttention`` naming it: CP cannot honour a mask it does
+not understand, and running causal attention instead would be silently wrong.
+
+Eagerly the function is taken apart exactly (the code of each piece, the values it closes over).
+While Dynamo traces, closures cannot be read; the spec then comes from what the mask interface is
+told alongside the function (``local_size``: the window or chunk; ``use_vmap``: a custom mask
+function was combined in) and the model's config, and the top-level function must be one that
+transformers' own mask builders produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from transformers import masking_utils as _mu
+
+from ..passes.site import UnsupportedAttention
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The mask of one kind of attention layer, as CP runs it (global positions).
+
+    ``window``: transformers' ``sliding_window`` w (a key is visible when ``q - k < w``); ``chunk``:
+    keys visible only inside the query's chunk of ``chunk`` positions. Model code that reads the
+    mask as a tensor (indexing it) raises: under CP there is none.
+    """
+
+    causal: bool = True
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+    model: str = ""
+
+    # transformers tells a 2-D padding mask from a prepared one by ``ndim`` (generation prepares the masks
+    # of a compileable cache, a ShardedCache, once and hands them back to the model's mask builders)
+    ndim = 4
+
+    def refuse(self, *_args, **_kwargs):
+        raise UnsupportedAttention(
+            f"{self.model or 'the model'} uses the attention mask as a tensor outside the attention function (its "
+            "own attention code, a sparse-attention indexer, a mask sliced or added to scores); under context "
+            "parallelism no rank holds the mask of the whole sequence, so this model cannot run under a plan"
+        )
+
+    # whatever a tensor mask would be used for: indexing, arithmetic, torch functions, tensor methods
+    __getitem__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = refuse
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = refuse
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        spec = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, MaskSpec))
+        spec.refuse()
+
+    def __getattr__(self, name: str):
+        if name in _TENSOR_API:
+            self.refuse()
+        raise AttributeError(name)
+
+
+_TENSOR_API = frozenset(n for n in dir(torch.Tensor) if not n.startswith("__"))
+
+
+def _cells(fn: Callable) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _probe() -> Callable:
+    return _mu.causal_mask_function
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)
+# the code of each piece transformers composes masks from
+_CAUSAL = _mu.causal_mask_function.__code__
+_BIDIRECTIONAL = _mu.bidirectional_mask_function.__code__
+_WINDOW = _mu.sliding_window_overlay(1).__code__
+_CHUNK = _mu.chunked_overlay(1, _ZERO).__code__
+_PADDING = _mu.padding_mask_function(_ZERO).__code__
+_PACKED = _mu.packed_sequence_mask_function(_ZERO).__code__
+_REMAP = _mu.remap_positions_for_packed_sequence(_probe(), _ZERO).__code__
+_OFFSETS = _mu.add_offsets_to_mask_function(_probe(), 0, 0).__code__
+_AND = _mu.and_masks(_probe()).__code__
+
+
+def _unsupported(fn: Callable, model: str, what: str = "") -> UnsupportedAttention:
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    return UnsupportedAttention(
+        f"{model}: its attention mask is built from {name}{what}, which context parallelism cannot reproduce "
+        "(cp_compile runs causal attention, sliding windows, chunked attention and packed documents); run this "
+        "model without a plan, or with attn_implementation='sdpa' on one process"
+    )
+
+
+def _walk(fn: Callable, model: str, facts: dict) -> None:
+    """Adds what ``fn`` requires to ``facts`` (an AND of everything met); raises on anything else."""
+    code = getattr(fn, "__code__", None)
+    if code is _CAUSAL:
+        facts["causal"] = True
+    elif code is _BIDIRECTIONAL:
+        facts.setdefault("causal", False)
+    elif code is _WINDOW:
+        window = int(_cells(fn)["sliding_window"])
+        facts["window"] = min(window, facts.get("window", window))
+    elif code is _CHUNK:
+        cells = _cells(fn)
+        if bool(cells["left_padding"].any()):
+            raise UnsupportedAttention(f"{model}: chunked attention with left padding is not supported under "
+                                       "context parallelism; pack the documents into one row instead")
+        facts["chunk"] = int(cells["chunk_size"])
+    elif code in (_PADDING, _PACKED):
+        pass  # padding is refused by ``mask`` unless all ones; documents come from cu_seq_lens / the plan
+    elif code in (_REMAP, _OFFSETS):
+        cells = _cells(fn)
+        if code is _OFFSETS and (cells["q_offset"] or cells["kv_offset"]):
+            raise _unsupported(fn, model, " with offsets (a cache not sharded over the ranks)")
+        _walk(cells["mask_function"], model, facts)
+    elif code is _AND:
+        for part in _cells(fn)["mask_functions"]:
+            _walk(part, model, facts)
+    else:
+        raise _unsupported(fn, model)
+
+
+def model_name(config) -> str:
+    architectures = getattr(config, "architectures", None) or []
+    return architectures[0] if architectures else f"a {getattr(config, 'model_type', '?')} model"
+
+
+def describe(mask_function: Callable, config, local_size: Optional[int] = None, use_vmap: bool = False) -> MaskSpec:
+    """The ``MaskSpec`` of ``mask_function`` (see the module docstring); raises on what CP cannot run."""
+    model = model_name(config)
+    if not torch.compiler.is_compiling():
+        facts: dict = {}
+        _walk(mask_function, model, facts)
+        if facts.get("causal") is False and ("window" in facts or "chunk" in facts):
+            raise UnsupportedAttention(f"{model}: a bidirectional window or chunk is not supported under context "
+                                       "parallelism")
+        return MaskSpec(facts.get("causal", False), facts.get("window"), facts.get("chunk"), model)
+    code = getattr(mask_function, "__code__", None)
+    if use_vmap or code not in (_CAUSAL, _BIDIRECTIONAL, _AND, _REMAP):
+        raise _unsupported(mask_function, model, " (combined with a mask function of the model's own)"
+                           if use_vmap else "")
+    if code is _BIDIRECTIONAL:
+        return MaskSpec(False, model=model)
+    if local_size is None:
+        return MaskSpec(model=model)
+    if local_size == getattr(config, "attention_chunk_size", None):
+        return MaskSpec(chunk=int(local_size), model=model)
+    return MaskSpec(window=int(local_size), model=model)
+
+
+__all__ = ["MaskSpec", "describe", "model_name"]

@@ -1,0 +1,99 @@
+"""``python -m cp_compile models`` on every causal-LM family of the installed transformers: under CP each family
+is exact against one process, or refused with cp_compile's own error; never silently wrong."""
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the model sweep")
+
+# one sequence, a sliding-window layer, windows on every layer; chunked attention (applied only by the mask),
+# a window applied only by the mask, soft-capped scores, attention sinks, multi-head latent attention
+MUST_BE_EXACT = ["llama", "qwen2", "mistral", "llama4_text", "phimoe", "gemma2", "gpt_oss", "deepseek_v3"]
+# hybrids (linear attention, Mamba, convolutions), sparse attention, recurrent models and models with attention
+# code of their own: each stopped by a different check
+MUST_BE_REFUSED = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "nemotron_h", "deepseek_v32", "mamba", "rwkv",
+                   "openai-gpt", "xlnet", "bloom"]
+# what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
+# attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
+KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}
+
+
+@pytest.fixture(scope="module")
+def rows(ranks):
+    """Every decoder-only causal-LM family of the installed transformers, on the session's 2-rank pool."""
+    from cp_compile.bench import models
+
+    def run(fn, *args, timeout, **kwargs):
+        return ranks(2, fn, *args, timeout=timeout, **kwargs)
+
+    rows = models.sweep(sorted(models.causal_lm_families()), run)
+    print("\n" + models.table_header())
+    for row in rows:
+        print(models.table_row(row))
+    return {row["family"]: row for row in rows if row.get("skipped") is None}
+
+
+def test_no_family_is_wrong_and_every_failure_is_known(rows):
+    """A transformers upgrade that breaks a family, or a new family cp_compile gets wrong, fails here."""
+    from cp_compile.bench import models
+
+    bad = {name: (row["train"]["status"], row["generate"]["status"], models.detail(row))
+           for name, row in rows.items()
+           if {row["train"]["status"], row["generate"]["status"]} - {"exact", "refused", "reference-failed",
+                                                                     KNOWN.get(name)}}
+    assert not bad, bad
+    assert not [name for name, row in rows.items() if "wrong" in (row["train"]["status"], row["generate"]["status"])]
+
+
+@pytest.mark.parametrize("family", MUST_BE_EXACT)
+def test_families_whose_attention_cp_runs_are_exact(rows, family):
+    row = rows[family]
+    assert row["train"]["status"] == "exact", row["train"]
+    assert row["generate"]["status"] == "exact", row["generate"]
+    assert row["train"]["grads"] < 1e-4 and row["train"]["attention_calls"] > 0
+    assert row["generate"]["first_diff"] is None and row["generate"]["tokens"] == 12
+
+
+@pytest.mark.parametrize("family", MUST_BE_REFUSED)
+def test_families_cp_cannot_run_are_refused_in_training(rows, family):
+    assert rows[family]["train"]["status"] == "refused", rows[family]["train"]
+
+
+def test_sliding_windows_and_chunks_are_shorter_than_the_sequence():
+    """The tiny configs keep what makes a family itself: windows and chunks that matter at 64 tokens, every layer
+    type at least once, MLA's query/key head wider than its value head."""
+    from cp_compile.bench import models
+
+    qwen2, _, _ = models.tiny_config("qwen2")
+    assert qwen2.layer_types == ["full_attention", "sliding_attention"] and qwen2.sliding_window < models.PROMPT
+    llama4, _, _ = models.tiny_config("llama4_text")
+    assert set(llama4.layer_types) == {"chunked_attention", "full_attention"}
+    assert llama4.attention_chunk_size < models.PROMPT
+    nemotron_h, _, _ = models.tiny_config("nemotron_h")
+    assert {"full_attention", "linear_attention"} <= set(nemotron_h.layer_types)
+    deepseek, _, _ = models.tiny_config("deepseek_v3")
+    assert deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim != deepseek.v_head_dim
+    assert (deepseek.hidden_size, deepseek.vocab_size, deepseek.attention_dropout) == (64, 128, 0.0)
+
+
+def test_skipped_families_say_why():
+    from cp_compile.bench import models
+
+    assert "encoder-decoder" in models.skip_reason("bart")
+    assert "encoder" in models.skip_reason("bert")
+    assert "multimodal" in models.skip_reason("gemma3")
+    assert models.skip_reason("llama") is None
+
+
+def test_outcome_classifies_cp_compile_errors():
+    from cp_compile import UnsupportedAttention
+    from cp_compile.bench import models
+
+    assert models.outcome(UnsupportedAttention("no"))[0] == "refused"
+    try:
+        raise ValueError("not from cp_compile")
+    except ValueError as e:
+        status, detail = models.outcome(e)
+    assert status == "failed" and "test_models.py:" in detail
+    wrapped = RuntimeError("wrapped")
+    wrapped.__cause__ = UnsupportedAttention("inner")
+    assert models.outcome(wrapped) == ("refused", "UnsupportedAttention: inner")
