@@ -55,6 +55,7 @@ too, and compiled with ``plan.backend()``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -87,12 +88,21 @@ def _compiling() -> bool:
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
 
 
+def _other_layer_types(layer_types: tuple[str, ...]) -> list[str]:
+    return sorted({t for t in layer_types if t not in _LAYER_TYPES})
+
+
+# eagerly every attention layer of every forward asks about the same list (Dynamo traces the plain one: it
+# warns on a cached function and ignores the cache)
+_other_layer_types_cached = functools.lru_cache(maxsize=64)(_other_layer_types)
+
+
 def check_layer_types(config) -> None:
     """Refuses a model whose ``config.layer_types`` declares a sequence mixer that is not attention
     (linear attention, Mamba, short convolutions, hybrids of those): it would run on this rank's
     shard of the sequence as if the shard were the whole sequence."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t not in _LAYER_TYPES})
+    layer_types = tuple(getattr(config, "layer_types", None) or ())
+    other = (_other_layer_types if _compiling() else _other_layer_types_cached)(layer_types)
     if other:
         where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)
         raise UnsupportedAttention(

@@ -63,10 +63,6 @@ def _has_compiled_part(module) -> bool:
                for m in module.modules())
 
 
-def _argument(name: str, position: int, args: tuple, kwargs: dict):
-    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)
-
-
 def start_model_call(module, args: tuple) -> None:
     """Global forward pre-hook: inside a plan, follows the outermost ``"cp_compile"`` model of a call."""
     if torch.compiler.is_compiling() or _FORWARDS or active_plan() is None:

@@ -92,10 +92,13 @@ def _math_scores(q: Tensor, k: Tensor, visible: Optional[Tensor], scale: float, 
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
     qg = q.to(dt).view(b, hkv, hq // hkv, lq, d)
-    s = torch.matmul(qg, k.to(dt).unsqueeze(2).transpose(-1, -2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
+    s = soft_cap(torch.matmul(qg, k.to(dt).unsqueeze(2).transpose(-1, -2)) * scale, softcap)
     return s if visible is None else s.masked_fill(~visible, float("-inf"))
+
+
+def soft_cap(scores: Tensor, softcap: float) -> Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping); ``softcap = 0``: the scores."""
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
 
 
 def _causal(q: Tensor, k: Tensor, causal: bool) -> Optional[Tensor]:
@@ -431,9 +434,7 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
         rows = slice(start, start + rows_per_block)
         n = q[:, :, rows].shape[2]
         qg = q[:, :, rows].to(dt).reshape(b, hkv, group * n, d)
-        s = torch.matmul(qg, keys.transpose(-1, -2)) * scale
-        if softcap:
-            s = torch.tanh(s / softcap) * softcap
+        s = soft_cap(torch.matmul(qg, keys.transpose(-1, -2)) * scale, softcap)
         s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)
         out = torch.matmul(torch.exp(s - pivot(lse).unsqueeze(-1)), values)

@@ -52,10 +52,15 @@ class Call:
     options: str  # the kind's own settings, "key=value key=value"
 
     def option(self, key: str) -> str:
-        items = dict(item.split("=", 1) for item in self.options.split())
+        items = parse_options(self.options)
         if key not in items:
             raise ValueError(f"attention options {self.options!r} lack {key}=")
         return items[key]
+
+
+def parse_options(options: str) -> dict[str, str]:
+    """``"key=value key=value"`` (a kind's or a schedule's settings, as op schemas carry them) as a dict."""
+    return dict(item.split("=", 1) for item in options.split())
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from ..layout import (
     Segment, check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments,
 )
-from .base import Call, Kind, Units, register_kind
+from .base import Call, Kind, Units, parse_options, register_kind
 
 
 @functools.lru_cache(maxsize=64)
@@ -129,7 +129,7 @@ class PackedSettings(NamedTuple):
 
 def parse_packed_options(options: str) -> PackedSettings:
     """What ``packed_options`` wrote."""
-    items = dict(item.split("=", 1) for item in options.split())
+    items = parse_options(options)
     if "window" not in items:
         raise ValueError(f"packed attention options {options!r} lack window=")
     left, right = items["window"].split(",")
@@ -187,6 +187,12 @@ def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int
     return plan_tiles(_chunked(_unit_runs(cu, units.q_unit, units), chunk), _chunked(k_runs, chunk), left, right)
 
 
+def _call_tiles(q: Tensor, k: Tensor, extra: list, units: Units, call: Call) -> tuple[tuple, float]:
+    """(tiles, soft-cap) of one packed call, from its options."""
+    settings = packed_settings(call)
+    return unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk), settings.softcap
+
+
 # the layout argument of packed calls: slots are per-document zigzag whatever the plan's layout, and
 # exchanges keep rank order
 PACKED_LAYOUT = "contiguous"
@@ -200,9 +206,8 @@ class Packed(Kind):
         heads_view = q.dim() == 4
         if heads_view:
             q, k, v = thd(q), thd(k), thd(v)
-        settings = packed_settings(call)
-        tiles = unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk)
-        out, lse = tiles_attn(q, k, v, tiles, call.scale, settings.softcap)
+        tiles, softcap = _call_tiles(q, k, extra, units, call)
+        out, lse = tiles_attn(q, k, v, tiles, call.scale, softcap)
         return (bhsd(out), bhsd(lse)) if heads_view else (out, lse)
 
     def attend_backward(self, dout, q, k, v, out, lse, dlse, extra, units: Units, call: Call):
@@ -210,9 +215,8 @@ class Packed(Kind):
         if heads_view:
             dout, q, k, v, out, lse = (thd(t) for t in (dout, q, k, v, out, lse))
             dlse = None if dlse is None else thd(dlse)
-        settings = packed_settings(call)
-        tiles = unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk)
-        grads = tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, call.scale, settings.softcap)
+        tiles, softcap = _call_tiles(q, k, extra, units, call)
+        grads = tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles, call.scale, softcap)
         return tuple(bhsd(g) for g in grads) if heads_view else grads
 
     def agreed(self, call: Call) -> str:

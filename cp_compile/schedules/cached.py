@@ -21,6 +21,7 @@ from ..comm import resolve_group
 from ..comm.gather import gather_dim0
 from ..kernels.block import positions_attn
 from ..kernels.merge import acc_dtype, pivot
+from ..kinds.base import parse_options
 
 
 def cached_options(chunk: int = 0, softcap: float = 0.0) -> str:
@@ -29,7 +30,7 @@ def cached_options(chunk: int = 0, softcap: float = 0.0) -> str:
 
 
 def _cached_settings(options: str) -> tuple[int, float]:
-    items = dict(item.split("=", 1) for item in options.split())
+    items = parse_options(options)
     return int(items.get("chunk", 0)), float(items.get("softcap", 0.0))
 
 
