@@ -9,6 +9,7 @@ extension points (no model code is patched):
   plan is entered (``forward.py``): checks on a whole model call (global positions, labels, a model that
   never reaches attention).
 
+``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL ``SFTTrainer`` under CP.
 ``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs
 ``model.generate`` with the prompt prefilled sharded over the plan.
 """
@@ -25,9 +26,10 @@ from .attention import NAME, attention, mask
 from .cache import ShardedCache
 from .forward import model_call_checks
 from .generate import generate, sharded_prefill
+from .trainer import ContextParallelMixin
 
 AttentionInterface.register(NAME, attention)
 AttentionMaskInterface.register(NAME, mask)
 while_active(model_call_checks)
 
-__all__ = ["NAME", "ShardedCache", "attention", "generate", "mask", "sharded_prefill"]
+__all__ = ["NAME", "ContextParallelMixin", "ShardedCache", "attention", "generate", "mask", "sharded_prefill"]

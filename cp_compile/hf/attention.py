@@ -261,6 +261,16 @@ def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
         module._cp_compile_under_plan = plan is not None
 
 
+def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Under autocast, SDPA runs in the autocast dtype (the Trainer's bf16=True, SFTConfig's default); the CP ops
+    are custom ops, which autocast leaves alone, so cast as it would."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
               scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
@@ -274,6 +284,7 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                                       is_causal=is_causal, **kwargs)
     count_call()
     check_layer_types(module.config)
+    query, key, value = _autocast(query, key, value)
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
         raise UnsupportedAttention(

@@ -1,0 +1,272 @@
+"""``transformers.Trainer`` and TRL's ``SFTTrainer`` under context parallelism, by subclassing.
+
+``ContextParallelMixin`` goes first in the bases of a trainer class::
+
+    class CPSFTTrainer(cp_compile.hf.ContextParallelMixin, SFTTrainer):
+        pass
+
+    trainer = CPSFTTrainer(model, args=SFTConfig(packing=True, ...), train_dataset=ds, plan=plan)
+
+Overriding the methods that ``Trainer`` documents as its extension points ("subclass and override") is
+the one way in that sees each batch whole before the model does, decides what the loss is normalised by,
+and keeps what a checkpoint holds unchanged; a callback sees no batch, a collator runs before the batch
+is split between the data-parallel replicas, and accelerate's own context parallelism is torch's (SDPA
+only, no packed documents). What the mixin changes:
+
+- **data**: the ranks of one CP group are one data-parallel replica. Every one of them reads the same
+  batches (the replica's), and replicas read different ones, as the processes of a run without CP would;
+- **inputs**: each rank gets its shard of every batch, packed rows (TRL's ``position_ids`` /
+  ``cu_seq_lens_q``, ``DataCollatorWithFlattening``) split per document, with global positions, labels
+  shifted on the global sequence (``shift_labels``), and the model runs inside ``with plan:``;
+- **loss**: ``Trainer`` counts the labels of the whole batch (``num_items_in_batch``); ``get_cp_size``
+  tells it that C ranks counted the same batch. Each rank's loss is then its share of the global token
+  mean, and the gradient all-reduce that ``Trainer`` already makes over every process sums the shares;
+- **evaluation**: each rank's share of the replica's loss, summed over the CP group;
+- **compilation**: ``torch_compile=True`` compiles the model in place (``Module.compile``) with the plan's
+  backend, ``torch_compile_backend`` naming the backend behind it (``"inductor"`` or ``"aot_eager"``), so
+  that saved and loaded state dicts keep their names.
+
+Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes at another.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..passes.site import UnsupportedAttention
+from ..plan import ContextParallel
+
+# The batch entries the mixin shards along the sequence; others of the same shape are refused, since
+# the mixin cannot know whether they are per token.
+_PER_TOKEN = ("input_ids", "seq_idx", "token_type_ids")
+# What the model gets whole: the documents' global boundaries (what the attention reads), the loss's count.
+_WHOLE = ("cu_seq_lens_q", "cu_seq_lens_k", "num_items_in_batch", "use_cache")
+# Kernel hints of the flash-attention kwargs, dropped: the CP ops do not read them, and a compiled model given
+# them as Python ints would recompile for each new value.
+_HINTS = ("max_length_q", "max_length_k")
+IGNORE_INDEX = -100
+
+
+def documents(batch: dict[str, Any]) -> Optional[Tensor]:
+    """The global ``cu_seqlens`` of a one-row batch: from ``cu_seq_lens_q`` when the collator gave it, else
+    where ``position_ids`` restart at 0 (packed rows), else one document; None for several rows."""
+    input_ids = batch["input_ids"]
+    if input_ids.shape[0] != 1:
+        return None
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu.to("cpu", torch.int32)
+    total = input_ids.shape[1]
+    positions = batch.get("position_ids")
+    if positions is None:
+        return torch.tensor([0, total], dtype=torch.int32)
+    starts = (positions[0] == 0).nonzero().flatten().cpu()
+    if starts.numel() == 0 or starts[0] != 0:
+        raise UnsupportedAttention("position_ids of a packed row must start at 0 for its first document")
+    return torch.cat([starts, torch.tensor([total])]).to(torch.int32)
+
+
+def shift_labels(labels: Tensor) -> Tensor:
+    """The label each token predicts, on the global sequence: the next token's label, -100 after the last.
+
+    Packing collators put -100 on each document's first label, so no token predicts across a document end."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+
+
+def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
+    """This rank's share of a whole (collated) batch, as the model is to be called with it under ``plan``.
+
+    One row is split per document (packed rows; one document when nothing says otherwise), several rows
+    each as one sequence. ``labels`` become this rank's slice of the globally shifted labels (also given as
+    ``shift_labels``); ``position_ids`` the global positions of this rank's slots."""
+    input_ids = batch["input_ids"]
+    rows, total = input_ids.shape
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise UnsupportedAttention(
+            "a batch with padding (attention_mask with zeros) under context parallelism: pack the examples "
+            "(SFTConfig(packing=True) or padding_free=True, or DataCollatorWithFlattening) so that no row is padded")
+    for key, value in batch.items():
+        if (key not in _PER_TOKEN + _WHOLE + _HINTS + ("labels", "shift_labels", "position_ids", "attention_mask")
+                and isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, total)):
+            raise UnsupportedAttention(f"batch entry {key!r} looks per token, and context parallelism does not "
+                                       "know how to shard it")
+    cu = documents(batch)
+    if cu is not None:
+        device = input_ids.device
+        shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
+        positions = plan.positions(cu_seqlens=cu, device=device)[None]
+    else:
+        shard = lambda t: plan.shard(t, 1)  # noqa: E731
+        positions = plan.positions(total, device=input_ids.device)[None].expand(rows, -1)
+    local = {key: value for key, value in batch.items() if key in _WHOLE}
+    for key in _PER_TOKEN:
+        if key in batch:
+            local[key] = shard(batch[key])
+    local["position_ids"] = positions
+    targets = batch.get("shift_labels")
+    if targets is None and batch.get("labels") is not None:
+        targets = shift_labels(batch["labels"])
+    if targets is not None:
+        # padding slots of a shard are 0: offset the labels so that those slots come out as -100
+        local["labels"] = local["shift_labels"] = shard(targets - IGNORE_INDEX) + IGNORE_INDEX
+    # the slot count and the document count change with almost every packed batch: dynamic from the first
+    # compile on, for every tensor that carries them (a view or a new tensor does not inherit the mark)
+    for key, value in local.items():
+        if isinstance(value, Tensor) and value.dim():
+            torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
+    return local
+
+
+def count_targets(batch: dict[str, Any]) -> Tensor:
+    """How many tokens of a whole batch have a label (the global ``num_items_in_batch`` of one batch)."""
+    targets = batch.get("shift_labels")
+    if targets is None:
+        targets = shift_labels(batch["labels"])
+    return (targets != IGNORE_INDEX).sum()
+
+
+class ContextParallelMixin:
+    """Put first in the bases of a ``transformers.Trainer`` subclass (``Trainer``, TRL's ``SFTTrainer``, ...) to
+    train under context parallelism; the rest of the trainer is unchanged. See the module docstring.
+
+    Args:
+        plan: the ``ContextParallel`` plan (its group is one data-parallel replica; build it on the CP dim of a
+            2-D ``DeviceMesh`` ``(dp, cp)`` for data parallelism beside CP). Default: one plan over every
+            process, on a group of its own. The trainer's own arguments go through unchanged.
+
+    Raises:
+        ValueError: a plan whose group is not a block of consecutive ranks (as ``init_device_mesh(..., (dp, cp))``
+            makes), or ``torch_compile_mode`` set (the plan's backend takes no mode).
+        UnsupportedAttention: at a step, a batch CP cannot run exactly (padded rows, an unknown per-token entry).
+    """
+
+    def __init__(self, *args, plan: Optional[ContextParallel] = None, **kwargs):
+        trainer_args = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        if trainer_args is None:
+            raise TypeError("ContextParallelMixin needs the trainer's args= (TrainingArguments or SFTConfig)")
+        if not dist.is_initialized():
+            raise RuntimeError("ContextParallelMixin needs torch.distributed initialised: launch with torchrun or "
+                               "accelerate launch (TrainingArguments initialises the process group)")
+        if plan is None:
+            plan = ContextParallel(dist.new_group(list(range(dist.get_world_size()))))
+        self.plan = plan
+        self._replica, self._replicas = _replica_of(plan)
+        self._compile_backend = None
+        if trainer_args.torch_compile:
+            if trainer_args.torch_compile_mode is not None:
+                raise ValueError("torch_compile_mode is not supported under context parallelism: the model is "
+                                 "compiled with the plan's backend, which takes no mode")
+            self._compile_backend = trainer_args.torch_compile_backend or "inductor"
+            # the trainer's accelerator would compile the wrapped model with a backend of its own
+            trainer_args = copy.copy(trainer_args)
+            trainer_args.torch_compile, trainer_args.torch_compile_backend = False, None
+            if "args" in kwargs:
+                kwargs["args"] = trainer_args
+            else:
+                args = (args[0], trainer_args, *args[2:])
+        super().__init__(*args, **kwargs)
+        self.cp_backend = None  # the plan's backend the model is compiled with (its records: the graphs)
+        if self._compile_backend is not None:
+            self.cp_backend = self.plan.backend(self._compile_backend)
+            self.model.compile(backend=self.cp_backend)
+
+    # -- data: one replica per CP group ---------------------------------------------------------------
+    def get_cp_size(self) -> int:
+        """C ranks read the same batches: ``Trainer`` divides the label count gathered from every process by it,
+        and counts data-parallel replicas as processes / C."""
+        return self.plan.world_size
+
+    def get_train_dataloader(self):
+        return self._per_replica(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._per_replica(super().get_eval_dataloader(eval_dataset))
+
+    def _per_replica(self, loader):
+        """Deals the batches to replicas instead of processes (accelerate's batch sampler reads both numbers
+        at each iteration)."""
+        if dist.get_world_size() == 1:
+            return loader
+        from accelerate.data_loader import BatchSamplerShard
+
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, BatchSamplerShard):
+            raise UnsupportedAttention(
+                f"context parallelism needs a map-style dataset with a batch sampler accelerate shards; got "
+                f"{type(loader).__name__} with {type(sampler).__name__} (iterable datasets and dispatched batches "
+                "are not supported)")
+        sampler.num_processes, sampler.process_index = self._replicas, self._replica
+        return loader
+
+    # -- the step --------------------------------------------------------------------------------------
+    def training_step(self, *args, **kwargs):
+        # backward inside the plan too: activation checkpointing (SFTConfig's default) recomputes attention there
+        with self.plan:
+            return super().training_step(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if num_items_in_batch is None:
+            raise UnsupportedAttention(
+                "the trainer did not count the batch's labels (num_items_in_batch), so each rank's loss would be a "
+                "mean over its own tokens: under context parallelism the model must accept loss kwargs "
+                "(transformers' causal LMs do) or the trainer be given a compute_loss_func")
+        local = shard_batch(self.plan, inputs)
+        # also in the model's own arguments: trainers that compute the loss from the model's outputs (TRL's
+        # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.forward)
+        local["num_items_in_batch"] = num_items_in_batch
+        with self.plan:
+            return super().compute_loss(model, local, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""
+        if not prediction_loss_only:
+            raise UnsupportedAttention("under context parallelism evaluation computes the loss only: each rank "
+                                       "holds a shard of the logits (no compute_metrics)")
+        inputs = self._prepare_inputs(inputs)
+        local = shard_batch(self.plan, inputs)
+        local["num_items_in_batch"] = count_targets(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager(), self.plan:
+            # the model's own loss: compute_loss would scale it for the gradient all-reduce
+            share = model(**local).loss.detach()
+        dist.all_reduce(share, group=self.plan.group)
+        return share, None, None
+
+    # evaluation gathers each rank's loss from every process; a replica's ranks hold the same value
+    def _gather_replicas(self, tensor):
+        gathered = self.accelerator.gather(tensor)
+        per_rank = gathered.reshape(dist.get_world_size(), -1)
+        first = per_rank[:: self.plan.world_size].reshape(-1, *tensor.shape[1:])
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            first = first[: state.remainder]
+        return first
+
+    def evaluation_loop(self, *args, **kwargs):
+        gather, self.gather_function = self.gather_function, self._gather_replicas
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = gather
+
+
+def _replica_of(plan: ContextParallel) -> tuple[int, int]:
+    """(this process's replica, the number of replicas): a plan's group must be a block of consecutive ranks."""
+    world, size = dist.get_world_size(), plan.world_size
+    ranks = dist.get_process_group_ranks(plan.group)
+    first = ranks[0]
+    if world % size or ranks != list(range(first, first + size)) or first % size:
+        raise ValueError(
+            f"the plan's group {ranks} is not a block of {size} consecutive ranks: build data parallelism beside CP "
+            "as init_device_mesh(device, (world // C, C), mesh_dim_names=('dp', 'cp')) and pass "
+            "ContextParallel(mesh['cp'])")
+    return first // size, world // size
+
+
+__all__ = ["ContextParallelMixin", "count_targets", "documents", "shard_batch", "shift_labels"]

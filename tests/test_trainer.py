@@ -1,0 +1,178 @@
+"""``Trainer`` and TRL's ``SFTTrainer`` under CP (``cp_compile.hf.ContextParallelMixin``), as users launch them.
+
+The end-to-end runs go through ``examples/sft_trl.py``, which launches each run in processes of its own
+(``torchrun`` or ``accelerate launch``), compares every logged loss with the same script without CP and
+exits 1 above 1e-4 (relative, fp32): packed SFT eager and compiled, evaluation, a resume at another C,
+transformers' Trainer with ``DataCollatorWithFlattening``, gradient accumulation, SGD and a 2-D mesh of
+2 replicas of C=2. The batch sharding itself is checked on gloo ranks against the global batch.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="needs TRL and accelerate (pip install -e '.[train]'): the trainers under test")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "sft_trl.py"
+
+
+def run_example(*args: str) -> str:
+    run = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
+    """SFTTrainer(packing=True) at C=2 compiled with the plan's backend (aot_eager behind it), evaluated every 3
+    steps, then stopped after step 3 and resumed from its checkpoint on one process: every logged loss within
+    1e-4 of one process's. The CP run adds no graph break to the one the one-process run has (TRL's fused LM
+    head), and the model's graph compiles once."""
+    plot = tmp_path / "sft.png"
+    out = run_example("--steps", "6", "--compile", "aot_eager", "--eval-steps", "3", "--plot", str(plot))
+    assert "SFTTrainer under CP (C=2, torchrun): 6 steps" in out
+    assert "evaluation loss: 2 steps" in out and "C=2 stopped after step 3, resumed at C=1: 3 steps" in out
+    breaks = {line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in out.splitlines()
+              if "graph breaks" in line}
+    assert breaks["cp"] == breaks["reference"], out
+    assert plot.stat().st_size > 10_000
+
+
+def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
+    """transformers' Trainer with DataCollatorWithFlattening, launched by accelerate on 4 processes (2 replicas
+    of C=2), SGD with 2 accumulation steps, against the same script on 2 processes without CP; then a run on 2
+    processes without CP stopped after step 2 and resumed at C=2 on 4."""
+    out = run_example("--trainer", "trainer", "--launcher", "accelerate", "--dp", "2", "--steps", "4", "--accum",
+                      "2", "--optim", "sgd", "--stop-cp", "1", "--resume-cp", "2")
+    assert "Trainer under CP (C=2 x 2 replicas, accelerate): 4 steps" in out
+    assert "C=1 stopped after step 2, resumed at C=2: 2 steps" in out
+
+
+# -- the batch a rank gets -----------------------------------------------------------------------------
+
+
+def shard_packed_batch():
+    """On each rank: TRL's collator output for 3 examples (one packed row), sharded; the shards gathered back
+    must give the global positions, and the labels shifted on the global sequence with -100 at document ends."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    import cp_compile
+    from cp_compile.hf.trainer import shard_batch
+
+    plan = cp_compile.ContextParallel()
+    lengths = [5, 1, 12]
+    examples = [{"input_ids": list(range(10 * i + 1, 10 * i + 1 + n)), "seq_lengths": [n]}
+                for i, n in enumerate(lengths)]
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)
+    local = shard_batch(plan, batch)
+    cu = batch["cu_seq_lens_q"]
+    whole = {key: plan.unshard(local[key], 1, cu_seqlens=cu) for key in ("input_ids", "labels", "position_ids")}
+    ids = batch["input_ids"][0]
+    expected_labels = torch.cat([ids[1:], torch.tensor([-100])])
+    expected_labels[cu[1:].long() - 1] = -100  # no document predicts the next one's first token
+    return (torch.equal(whole["input_ids"][0], ids), torch.equal(whole["labels"][0], expected_labels),
+            torch.equal(whole["position_ids"][0], batch["position_ids"][0]),
+            torch.equal(local["labels"], local["shift_labels"]), sorted(local))
+
+
+def refusals():
+    import cp_compile
+    from cp_compile.hf.trainer import shard_batch
+
+    plan = cp_compile.ContextParallel()
+    ids = torch.arange(1, 9)[None]
+    messages = []
+    for batch in ({"input_ids": ids.repeat(2, 1), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])},
+                  {"input_ids": ids, "pixel_mask": torch.ones(1, 8, 3)}):
+        try:
+            shard_batch(plan, batch)
+            messages.append("no error")
+        except cp_compile.UnsupportedAttention as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_shard_batch_round_trip(ranks):
+    for same_ids, same_labels, same_positions, labels_are_shifted, keys in ranks(2, shard_packed_batch):
+        assert same_ids and same_labels and same_positions and labels_are_shifted
+        # the flash kernels' length hints are dropped (a compiled model would recompile on each value)
+        assert keys == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "labels", "position_ids", "seq_idx",
+                        "shift_labels"]
+
+
+def test_shard_batch_refuses_what_cp_cannot_run_exactly(ranks):
+    for padded, unknown in ranks(2, refusals):
+        assert "padding" in padded and "packing=True" in padded
+        assert "'pixel_mask' looks per token" in unknown
+
+
+def replica_of_groups():
+    import torch.distributed as dist
+
+    import cp_compile
+    from cp_compile.hf.trainer import _replica_of
+
+    blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    rank = dist.get_rank()
+    mine = _replica_of(cp_compile.ContextParallel(blocks[rank // 2]))
+    try:
+        _replica_of(cp_compile.ContextParallel(strided[rank % 2]))
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return mine, refused
+
+
+def test_replicas_are_blocks_of_consecutive_ranks(ranks):
+    """A plan on mesh['cp'] of init_device_mesh(..., (dp, cp)) holds consecutive ranks: replica = rank // C.
+    Any other grouping is refused, naming the mesh to build."""
+    results = ranks(4, replica_of_groups)
+    assert [mine for mine, _ in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all("init_device_mesh" in refused for _, refused in results)
+
+
+def autocast_errors():
+    """HF Llama at C=2 (packed row) and on one process ("sdpa"), both under CPU bf16 autocast, against the fp64
+    model: the largest logit error of each, relative to the reference's largest logit."""
+    import copy
+
+    import transformers
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    from cp_compile.hf.trainer import shard_batch
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile")
+    reference = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    reference.load_state_dict(model.state_dict())
+    plan = cp_compile.ContextParallel()
+    lengths = [13, 5, 1, 22, 7]
+    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    local = shard_batch(plan, {"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": cu,
+                               "cu_seq_lens_k": cu})
+    with torch.no_grad():
+        exact = reference.double()(ids, position_ids=positions, use_cache=False).logits
+        reference.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            one = reference(ids, position_ids=positions, use_cache=False).logits
+            with plan:
+                cp = model(**local, use_cache=False).logits
+    cp = plan.unshard(cp.float(), 1, cu_seqlens=cu)
+    scale = exact.abs().max()
+    return ((cp.double() - exact).abs().max() / scale).item(), ((one.double() - exact).abs().max() / scale).item()
+
+
+def test_bf16_autocast_within_twice_one_process(ranks):
+    """SFTConfig trains in bf16 autocast by default: the CP attention casts q, k, v as autocast casts SDPA's
+    (custom ops are left alone by autocast) and stays within 2x the one-process bf16 error against fp64."""
+    for cp_error, one_error in ranks(2, autocast_errors):
+        assert 0 < one_error and cp_error <= 2 * one_error, (cp_error, one_error)
