@@ -6,7 +6,11 @@ every process) generates greedily after a random prompt on one process
 prefilled sharded over the ranks, then decoding over a ``ShardedCache``).
 Reported per (C, prompt length): whether every token matches, the largest
 relative logit difference, prefill tokens/s, decode ms/token and the K/V
-bytes each rank holds against one process. Exits 1 if a token differs.
+bytes each rank holds against one process. Decode is also set against its
+floor (one process's step plus one all-gather per layer of what the decode
+schedule gathers, timed back to back in the same run) and taken apart from a
+profile (``bench.breakdown``): compute, collectives (count and time), and
+everything else. Exits 1 if a token differs.
 
 ``--compile`` decodes with transformers' own compiled step (a compileable
 cache and ``CompileConfig``, Inductor); ``--plot`` draws prefill tokens/s and
@@ -80,6 +84,20 @@ def _generate_timed(args, model, ids: torch.Tensor, prefill, cache):
     return result, middle - start, (end - middle) / args.new
 
 
+def _decode_costs(args, model, ids: torch.Tensor, prefill, cache) -> dict:
+    """The decode steps' costs from a profile (``bench.breakdown``): compute, collectives, other; per token."""
+    from .bench.breakdown import breakdown
+
+    kwargs = dict(max_new_tokens=args.new, do_sample=False, **_compile_config(args))
+
+    def prepare():
+        with torch.no_grad():
+            store = prefill(ids[:, :-1], cache())
+        return lambda: model.generate(ids, cache=store, **kwargs)
+
+    return breakdown(prepare, args.new)
+
+
 def reference_runs(args) -> dict:
     """One process, one thread (one device's worth of compute next to each CP rank's)."""
     from transformers import DynamicCache, StaticCache
@@ -100,7 +118,8 @@ def reference_runs(args) -> dict:
         result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
         runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
                             decode_s=decode_s, cache_bytes=sum(t.nbytes for layer in result.cache.layers
-                                                               for t in (layer.keys, layer.values)))
+                                                               for t in (layer.keys, layer.values)),
+                            costs=_decode_costs(args, model, _prompt(args, length), prefill, cache))
     return runs
 
 
@@ -123,8 +142,24 @@ def rank_runs(args) -> dict:
                 return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
             result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
             runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
-                                decode_s=decode_s, cache_bytes=result.cache.nbytes)
+                                decode_s=decode_s, cache_bytes=result.cache.nbytes,
+                                costs=_decode_costs(args, model, _prompt(args, length), prefill, cache),
+                                allgather_s=_layer_allgather_s(args, plan))
     return runs
+
+
+def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
+    """Seconds of one all-gather of what the decode schedule gathers per layer and token (out and lse of one
+    query), back to back: the collective a decode step cannot do without."""
+    from .comm.gather import gather_dim0
+
+    payload = torch.zeros(1, 1, args.heads, 1, args.hidden // args.heads + 1, dtype=DTYPES[args.dtype])
+    for _ in range(10):
+        gather_dim0(payload, plan.group_name, plan.world_size)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        gather_dim0(payload, plan.group_name, plan.world_size)
+    return (time.perf_counter() - start) / repeats
 
 
 def _rows(args, reference: dict, per_world: dict) -> list[dict]:
@@ -137,26 +172,40 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
                        / ref["logits"].double().abs().max()).item() for m in mine)
             prefill_s = max(m["prefill_s"] for m in mine)
             decode_s = max(m["decode_s"] for m in mine)
+            slowest = max(mine, key=lambda m: m["costs"]["wall_ms"])
+            # one process's step plus the one collective per layer that a decode step under CP needs
+            floor_ms = 1e3 * (ref["decode_s"] + args.layers * max(m["allgather_s"] for m in mine))
             rows.append(dict(
                 C=world_size, prompt=length, same_tokens=all(torch.equal(m["sequences"], ref["sequences"]) for m in mine),
                 logits_rel_err=err, prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
                 ref_prefill_tok_s=(length - 1) / ref["prefill_s"] if length > 1 else None,
                 decode_ms=1e3 * decode_s, ref_decode_ms=1e3 * ref["decode_s"],
                 cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
-                ref_cache_MiB=ref["cache_bytes"] / 2**20))
+                ref_cache_MiB=ref["cache_bytes"] / 2**20, decode_floor_ms=floor_ms,
+                allgather_ms=1e3 * max(m["allgather_s"] for m in mine), costs=slowest["costs"],
+                ref_costs=ref["costs"]))
     return rows
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} {'decode ms/token':>19} "
-             f"{'K/V MiB per rank':>19}",
-             f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9}"]
+    from .bench.breakdown import format_breakdown
+
+    lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} "
+             f"{'decode ms/token':>39} {'K/V MiB per rank':>19}",
+             f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'floor':>9} "
+             f"{'CP/floor':>9} {'CP':>9} {'one':>9}"]
     for r in rows:
         prefill = (f"{r['prefill_tok_s']:>9.0f} {r['ref_prefill_tok_s']:>9.0f}" if r["prefill_tok_s"]
                    else f"{'-':>9} {'-':>9}")
         lines.append(f"{r['C']:>2} {r['prompt']:>7} {'same' if r['same_tokens'] else 'DIFFER':>7} "
                      f"{r['logits_rel_err']:>9.1e} {prefill} {r['decode_ms']:>9.1f} {r['ref_decode_ms']:>9.1f} "
+                     f"{r['decode_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_floor_ms']:>9.2f} "
                      f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}")
+    lines.append("decode step (per token, from a profile of the slowest rank; floor = one process + one all-gather "
+                 "per layer, timed back to back in the same run):")
+    for r in rows:
+        lines.append(f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; one process "
+                     f"{format_breakdown(r['ref_costs'])}; all-gather {r['allgather_ms']:.3f} ms")
     return "\n".join(lines)
 
 

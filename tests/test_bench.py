@@ -184,3 +184,31 @@ def test_torchrun_driver_on_gloo(tmp_path):
     assert data["meta"]["device"] == "cpu"
     (cfg,) = data["configs"]  # under torchrun C is the launched world size
     assert cfg["config"]["world_size"] == 2 and cfg["variants"][bench.OURS]["valid"]
+
+
+def profiled_steps():
+    """3 steps of 2 all-gathers and a matmul each, taken apart by bench.breakdown."""
+    import torch
+
+    import cp_compile
+    from cp_compile.bench.breakdown import breakdown
+    from cp_compile.comm.gather import gather_dim0
+
+    plan = cp_compile.ContextParallel()
+    x = torch.randn(64, 64)
+
+    def prepare():
+        def steps():
+            for _ in range(3):
+                y = x @ x
+                for _ in range(2):
+                    gather_dim0(y[:1], plan.group_name, plan.world_size)
+        return steps
+
+    return breakdown(prepare, 3)
+
+
+def test_breakdown_counts_the_collectives_of_a_step(ranks):
+    for costs in ranks(2, profiled_steps):
+        assert costs["collectives"] == 2 and costs["collective_ms"] > 0 and costs["compute_ms"] > 0
+        assert costs["profiled_ms"] >= costs["compute_ms"] + costs["collective_ms"] - 1e-6

@@ -1,0 +1,74 @@
+"""Where the time of a step goes, from a profile: compute, collectives, and everything else.
+
+``breakdown(prepare, steps)`` times the steps ``prepare()`` returns once plainly and once under
+``torch.profiler``; per step it reports
+
+- ``wall_ms``: the plain run's time; ``profiled_ms`` the profiled run's;
+- ``compute_ms``: the self time of the ATen operators the profile saw (kernels on CPU; the host side of
+  launches on a GPU), the collectives' own excluded;
+- ``collective_ms`` and ``collectives``: the time inside the collectives (issue and wait; waiting on a peer
+  counts here) and how many were issued per step;
+- ``other_ms``: the rest of the profiled run's time (``profiled_ms``): Python, tensor bookkeeping, guards and
+  checks, and the profiler's own overhead, which ``wall_ms - profiled_ms`` bounds.
+
+Under the profiler one rank runs slower, so its peers wait longer inside the collectives: read the
+collectives' time as an upper bound.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+# What the collectives of cp_compile (functional collectives) and of torch.distributed record on the calling
+# thread; the backends' own events ("gloo:all_gather") run on their worker threads, at the same time.
+_COLLECTIVE_PREFIXES = ("_c10d_functional::", "c10d::")
+_ISSUE = ("all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "all_reduce", "allreduce",
+          "broadcast", "send", "recv")
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(_COLLECTIVE_PREFIXES)
+
+
+def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str, float]:
+    """Per-step costs of ``prepare()()``, which makes ``steps`` steps; ``prepare()`` (untimed, unprofiled) sets up
+    what the steps start from (a prefilled cache) and returns them. See the module docstring."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = prepare()
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+    run = prepare()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run()
+        profiled = time.perf_counter() - start
+    events = prof.events()
+    collective_us, compute_us, issued = 0.0, 0.0, 0
+    for event in events:
+        name = event.name
+        if _is_collective(name):
+            # the outermost collective event holds its children (the backend's own events)
+            parent = event.cpu_parent
+            while parent is not None and not _is_collective(parent.name):
+                parent = parent.cpu_parent
+            if parent is None:
+                collective_us += event.cpu_time_total
+                issued += name.startswith("_c10d_functional::") and any(k in name for k in _ISSUE)
+        elif name.startswith("aten::"):
+            parent = event.cpu_parent
+            while parent is not None and not _is_collective(parent.name):
+                parent = parent.cpu_parent
+            if parent is None:
+                compute_us += event.self_cpu_time_total
+    profiled_ms, compute_ms, collective_ms = 1e3 * profiled / steps, 1e-3 * compute_us / steps, 1e-3 * collective_us / steps
+    return dict(wall_ms=1e3 * wall / steps, profiled_ms=profiled_ms, compute_ms=compute_ms,
+                collective_ms=collective_ms, collectives=issued / steps,
+                other_ms=max(0.0, profiled_ms - compute_ms - collective_ms))
+
+
+def format_breakdown(costs: dict[str, float]) -> str:
+    return (f"{costs['wall_ms']:.2f} ms (profiled {costs['profiled_ms']:.2f} = compute {costs['compute_ms']:.2f} + "
+            f"{costs['collectives']:.1f} collectives {costs['collective_ms']:.2f} + other {costs['other_ms']:.2f})")
