@@ -26,6 +26,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_GRAPHS = 2
+BREAKDOWN_STEPS = 8  # the last steps, run again under a profile (cp_compile.bench.breakdown)
 
 
 def build_model(args, attn: str, device):
@@ -86,7 +87,8 @@ def cp_rank(args) -> dict:
     backend = plan.backend(args.inner)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     out = {k: [] for k in ("losses", "times", "graphs", "unique_graphs", "breaks")}
-    for ids, labels, cu in batches(args):
+
+    def inputs(ids, labels, cu):
         real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
         local_ids = plan.shard(ids, 1, cu_seqlens=cu).to(device)
         # in place: a new tensor would lose the dynamic slot dimension plan.shard marks, and recompile
@@ -94,11 +96,12 @@ def cp_rank(args) -> dict:
         positions = plan.positions(cu_seqlens=cu, device=device)[None]
         # each rank's loss is its share of the global mean: summed over ranks it is the one-process loss
         items = torch.tensor((labels != -100).sum().item(), device=device)
-        dist.barrier(group)
-        start = time.perf_counter()
+        return local_ids, local_labels, positions, items, cu.to(device)
+
+    def step(local_ids, local_labels, positions, items, cu):
         with plan:
-            loss = compiled(local_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu.to(device),
-                            cu_seq_lens_k=cu.to(device), labels=local_labels, shift_labels=local_labels,
+            loss = compiled(local_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
+                            cu_seq_lens_k=cu, labels=local_labels, shift_labels=local_labels,
                             num_items_in_batch=items).loss
         loss.backward()
         for p in model.parameters():  # the summed gradient is the one-process gradient
@@ -107,31 +110,60 @@ def cp_rank(args) -> dict:
         optimizer.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
-        out["losses"].append(total.item())  # .item() waits for the device, so the time is the step's
+        return total.item()  # .item() waits for the device, so the time is the step's
+
+    last = []
+    for batch in batches(args):
+        local = inputs(*batch)
+        last = (last + [local])[-BREAKDOWN_STEPS:]
+        dist.barrier(group)
+        start = time.perf_counter()
+        out["losses"].append(step(*local))
         out["times"].append(time.perf_counter() - start)
         out["graphs"].append(len(backend.records))
         out["unique_graphs"].append(counters["stats"]["unique_graphs"])
         out["breaks"].append(sum(counters["graph_break"].values()))
+    out["costs"] = step_costs(step, last, group)
     return out
+
+
+def step_costs(step, last: list, group=None) -> dict:
+    """The last steps' batches run again (after the recorded run), taken apart by cp_compile.bench.breakdown."""
+    import torch.distributed as dist
+
+    from cp_compile.bench.breakdown import breakdown
+
+    def prepare():
+        if group is not None or dist.is_initialized():
+            dist.barrier(group)
+        return lambda: [step(*batch) for batch in last]
+
+    return breakdown(prepare, len(last))
 
 
 def reference(args, device) -> dict:
     """The same model with "sdpa", full sequence, eager: HF builds the block-causal mask from position_ids."""
     model = build_model(args, "sdpa", device)
     optimizer = make_optimizer(args, model)
-    losses, times = [], []
-    for ids, labels, cu in batches(args):
-        positions = torch.cat([torch.arange(n) for n in cu.diff().tolist()])[None].to(device)
-        items = torch.tensor((labels != -100).sum().item(), device=device)
-        start = time.perf_counter()
-        loss = model(ids.to(device), position_ids=positions, use_cache=False, labels=labels.to(device),
-                     shift_labels=labels.to(device), num_items_in_batch=items).loss
+    losses, times, last = [], [], []
+
+    def step(ids, positions, labels, items):
+        loss = model(ids, position_ids=positions, use_cache=False, labels=labels, shift_labels=labels,
+                     num_items_in_batch=items).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        return loss.item()
+
+    for ids, labels, cu in batches(args):
+        positions = torch.cat([torch.arange(n) for n in cu.diff().tolist()])[None].to(device)
+        items = torch.tensor((labels != -100).sum().item(), device=device)
+        batch = (ids.to(device), positions, labels.to(device), items)
+        last = (last + [batch])[-BREAKDOWN_STEPS:]
+        start = time.perf_counter()
+        losses.append(step(*batch))
         times.append(time.perf_counter() - start)
-    return {"losses": losses, "times": times}
+    return {"losses": losses, "times": times, "costs": step_costs(step, last)}
 
 
 def plot(args, title: str, cp: list[float], ref: list[float], diffs: list[float]) -> None:
@@ -197,6 +229,10 @@ def main() -> int:
           f"{statistics.median(steady or [float('nan')]) * 1e3:.1f} ms/step (median after the last compile)")
     print(f"one process (eager): first step {ref['times'][0]:.2f} s, steady "
           f"{statistics.median(ref['times'][1:] or ref['times']) * 1e3:.1f} ms/step")
+    from cp_compile.bench.breakdown import format_breakdown
+
+    print(f"a step, from a profile of the last {BREAKDOWN_STEPS} steps run again: CP (rank 0) "
+          f"{format_breakdown(cp['costs'])}; one process {format_breakdown(ref['costs'])}")
     print(f"loss (one process): step 0 {ref['losses'][0]:.4f}, last {ref['losses'][-1]:.4f}; largest relative "
           f"difference {diffs[worst]:.2e} at step {worst} (CP {cp['losses'][worst]:.6f}, "
           f"one process {ref['losses'][worst]:.6f})")
