@@ -9,7 +9,7 @@ relative logit difference, prefill tokens/s, decode ms/token and the K/V
 bytes each rank holds against one process. Decode is also set against its
 floor (one process's step plus one all-gather per layer of what the decode
 schedule gathers, timed back to back in the same run) and taken apart from a
-profile (``bench.breakdown``): compute, collectives (count and time), and
+profile (``cp_compile.breakdown``): compute, collectives (count and time), and
 everything else. Exits 1 if a token differs.
 
 ``--compile`` decodes with transformers' own compiled step (a compileable
@@ -85,8 +85,8 @@ def _generate_timed(args, model, ids: torch.Tensor, prefill, cache):
 
 
 def _decode_costs(args, model, ids: torch.Tensor, prefill, cache) -> dict:
-    """The decode steps' costs from a profile (``bench.breakdown``): compute, collectives, other; per token."""
-    from .bench.breakdown import breakdown
+    """The decode steps' costs from a profile (``cp_compile.breakdown``): compute, collectives, other; per token."""
+    from .breakdown import breakdown
 
     kwargs = dict(max_new_tokens=args.new, do_sample=False, **_compile_config(args))
 
@@ -188,7 +188,7 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    from .bench.breakdown import format_breakdown
+    from .breakdown import format_breakdown
 
     lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} "
              f"{'decode ms/token':>39} {'K/V MiB per rank':>19}",

@@ -26,7 +26,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_GRAPHS = 2
-BREAKDOWN_STEPS = 8  # the last steps, run again under a profile (cp_compile.bench.breakdown)
+BREAKDOWN_STEPS = 8  # the last steps, run again under a profile (cp_compile.breakdown)
 
 
 def build_model(args, attn: str, device):
@@ -128,10 +128,10 @@ def cp_rank(args) -> dict:
 
 
 def step_costs(step, last: list, group=None) -> dict:
-    """The last steps' batches run again (after the recorded run), taken apart by cp_compile.bench.breakdown."""
+    """The last steps' batches run again (after the recorded run), taken apart by cp_compile.breakdown."""
     import torch.distributed as dist
 
-    from cp_compile.bench.breakdown import breakdown
+    from cp_compile.breakdown import breakdown
 
     def prepare():
         if group is not None or dist.is_initialized():
@@ -229,7 +229,7 @@ def main() -> int:
           f"{statistics.median(steady or [float('nan')]) * 1e3:.1f} ms/step (median after the last compile)")
     print(f"one process (eager): first step {ref['times'][0]:.2f} s, steady "
           f"{statistics.median(ref['times'][1:] or ref['times']) * 1e3:.1f} ms/step")
-    from cp_compile.bench.breakdown import format_breakdown
+    from cp_compile.breakdown import format_breakdown
 
     print(f"a step, from a profile of the last {BREAKDOWN_STEPS} steps run again: CP (rank 0) "
           f"{format_breakdown(cp['costs'])}; one process {format_breakdown(ref['costs'])}")

@@ -187,11 +187,11 @@ def test_torchrun_driver_on_gloo(tmp_path):
 
 
 def profiled_steps():
-    """3 steps of 2 all-gathers and a matmul each, taken apart by bench.breakdown."""
+    """3 steps of 2 all-gathers and a matmul each, taken apart by cp_compile.breakdown."""
     import torch
 
     import cp_compile
-    from cp_compile.bench.breakdown import breakdown
+    from cp_compile.breakdown import breakdown
     from cp_compile.comm.gather import gather_dim0
 
     plan = cp_compile.ContextParallel()

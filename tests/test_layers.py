@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(cp_compile.__file__).parent
 
 # bottom to top; a module may import from its own layer or any layer below
 LAYERS = ["torch_compat", "layout", "kernels", "comm", "kinds", "schedules", "passes", "api", "bench", "__main__"]
-API_MODULES = {"__init__", "backend", "calibrate", "demo", "eager", "guard", "hf", "inference", "inspect", "kv_cache", "launch", "llama",
+API_MODULES = {"__init__", "backend", "breakdown", "calibrate", "demo", "eager", "guard", "hf", "inference", "inspect", "kv_cache", "launch", "llama",
                "masks", "memory", "plan", "sac"}
 
 

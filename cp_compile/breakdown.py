@@ -1,5 +1,7 @@
 """Where the time of a step goes, from a profile: compute, collectives, and everything else.
 
+The generate command (``python -m cp_compile generate``) and ``examples/train_packed.py`` report it.
+
 ``breakdown(prepare, steps)`` times the steps ``prepare()`` returns once plainly and once under
 ``torch.profiler``; per step it reports
 
