@@ -33,6 +33,14 @@ def _is_collective(name: str) -> bool:
     return name.startswith(_COLLECTIVE_PREFIXES)
 
 
+def _inside_collective(event) -> bool:
+    """Whether a collective's event encloses ``event`` (it then counts as that collective's, not on its own)."""
+    parent = event.cpu_parent
+    while parent is not None and not _is_collective(parent.name):
+        parent = parent.cpu_parent
+    return parent is not None
+
+
 def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str, float]:
     """Per-step costs of ``prepare()()``, which makes ``steps`` steps; ``prepare()`` (untimed, unprofiled) sets up
     what the steps start from (a prefilled cache) and returns them. See the module docstring."""
@@ -47,25 +55,16 @@ def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str
         start = time.perf_counter()
         run()
         profiled = time.perf_counter() - start
-    events = prof.events()
     collective_us, compute_us, issued = 0.0, 0.0, 0
-    for event in events:
+    for event in prof.events():
         name = event.name
-        if _is_collective(name):
-            # the outermost collective event holds its children (the backend's own events)
-            parent = event.cpu_parent
-            while parent is not None and not _is_collective(parent.name):
-                parent = parent.cpu_parent
-            if parent is None:
-                collective_us += event.cpu_time_total
-                issued += any(k in name for k in _ISSUE)  # a wait is not a collective of its own
-        elif name.startswith("aten::"):
-            parent = event.cpu_parent
-            while parent is not None and not _is_collective(parent.name):
-                parent = parent.cpu_parent
-            if parent is None:
-                compute_us += event.self_cpu_time_total
-    profiled_ms, compute_ms, collective_ms = 1e3 * profiled / steps, 1e-3 * compute_us / steps, 1e-3 * collective_us / steps
+        if _is_collective(name) and not _inside_collective(event):
+            collective_us += event.cpu_time_total  # the outermost event holds the backend's own
+            issued += any(k in name for k in _ISSUE)  # a wait is not a collective of its own
+        elif name.startswith("aten::") and not _inside_collective(event):
+            compute_us += event.self_cpu_time_total
+    profiled_ms = 1e3 * profiled / steps
+    compute_ms, collective_ms = 1e-3 * compute_us / steps, 1e-3 * collective_us / steps
     return dict(wall_ms=1e3 * wall / steps, profiled_ms=profiled_ms, compute_ms=compute_ms,
                 collective_ms=collective_ms, collectives=issued / steps,
                 other_ms=max(0.0, profiled_ms - compute_ms - collective_ms))

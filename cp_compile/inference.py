@@ -115,11 +115,12 @@ def reference_runs(args) -> dict:
             if args.compile:
                 return StaticCache(config=model.config, max_cache_len=length + args.new)
             return DynamicCache(config=model.config)
-        result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
+        ids = _prompt(args, length)
+        result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache)
         runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
                             decode_s=decode_s, cache_bytes=sum(t.nbytes for layer in result.cache.layers
                                                                for t in (layer.keys, layer.values)),
-                            costs=_decode_costs(args, model, _prompt(args, length), prefill, cache))
+                            costs=_decode_costs(args, model, ids, prefill, cache))
     return runs
 
 
@@ -140,10 +141,11 @@ def rank_runs(args) -> dict:
         for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
             def cache():
                 return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
-            result, prefill_s, decode_s = _generate_timed(args, model, _prompt(args, length), prefill, cache)
+            ids = _prompt(args, length)
+            result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache)
             runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
                                 decode_s=decode_s, cache_bytes=result.cache.nbytes,
-                                costs=_decode_costs(args, model, _prompt(args, length), prefill, cache),
+                                costs=_decode_costs(args, model, ids, prefill, cache),
                                 allgather_s=_layer_allgather_s(args, plan))
     return runs
 
@@ -153,7 +155,10 @@ def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
     query), back to back: the collective a decode step cannot do without."""
     from .comm.gather import gather_dim0
 
-    payload = torch.zeros(1, 1, args.heads, 1, args.hidden // args.heads + 1, dtype=DTYPES[args.dtype])
+    from .kernels.merge import acc_dtype
+
+    # out and lse travel together in the accumulator dtype (schedules/cached.py)
+    payload = torch.zeros(1, 1, args.heads, 1, args.hidden // args.heads + 1, dtype=acc_dtype(DTYPES[args.dtype]))
     for _ in range(10):
         gather_dim0(payload, plan.group_name, plan.world_size)
     start = time.perf_counter()

@@ -98,9 +98,8 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
                                        "know how to shard it")
     cu = documents(batch)
     if cu is not None:
-        device = input_ids.device
         shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
-        positions = plan.positions(cu_seqlens=cu, device=device)[None]
+        positions = plan.positions(cu_seqlens=cu, device=input_ids.device)[None]
     else:
         shard = lambda t: plan.shard(t, 1)  # noqa: E731
         positions = plan.positions(total, device=input_ids.device)[None].expand(rows, -1)
@@ -109,9 +108,7 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
         if key in batch:
             local[key] = shard(batch[key])
     local["position_ids"] = positions
-    targets = batch.get("shift_labels")
-    if targets is None and batch.get("labels") is not None:
-        targets = shift_labels(batch["labels"])
+    targets = _targets(batch)
     if targets is not None:
         # padding slots of a shard are 0: offset the labels so that those slots come out as -100
         local["labels"] = local["shift_labels"] = shard(targets - IGNORE_INDEX) + IGNORE_INDEX
@@ -123,12 +120,16 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
     return local
 
 
+def _targets(batch: dict[str, Any]) -> Optional[Tensor]:
+    """What each token of a whole batch predicts: the collator's ``shift_labels``, else its labels shifted."""
+    if batch.get("shift_labels") is not None:
+        return batch["shift_labels"]
+    return shift_labels(batch["labels"]) if batch.get("labels") is not None else None
+
+
 def count_targets(batch: dict[str, Any]) -> Tensor:
     """How many tokens of a whole batch have a label (the global ``num_items_in_batch`` of one batch)."""
-    targets = batch.get("shift_labels")
-    if targets is None:
-        targets = shift_labels(batch["labels"])
-    return (targets != IGNORE_INDEX).sum()
+    return (_targets(batch) != IGNORE_INDEX).sum()
 
 
 class ContextParallelMixin:
