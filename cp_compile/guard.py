@@ -14,9 +14,12 @@ kernels it runs inside, so the eager CP paths pass untouched.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .passes.unrewritten import LocalAttentionError, eager_message
 
@@ -57,6 +60,25 @@ class LocalAttentionGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def set_aside() -> Iterator[None]:
+    """The guards on top of the torch function mode stack, taken off inside the block and put back after.
+
+    A mode sees every torch call; for a caller that checks in its own way what the guard would catch and runs
+    many small steps (decoding over a ``ShardedCache``, which checks that each layer's attention ran through
+    cp_compile), that costs as much as the step's host work. Guards under another mode stay."""
+    taken = []
+    stack = _get_current_function_mode_stack()
+    while stack and isinstance(stack[-1], LocalAttentionGuard):
+        taken.append(stack.pop())
+        taken[-1].__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        for guard in reversed(taken):
+            guard.__enter__()
+
+
 def _marked(name: str, args: list, kwargs: dict) -> tuple[list, dict]:
     """The call's arguments with its query behind ``cp::unrewritten``."""
     if args:
@@ -66,4 +88,4 @@ def _marked(name: str, args: list, kwargs: dict) -> tuple[list, dict]:
     return args, kwargs
 
 
-__all__ = ["LocalAttentionError", "LocalAttentionGuard"]
+__all__ = ["LocalAttentionError", "LocalAttentionGuard", "set_aside"]

@@ -67,94 +67,97 @@ def _compile_config(args):
     return {"compile_config": config}
 
 
-def _generate_timed(args, model, ids: torch.Tensor, prefill, cache):
+def _generate_timed(args, model, ids: torch.Tensor, prefill, cache, generate=None):
     """(result, prefill seconds, decode seconds per token): the first P - 1 tokens by ``prefill``, then
-    transformers' generate continues from the cache (its first step runs the prompt's last token)."""
+    ``generate`` (transformers' ``model.generate`` by default) continues from the cache (its first step
+    runs the prompt's last token)."""
+    generate = generate or model.generate
     kwargs = dict(max_new_tokens=args.new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                   **_compile_config(args))
     if args.compile:  # compile the decode step outside the timing
-        model.generate(ids, cache=cache(), **kwargs)
+        generate(ids, cache=cache(), **kwargs)
     store = cache()
     start = time.perf_counter()
     with torch.no_grad():
         store = prefill(ids[:, :-1], store)
     middle = time.perf_counter()
-    result = model.generate(ids, cache=store, **kwargs)
+    result = generate(ids, cache=store, **kwargs)
     end = time.perf_counter()
     return result, middle - start, (end - middle) / args.new
 
 
-def _decode_costs(args, model, ids: torch.Tensor, prefill, cache) -> dict:
+def _decode_costs(args, model, ids: torch.Tensor, prefill, cache, generate=None) -> dict:
     """The decode steps' costs from a profile (``cp_compile.breakdown``): compute, collectives, other; per token."""
     from .breakdown import breakdown
 
+    generate = generate or model.generate
     kwargs = dict(max_new_tokens=args.new, do_sample=False, **_compile_config(args))
 
     def prepare():
         with torch.no_grad():
             store = prefill(ids[:, :-1], cache())
-        return lambda: model.generate(ids, cache=store, **kwargs)
+        return lambda: generate(ids, cache=store, **kwargs)
 
     return breakdown(prepare, args.new)
 
 
-def reference_runs(args) -> dict:
-    """One process, one thread (one device's worth of compute next to each CP rank's)."""
+def _one_process_side(args, model):
+    """(prefill, cache maker for a prompt length) of one process's generation."""
     from transformers import DynamicCache, StaticCache
-
-    torch.set_num_threads(1)
-    model = build_model(args, "sdpa")
 
     def prefill(ids, cache):
         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
+    def cache_for(length):
+        if args.compile:  # compiled decoding needs a compileable (static) cache, as ours is
+            return lambda: StaticCache(config=model.config, max_cache_len=length + args.new)
+        return lambda: DynamicCache(config=model.config)
+
+    return prefill, cache_for
+
+
+def reference_runs(args) -> dict:
+    """One process, one thread (one device's worth of compute next to each CP rank's)."""
+    torch.set_num_threads(1)
+    model = build_model(args, "sdpa")
+    prefill, cache_for = _one_process_side(args, model)
     runs = {}
     for length in [args.prompts[0]] + args.prompts:  # the first run warms up (allocator, lazy inits), unrecorded
-        def cache():  # compiled decoding needs a compileable (static) cache, as ours is
-            if args.compile:
-                return StaticCache(config=model.config, max_cache_len=length + args.new)
-            return DynamicCache(config=model.config)
         ids = _prompt(args, length)
-        result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache)
+        result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache_for(length))
         runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
                             decode_s=decode_s, cache_bytes=sum(t.nbytes for layer in result.cache.layers
                                                                for t in (layer.keys, layer.values)),
-                            costs=_decode_costs(args, model, ids, prefill, cache))
+                            costs=_decode_costs(args, model, ids, prefill, cache_for(length)))
     return runs
 
 
-def rank_runs(args) -> dict:
-    import cp_compile
-    import cp_compile.hf
+def _floor_model(args, plan):
+    """One process's model, run whole on this rank, with one all-gather after each attention layer of what the
+    decode schedule gathers per layer and token (out and lse of one query in the accumulator dtype; on the first
+    layer with the two numbers of ``kv_cache.Agreement``'s tag): a decode step of it is one process's step plus
+    the one collective per layer that a decode step under CP needs, where CP makes it."""
+    from .comm.gather import gather_dim0
+    from .kernels.merge import acc_dtype
 
-    plan = cp_compile.ContextParallel()
-    model = build_model(args, "cp_compile")
+    model = build_model(args, "sdpa")
+    per_layer = args.heads * (args.hidden // args.heads + 1)
+    def gather_after(payload):
+        def hook(module, inputs, output):
+            gather_dim0(payload, plan.group_name, plan.world_size)
+        return hook
 
-    def prefill(ids, cache):
-        if ids.shape[1]:
-            cp_compile.hf.sharded_prefill(model, plan, cache, ids)
-        return cache
-
-    runs = {}
-    with plan:
-        for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
-            def cache():
-                return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
-            ids = _prompt(args, length)
-            result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache)
-            runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
-                                decode_s=decode_s, cache_bytes=result.cache.nbytes,
-                                costs=_decode_costs(args, model, ids, prefill, cache),
-                                allgather_s=_layer_allgather_s(args, plan))
-    return runs
+    for index, layer in enumerate(model.model.layers):
+        payload = torch.zeros(1, per_layer + (2 if index == 0 else 0), dtype=acc_dtype(DTYPES[args.dtype]))
+        layer.self_attn.register_forward_hook(gather_after(payload))
+    return model
 
 
 def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
     """Seconds of one all-gather of what the decode schedule gathers per layer and token (out and lse of one
-    query), back to back: the collective a decode step cannot do without."""
+    query), back to back: the collective a decode step cannot do without, with no work between."""
     from .comm.gather import gather_dim0
-
     from .kernels.merge import acc_dtype
 
     # out and lse travel together in the accumulator dtype (schedules/cached.py)
@@ -165,6 +168,44 @@ def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
     for _ in range(repeats):
         gather_dim0(payload, plan.group_name, plan.world_size)
     return (time.perf_counter() - start) / repeats
+
+
+def rank_runs(args) -> dict:
+    import cp_compile
+    import cp_compile.hf
+
+    torch.set_num_threads(1)
+    plan = cp_compile.ContextParallel()
+    model = build_model(args, "cp_compile")
+    floor = _floor_model(args, plan)
+    floor_prefill, floor_cache_for = _one_process_side(args, floor)
+
+    def prefill(ids, cache):
+        if ids.shape[1]:
+            cp_compile.hf.sharded_prefill(model, plan, cache, ids)
+        return cache
+
+    def generate(ids, **kwargs):  # what a user calls; the prefill is done, so it decodes from the cache
+        return cp_compile.hf.generate(model, ids, **kwargs)
+
+    runs = {}
+    for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
+        def cache():
+            return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
+        ids = _prompt(args, length)
+        decode_s, floor_s = [], []
+        for _ in range(args.repeats):  # CP and its floor in turn: both meet the machine in the same state
+            with plan:
+                result, prefill_s, seconds = _generate_timed(args, model, ids, prefill, cache, generate)
+            decode_s.append(seconds)
+            floor_s.append(_generate_timed(args, floor, ids, floor_prefill, floor_cache_for(length))[2])
+        with plan:
+            costs = _decode_costs(args, model, ids, prefill, cache, generate)
+        runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
+                            decode_s=min(decode_s), cache_bytes=result.cache.nbytes, costs=costs,
+                            floor_s=min(floor_s), allgather_s=_layer_allgather_s(args, plan),
+                            floor_costs=_decode_costs(args, floor, ids, floor_prefill, floor_cache_for(length)))
+    return runs
 
 
 def _rows(args, reference: dict, per_world: dict) -> list[dict]:
@@ -178,8 +219,10 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
             prefill_s = max(m["prefill_s"] for m in mine)
             decode_s = max(m["decode_s"] for m in mine)
             slowest = max(mine, key=lambda m: m["costs"]["wall_ms"])
-            # one process's step plus the one collective per layer that a decode step under CP needs
+            # one process's step plus the one collective per layer that a decode step under CP needs: timed back to
+            # back, and in its place inside a step (in turn with the CP decode, on the same ranks)
             floor_ms = 1e3 * (ref["decode_s"] + args.layers * max(m["allgather_s"] for m in mine))
+            in_step_floor_ms = 1e3 * max(m["floor_s"] for m in mine)
             rows.append(dict(
                 C=world_size, prompt=length, same_tokens=all(torch.equal(m["sequences"], ref["sequences"]) for m in mine),
                 logits_rel_err=err, prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
@@ -187,8 +230,9 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
                 decode_ms=1e3 * decode_s, ref_decode_ms=1e3 * ref["decode_s"],
                 cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
                 ref_cache_MiB=ref["cache_bytes"] / 2**20, decode_floor_ms=floor_ms,
+                decode_in_step_floor_ms=in_step_floor_ms,
                 allgather_ms=1e3 * max(m["allgather_s"] for m in mine), costs=slowest["costs"],
-                ref_costs=ref["costs"]))
+                ref_costs=ref["costs"], floor_costs=slowest["floor_costs"]))
     return rows
 
 
@@ -196,21 +240,24 @@ def _table(rows: list[dict]) -> str:
     from .breakdown import format_breakdown
 
     lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} "
-             f"{'decode ms/token':>39} {'K/V MiB per rank':>19}",
+             f"{'decode ms/token':>59} {'K/V MiB per rank':>19}",
              f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'floor':>9} "
-             f"{'CP/floor':>9} {'CP':>9} {'one':>9}"]
+             f"{'CP/floor':>9} {'in-step':>9} {'CP/it':>9} {'CP':>9} {'one':>9}"]
     for r in rows:
         prefill = (f"{r['prefill_tok_s']:>9.0f} {r['ref_prefill_tok_s']:>9.0f}" if r["prefill_tok_s"]
                    else f"{'-':>9} {'-':>9}")
         lines.append(f"{r['C']:>2} {r['prompt']:>7} {'same' if r['same_tokens'] else 'DIFFER':>7} "
                      f"{r['logits_rel_err']:>9.1e} {prefill} {r['decode_ms']:>9.1f} {r['ref_decode_ms']:>9.1f} "
                      f"{r['decode_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_floor_ms']:>9.2f} "
+                     f"{r['decode_in_step_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_in_step_floor_ms']:>9.2f} "
                      f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}")
-    lines.append("decode step (per token, from a profile of the slowest rank; floor = one process + one all-gather "
-                 "per layer, timed back to back in the same run):")
+    lines.append("floor: one process + one all-gather per layer timed back to back; in-step (it): one process's model "
+                 "run on each rank with that all-gather after each attention layer, timed in turn with CP")
+    lines.append("decode step (per token, from a profile of the slowest rank):")
     for r in rows:
-        lines.append(f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; one process "
-                     f"{format_breakdown(r['ref_costs'])}; all-gather {r['allgather_ms']:.3f} ms")
+        lines.append(f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
+                     f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
+                     f"all-gather {r['allgather_ms']:.3f} ms")
     return "\n".join(lines)
 
 
@@ -252,6 +299,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--window", type=int, default=128, help="sliding window of qwen2's and mistral's window layers")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--repeats", type=int, default=3, help="CP and in-step floor decode runs, in turn (best kept)")
     p.add_argument("--compile", action="store_true", help="compiled decoding (transformers' CompileConfig, Inductor)")
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
     p.add_argument("--plot", type=Path, default=None, help="PNG: prefill tokens/s and decode ms/token vs prompt length")

@@ -33,12 +33,87 @@ from torch import Tensor
 
 from .comm.gather import gather_dim0
 from .kernels.block import EMPTY_POSITION
+from .kernels.merge import acc_dtype
+from .schedules.cached import cached_attention, payload_numel
 
 
 def capacity_for(max_tokens: int, world_size: int) -> int:
     """Slots per rank that hold ``max_tokens`` however they split into a prefill and appends: the packed
     layout pads the prompt to 2C chunks (at most 2 slots more than P/C), round robin adds at most one."""
     return max_tokens // world_size + 3
+
+
+# token ids enter the digest modulo 2**24: every id below it is exact in fp32, the dtype the tag travels in
+_DIGEST = 2**24
+_IN_STEP, _FINAL = 0.0, 1.0
+
+
+class Agreement:
+    """Whether every rank decodes the same tokens, checked at no collective of its own.
+
+    Ranks that drew different tokens (sampling seeded differently) or stop at different steps would
+    go on to call different collectives. ``note`` keeps a digest of a step's tokens, and the first
+    layer of the next step sends it, as the tag of ``cp::cached_attention``, in the gather that the
+    step makes anyway. Every rank receives every rank's tag, so ``differs`` turns true on every rank
+    at the same step; a generation that stops when it does stops on every rank at once. ``finish``
+    then tells every rank, once per generation, whether they differed.
+
+    A rank that stops while another goes on (it drew the end-of-sequence token and the other did not,
+    or a stopping rule of its own fired) meets the other's next first-layer gather in ``finish``: it
+    sends a payload of that gather's size marked final, so the other learns at once that they differ,
+    joins the gathers of that step's remaining layers, then the other's ``finish``. No rank is left
+    waiting in a collective.
+    """
+
+    def __init__(self, group_name: str, world_size: int):
+        self.group_name, self.world_size = group_name, world_size
+        self.tokens = torch.zeros((), dtype=torch.int64)  # digest of the tokens this rank drew last
+        self.differs = torch.zeros((), dtype=torch.bool)
+        self.per_query: dict[int, int] = {}  # layer -> elements it gathers from each rank for one query token
+        self.dtype = torch.float32
+
+    def to(self, device: torch.device) -> None:
+        self.tokens, self.differs = self.tokens.to(device), self.differs.to(device)
+
+    def note(self, tokens: Tensor) -> None:
+        """This rank drew ``tokens`` (``[B]``) at the step just run; no collective, no host read."""
+        flat = tokens.flatten().long()
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device)
+        self.tokens.copy_(((flat % _DIGEST) * weights).sum() % _DIGEST)
+
+    def tag(self, dtype: torch.dtype) -> Tensor:
+        """``[marker, digest]``, sent by the first layer of a step."""
+        self.dtype = dtype
+        return torch.stack([torch.zeros_like(self.tokens), self.tokens]).to(dtype)
+
+    def record(self, layer: int, tags: Tensor, per_query: int) -> None:
+        """Every rank's tag as a layer's gather returned it (``[C, n]``; n = 0 for a layer without one)."""
+        self.per_query[layer] = per_query
+        if tags.shape[1]:
+            self.differs.logical_or_((tags != tags[:1]).any())
+
+    def reset(self) -> None:
+        self.tokens.zero_()
+        self.differs.zero_()
+
+    def finish(self) -> bool:
+        """Collective, after a generation's last step on this rank: True when the ranks drew different tokens
+        or stopped at different steps (the same answer on every rank)."""
+        if self.world_size > 1 and self.per_query:
+            first, *rest = sorted(self.per_query)
+            final = torch.zeros(self.per_query[first] + 2, dtype=self.dtype, device=self.tokens.device)
+            final[-2:] = torch.stack([torch.full_like(self.tokens, _FINAL), self.tokens]).to(self.dtype)
+            tags = self._gather(final)
+            if bool((tags[:, 0] != _FINAL).any()):  # a rank is in its next step: join it to its own finish
+                for layer in rest:
+                    self._gather(final.new_zeros(self.per_query[layer]))
+                self._gather(final)
+        return bool(self.differs)
+
+    def _gather(self, payload: Tensor) -> Tensor:
+        tags = gather_dim0(payload[None], self.group_name, self.world_size)[:, -2:]
+        self.differs.logical_or_((tags != tags[:1]).any())
+        return tags
 
 
 class Step(NamedTuple):
@@ -70,8 +145,13 @@ class CacheShard:
         self.positions = torch.full((self.capacity + 1,), EMPTY_POSITION, dtype=torch.int64)
         self._rank = torch.tensor(rank)
         self.seen = torch.zeros((), dtype=torch.int64)  # tokens of the sequence stored so far, over all ranks
+        # ``seen`` as a Python int, kept by eager steps so that they check capacity without reading the device;
+        # None after a compiled step (it cannot keep an int without a recompile per value): read once then
+        self.host_seen: Optional[int] = 0
         self._append_start = torch.zeros((), dtype=torch.int64)  # first position kept round robin
         self._append_slot = torch.zeros((), dtype=torch.int64)  # this rank's slot for its first such token
+        self.agreement: Optional[Agreement] = None  # the first layer of a cache sends its tag
+        self.index = 0  # the layer's place in its cache
 
     def _allocate(self, k: Tensor, v: Tensor) -> None:
         batch, heads = k.shape[:2]
@@ -79,6 +159,8 @@ class CacheShard:
         self.values = v.new_zeros(batch, heads, self.capacity + 1, v.shape[-1])
         for name in ("positions", "_rank", "seen", "_append_start", "_append_slot"):
             setattr(self, name, getattr(self, name).to(k.device))
+        if self.agreement is not None:
+            self.agreement.to(k.device)
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +172,7 @@ class CacheShard:
         packed layout; ``positions [L_local]`` is each slot's position, ``EMPTY_POSITION`` for padding."""
         if self.keys is None:
             self._allocate(k, v)
-        if int(self.seen):
+        if self.stored():
             raise ValueError("a sharded prefill fills an empty cache; run a follow-up prompt as a multi-token step")
         if tokens > self.max_tokens:
             raise ValueError(f"a {tokens}-token prompt does not fit a cache of {self.max_tokens} tokens")
@@ -101,6 +183,7 @@ class CacheShard:
                 "dim] keys and values of its shard (a model with attention code of its own)")
         positions = positions.to(self.positions.device)
         self.seen.fill_(tokens)
+        self.host_seen = tokens
         if self.ring is not None:
             self._deal_last_window(k, v, positions, tokens)
             return
@@ -146,9 +229,14 @@ class CacheShard:
         """
         if self.keys is None:
             self._allocate(k, v)
-        if not torch.compiler.is_compiling() and int(self.seen) + k.shape[2] > self.max_tokens:
-            raise ValueError(f"the cache holds {self.max_tokens} tokens; {int(self.seen)} are stored and "
-                             f"{k.shape[2]} more arrived (make the cache for the generation's max_length)")
+        if torch.compiler.is_compiling():
+            self.host_seen = None
+        else:
+            stored = self.stored()
+            if stored + k.shape[2] > self.max_tokens:
+                raise ValueError(f"the cache holds {self.max_tokens} tokens; {stored} are stored and "
+                                 f"{k.shape[2]} more arrived (make the cache for the generation's max_length)")
+            self.host_seen = stored + k.shape[2]
         new = self.seen + torch.arange(k.shape[2], device=self.seen.device)
         turn = new - self._append_start
         mine = turn % self.world_size == self._rank
@@ -165,6 +253,12 @@ class CacheShard:
                     self._append_slot + (turn[last] // self.world_size) % self.ring)
         return step
 
+    def stored(self) -> int:
+        """Tokens of the sequence stored so far, over all ranks (a device read only after a compiled step)."""
+        if self.host_seen is None:
+            self.host_seen = int(self.seen)
+        return self.host_seen
+
     def _write(self, k: Tensor, v: Tensor, positions: Tensor, mine: Tensor, slot: Tensor) -> None:
         slot = torch.where(mine, slot, self.capacity)
         self.keys.index_copy_(2, slot, k.to(self.keys.dtype))
@@ -175,5 +269,11 @@ class CacheShard:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
         ``options`` from ``schedules.cached.cached_options``."""
         left = -1 if self.window is None else self.window - 1
-        return torch.ops.cp.cached_attention(q, step.keys, step.values, step.query_positions, step.key_positions,
-                                             self.group_name, left, scale, options)
+        check = self.agreement
+        tag = check.tag(acc_dtype(q.dtype)) if check is not None and self.index == 0 else None
+        attention = torch.ops.cp.cached_attention if torch.compiler.is_compiling() else cached_attention
+        out, lse, tags = attention(q, step.keys, step.values, step.query_positions, step.key_positions,
+                                   self.group_name, left, scale, options, tag)
+        if check is not None:
+            check.record(self.index, tags, payload_numel(q[:, :, :1], step.values))
+        return out, lse

@@ -1,5 +1,7 @@
 """Inference under CP: the sharded KV cache, cp::cached_attention, and Hugging Face generation against one process."""
 
+import copy
+
 import pytest
 import torch
 
@@ -272,9 +274,27 @@ def test_compiled_decode_captures_one_graph_for_every_token(ranks):
     assert per_rank[0][2] == per_rank[1][2]
 
 
+def _own_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention code of a model's own: SDPA over whatever keys it is handed, the mask ignored."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class StopAt:
+    """A stopping rule that ends generation once the sequence has grown by ``steps`` tokens."""
+
+    def __init__(self, steps: int):
+        self.steps, self.start = steps, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.start = self.start or input_ids.shape[1] - 1
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] - self.start >= self.steps)
+
+
 def refusals():
     """What generation under CP refuses, each on every rank before any collective could hang: name -> message."""
     import torch.distributed as dist
+    import transformers
     from test_hf import tiny_model
 
     import cp_compile
@@ -308,6 +328,19 @@ def refusals():
         torch.manual_seed(dist.get_rank())  # sampling seeded differently on each rank
         refused("other seeds", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=32, do_sample=True,
                                                               temperature=5.0))
+        # the same tokens, but rank 0 stops after 3 of them: the others are in their next step's collectives
+        stop = StopAt(3 if dist.get_rank() == 0 else 100)
+        refused("other stops", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=8, stopping_criteria=[stop]))
+        seen["after"] = cp_compile.hf.generate(model, ids, max_new_tokens=4).shape  # nobody left waiting
+        # decoding sets the guard aside: a layer whose attention leaves "cp_compile" after the prefill is caught
+        cache = cp_compile.hf.ShardedCache(model.config, 16)
+        cp_compile.hf.sharded_prefill(model, plan, cache, ids[:, :-1])
+        transformers.AttentionInterface.register("own", _own_attention)
+        own = copy.copy(model.config)
+        own._attn_implementation = "own"
+        model.model.layers[1].self_attn.config = own
+        refused("own attention", lambda: cp_compile.hf.generate(model, ids, cache=cache, max_new_tokens=4))
+        model.model.layers[1].self_attn.config = model.config
     return seen
 
 
@@ -317,10 +350,12 @@ def test_what_generation_under_cp_refuses(ranks):
         "penalty_alpha": "contrastive search", "max_time": "wall-clock", "use_cache": "use_cache=False",
         "padding": "padded prompt", "batch": "batch of prompts", "small cache": "max_cache_len=13",
         "model.generate": r"cp_compile.hf.generate", "other prompts": "different prompts",
-        "other seeds": "different tokens",
+        "other seeds": "different tokens", "other stops": "stopped at different steps",
+        "own attention": "layers [1] of the ShardedCache",
     }
     per_rank = ranks(2, refusals, timeout=300)
     for seen in per_rank:
+        assert seen.pop("after") == (1, 13)
         assert set(seen) == set(expected), set(expected) ^ set(seen)
         for name, text in expected.items():
             assert text in seen[name], (name, seen[name])
@@ -339,6 +374,11 @@ def opcheck_cached():
         v = torch.randn(1, 2, 5, v_dim)
         torch.library.opcheck(torch.ops.cp.cached_attention.default,
                               (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3, options))
+    tag = torch.tensor([0.0, float(plan.rank)])  # a tag rides along: every rank's comes back, in rank order
+    torch.library.opcheck(torch.ops.cp.cached_attention.default,
+                          (q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag))
+    tags = torch.ops.cp.cached_attention(q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag)[2]
+    assert torch.equal(tags, torch.tensor([[0.0, 0.0], [0.0, 1.0]])), tags
     return True
 
 
@@ -358,3 +398,37 @@ def nothing_visible():
 def test_a_query_that_sees_nothing_gets_zeros(ranks):
     for out in ranks(2, nothing_visible):
         assert torch.equal(out, torch.zeros_like(out))
+
+
+def decode_step_syncs():
+    """Device reads (``.item()``, ``int()``, ``bool()`` of a tensor) in eager decode steps of a model over a
+    ShardedCache, full and sliding-window layers: each would stall a GPU step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from test_hf import tiny_model
+
+    import cp_compile
+    import cp_compile.hf
+
+    reads = []
+
+    class DeviceReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    plan = cp_compile.ContextParallel()
+    model = tiny_model("qwen2", "cp_compile").eval()
+    ids = _prompt(12)
+    with plan, torch.no_grad():
+        cache = cp_compile.hf.ShardedCache(model.config, 32)
+        cp_compile.hf.sharded_prefill(model, plan, cache, ids[:, :-1])
+        with DeviceReads():
+            for position in (11, 12, 13):
+                model(ids[:, -1:], cache=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+        seen = cache.get_seq_length()
+    return len(reads), seen
+
+
+def test_decode_steps_read_nothing_from_the_device(ranks):
+    assert ranks(2, decode_step_syncs) == [(0, 14), (0, 14)]

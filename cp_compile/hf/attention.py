@@ -235,6 +235,8 @@ def _cached(module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant
     latent, as DeepSeek-V3's multi-head latent attention does, expands it after the update)."""
     layer, appended = step
     appended = appended._replace(keys=key, values=value)
+    if not _compiling():
+        layer.unattended = False
     if not variant.spec.causal:
         raise UnsupportedAttention(f"attn_implementation={NAME!r}: a KV cache under context parallelism needs "
                                    "causal attention")

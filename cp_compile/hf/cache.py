@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from ..kernels.block import EMPTY_POSITION
-from ..kv_cache import CacheShard
+from ..kv_cache import Agreement, CacheShard
 from ..passes.rewrite import UnsupportedAttention
+from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
 
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -53,6 +54,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         CacheShard.__init__(self, plan.group_name, plan.rank, plan.world_size, max_tokens, window)
         self.is_sliding = window is not None
         self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
+        self.unattended = False  # eagerly: handed a step that no "cp_compile" attention has read yet
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self._allocate(key_states, value_states)
@@ -76,13 +78,15 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             return key_states, value_states
         step = self.append(key_states, value_states)
         kwargs[CACHE_STEP] = (self, step)
+        if not torch.compiler.is_compiling():
+            self.unattended = True
         return step.keys, step.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0
 
     def get_seq_length(self):
-        return self.seen if torch.compiler.is_compiling() else int(self.seen)
+        return self.seen if torch.compiler.is_compiling() else self.stored()
 
     def get_max_length(self) -> int:
         return self.max_tokens
@@ -93,6 +97,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         self.positions.fill_(EMPTY_POSITION)
         for counter in (self.seen, self._append_start, self._append_slot):
             counter.zero_()
+        self.host_seen = 0
 
     crop = _unsupported("cropping (assisted decoding, rolling back tokens)")
     reorder_cache = _unsupported("reordering (beam search)")
@@ -120,8 +125,28 @@ class ShardedCache(Cache):
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if kind == "sliding_attention" else None
             layers.append(ShardedLayer(plan, max_cache_len, window))
+        # whether the ranks decode the same tokens rides on the first layer's gather (kv_cache.Agreement)
+        self.agreement = Agreement(plan.group_name, plan.world_size)
+        for index, layer in enumerate(layers):
+            layer.agreement, layer.index = self.agreement, index
         super().__init__(layers=layers)
         self.plan = plan
+
+    def reset(self) -> None:
+        super().reset()
+        self.agreement.reset()
+
+    def check_attended(self) -> None:
+        """Raises ``LocalAttentionError`` when a layer handed this rank's share of its cache to attention other
+        than ``"cp_compile"`` (a model with attention code of its own) in the eager steps since the last call:
+        that attention saw one rank's share alone. Where the guard of ``with plan:`` is set aside (decoding in
+        ``cp_compile.hf.generate``), this is the check that takes its place."""
+        missed = [i for i, layer in enumerate(self.layers) if layer.unattended]
+        if missed:
+            raise LocalAttentionError(
+                f"layers {missed} of the ShardedCache handed their keys and values to attention that is not "
+                f"attn_implementation=\"cp_compile\" (attention code of the model's own?): it attended to this "
+                "rank's share of the cache alone")
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0

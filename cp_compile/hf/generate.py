@@ -20,6 +20,7 @@ from torch import Tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..comm.gather import gather_dim0
+from ..guard import set_aside
 from ..kernels.block import EMPTY_POSITION
 from ..layout import packed_slots
 from ..passes.rewrite import UnsupportedAttention
@@ -95,23 +96,21 @@ def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
 
 
 class SameTokensOnEveryRank(StoppingCriteria):
-    """Compares every step's new tokens across the ranks (one all-gather of ``[B, 1]`` per token).
+    """Hands each step's new tokens to the cache's ``Agreement``; they ride on the next step's first gather.
 
     Ranks that drew different tokens (sampling seeded differently) would go on to stop at different
-    steps, and a rank that stops leaves the others waiting in the next layer's collective. This
-    criterion raises the same error on every rank at the first step where they differ; it never stops
-    generation itself.
+    steps, and a rank that stops leaves the others waiting in the next layer's collective. Every rank
+    learns that they differ in the same step, and this criterion then stops generation on every rank
+    at once; ``generate`` raises the same error on every rank after ``Agreement.finish``.
     """
 
-    def __init__(self, plan: ContextParallel):
-        self.plan = plan
+    def __init__(self, cache: ShardedCache):
+        self.cache, self.agreement = cache, cache.agreement
 
     def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
-        last = input_ids[:, -1:]
-        if not bool((gather_dim0(last[None], self.plan.group_name, self.plan.world_size) == last).all()):
-            raise RuntimeError("cp_compile.hf.generate: the ranks generated different tokens; sampling needs the "
-                               "same seed on every rank (torch.manual_seed(s) on each before generate)")
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.cache.check_attended()
+        self.agreement.note(input_ids[:, -1])
+        return self.agreement.differs.expand(input_ids.shape[0]).clone()
 
 
 def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
@@ -141,5 +140,13 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     if input_ids.shape[1] > 1 and cache.get_seq_length() == 0:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
     criteria = StoppingCriteriaList([*(generate_kwargs.pop("stopping_criteria", None) or []),
-                                     SameTokensOnEveryRank(plan)])
-    return model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+                                     SameTokensOnEveryRank(cache)])
+    # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
+    # mode, which sees every torch call, would cost as much host time per step as the step's own Python
+    with set_aside():
+        result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+    if cache.agreement.finish():
+        raise RuntimeError("cp_compile.hf.generate: the ranks generated different tokens or stopped at different "
+                           "steps; sampling needs the same seed on every rank (torch.manual_seed(s) on each before "
+                           "generate), and a stopping rule must decide the same on every rank")
+    return result

@@ -428,16 +428,37 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     hkv = k.shape[1]
     group = hq // hkv
     dt = acc_dtype(q.dtype)
-    keys, values = k.to(dt), v.to(dt)
+    fused = _positions_fused(q, k, v, softcap)
+    keys, values = (k, v) if fused else (k.to(dt), v.to(dt))
     outs, lses = [], []
     for start in range(0, lq, rows_per_block):
         rows = slice(start, start + rows_per_block)
         n = q[:, :, rows].shape[2]
         qg = q[:, :, rows].to(dt).reshape(b, hkv, group * n, d)
-        s = soft_cap(torch.matmul(qg, keys.transpose(-1, -2)) * scale, softcap)
-        s = s.masked_fill(~positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1), float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.exp(s - pivot(lse).unsqueeze(-1)), values)
+        visible = positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1)
+        if fused:
+            out, lse = _fused_masked(qg, keys, values, visible, scale)
+        else:
+            s = soft_cap(torch.matmul(qg, keys.transpose(-1, -2)) * scale, softcap).masked_fill(~visible, float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)
+            out = torch.matmul(torch.exp(s - pivot(lse).unsqueeze(-1)), values)
         outs.append(out.reshape(b, hq, n, v.shape[-1]))
         lses.append(lse.reshape(b, hq, n))
+    if len(outs) == 1:
+        return outs[0], lses[0]
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _positions_fused(q: Tensor, k: Tensor, v: Tensor, softcap: float) -> bool:
+    """CPU's fused kernel takes a mask and returns lse; it computes in the inputs' dtype, so only where that is
+    the accumulator dtype (fp32, fp64), and without a soft-cap, which it cannot apply."""
+    return (q.device.type == "cpu" and not softcap and q.dtype == k.dtype == v.dtype == acc_dtype(q.dtype)
+            and q.shape[-1] == v.shape[-1])
+
+
+def _fused_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``q`` against ``k, v`` where ``visible [Lq, Lk]``; a row that sees nothing gets out 0 and lse
+    -inf (the kernel returns lse 0 for it)."""
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return out, lse.masked_fill(~visible.any(-1), float("-inf"))

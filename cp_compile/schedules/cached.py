@@ -14,6 +14,8 @@ holds neither the rank nor the position.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -34,27 +36,46 @@ def _cached_settings(options: str) -> tuple[int, float]:
     return int(items.get("chunk", 0)), float(items.get("softcap", 0.0))
 
 
-@torch.library.custom_op("cp::cached_attention", mutates_args=())
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, group_name: str,
-                     left: int, scale: float, options: str) -> tuple[Tensor, Tensor]:
+                     left: int, scale: float, options: str,
+                     tag: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``q [B, Hq, Lq, D]`` (the same on every rank) at positions ``q_pos [Lq]`` against this rank's
     cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]``; returns the attention over every
-    rank's cache, (out in q's dtype, lse in the accumulator dtype). Collective: every rank of
+    rank's cache, (out in q's dtype, lse in the accumulator dtype), and every rank's ``tag [n]`` (in the
+    accumulator dtype) as ``[C, n]``: a few numbers that ride on the collective, for checks between ranks
+    that then cost no collective of their own (``kv_cache.Agreement``). Collective: every rank of
     ``group_name`` calls it with the same ``q``."""
     chunk, softcap = _cached_settings(options)
     out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)
     world_size = resolve_group(group_name).size()
-    if world_size > 1:  # out and lse travel as one tensor: one collective per layer
-        both = gather_dim0(torch.cat([out, lse.unsqueeze(-1)], dim=-1).unsqueeze(0), group_name, world_size)
-        outs, lses = both[..., :-1], both[..., -1]
-        lse = torch.logsumexp(lses, dim=0)
-        out = (outs * torch.exp(lses - pivot(lse)).unsqueeze(-1)).sum(0)
-    return out.to(q.dtype), lse.contiguous()
+    tag = out.new_empty(0) if tag is None else tag.to(out.dtype)
+    if world_size == 1:
+        return out.to(q.dtype), lse.contiguous(), tag[None].clone()
+    # out, lse and the tag travel as one tensor: one collective per layer
+    payload = torch.cat([torch.cat([out, lse.unsqueeze(-1)], dim=-1).flatten(), tag])
+    gathered = gather_dim0(payload[None], group_name, world_size)
+    both = gathered[:, :payload.numel() - tag.numel()].reshape(world_size, *out.shape[:-1], out.shape[-1] + 1)
+    outs, lses = both[..., :-1], both[..., -1]
+    lse = torch.logsumexp(lses, dim=0)
+    out = (outs * torch.exp(lses - pivot(lse)).unsqueeze(-1)).sum(0)
+    return out.to(q.dtype), lse.contiguous(), gathered[:, payload.numel() - tag.numel():].clone()
 
 
-@cached_attention.register_fake
-def _(q, k, v, q_pos, k_pos, group_name, left, scale, options):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+# Eager decoding calls the function above directly: a step is a few small kernels, and the custom op's own
+# dispatch (schema, aliasing checks) costs as much as one of them on each layer.
+cached_attention_op = torch.library.custom_op("cp::cached_attention", cached_attention, mutates_args=())
+
+
+@cached_attention_op.register_fake
+def _(q, k, v, q_pos, k_pos, group_name, left, scale, options, tag=None):
+    dt = acc_dtype(q.dtype)
+    tags = q.new_empty(resolve_group(group_name).size(), 0 if tag is None else tag.numel(), dtype=dt)
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=dt), tags
+
+
+def payload_numel(q: Tensor, v: Tensor, tag_numel: int = 0) -> int:
+    """Elements of what ``cp::cached_attention`` gathers from each rank for ``q`` and values ``v``."""
+    return q[..., :1].numel() * (v.shape[-1] + 1) + tag_numel
 
 
 torch.fx.node.has_side_effect(torch.ops.cp.cached_attention.default)  # a collective: never dropped on one rank
