@@ -1,10 +1,10 @@
-"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate`` and ``models``."""
+"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step`` and ``models``."""
 
 import argparse
 import sys
 
 from . import bench, demo, inference
-from .bench import accuracy
+from .bench import accuracy, step
 
 
 def _models():
@@ -22,6 +22,8 @@ def main(argv=None) -> int:
                                                           "ratio to one device's; JSON + PNG"))
     inference.add_arguments(sub.add_parser("generate", help="Hugging Face generate under CP vs one process: "
                                                             "tokens, prefill tokens/s, decode ms/token, cache memory"))
+    step.add_arguments(sub.add_parser("step", help="a Hugging Face training step under CP vs one process by sequence "
+                                                   "length: ms per step, its breakdown, where CP starts to pay"))
     sub_models = sub.add_parser("models", help="every decoder-only causal-LM family of the installed transformers "
                                                "under CP vs one process: train step and generation; table, JSON, "
                                                "Markdown")
@@ -35,6 +37,8 @@ def main(argv=None) -> int:
         return accuracy.main(args)
     if args.command == "generate":
         return inference.main(args)
+    if args.command == "step":
+        return step.main(args)
     if args.command == "models":
         return _models().main(args)
     return 2

@@ -121,15 +121,15 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
         shapes = [(1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), (1, 4, 8, 16)]
         gm = make_fx(both, tracing_mode="fake")(*(torch.empty(s) for s in shapes))
     forward, backward = expand_cp_ops(gm.graph)
-    assert forward.count(fc.all_gather_into_tensor.default) == 2  # K and V, once each
-    assert backward.count(fc.all_gather_into_tensor.default) == 2  # gathered again, not saved
-    assert backward.count(fc.reduce_scatter_tensor.default) == 2  # dK and dV home
+    assert forward.count(fc.all_gather_into_tensor.default) == 1  # K and V side by side, once
+    assert backward.count(fc.all_gather_into_tensor.default) == 1  # gathered again, not saved
+    assert backward.count(fc.reduce_scatter_tensor.default) == 1  # dK and dV home together
     assert forward.count(torch.ops.cp.ring_shift.default) == 0
     gm.recompile()
     assert schedule_listing(gm.graph) == (
-        ["agree", "gather", "wait", "gather", "wait", "gathered attend"]
-        + ["gather", "wait", "gather", "wait", "gathered attend_backward"]
-        + ["reduce_scatter", "wait", "reduce_scatter", "wait"]
+        ["agree", "gather", "wait", "gathered attend"]
+        + ["gather", "wait", "gathered attend_backward"]
+        + ["reduce_scatter", "wait"]
     )
     for node in forward.nodes + backward.nodes:  # the group size and name, never the rank
         if node.target in (fc.all_gather_into_tensor.default, fc.reduce_scatter_tensor.default):

@@ -1,0 +1,229 @@
+"""``python -m cp_compile step``: a Hugging Face training step under CP against one process, by sequence length.
+
+A Llama (random weights, the same in every process) takes compiled training
+steps (forward, loss, backward) on one sequence of each length: on one process
+("sdpa", one thread, compiled with the same inner backend) and on C local gloo
+ranks ("cp_compile", ``plan.backend()``, one thread each), where the step
+also sums the gradients over the ranks in one all-reduce (as DDP's buckets do).
+Reported per length: ms per step on each side, their ratio, and the CP step
+taken apart from a profile (``cp_compile.breakdown``: compute, collectives with
+their count, the rest) next to one process's. ``--plot`` draws step time
+against length and marks where CP starts to pay. The sequence dimension is
+dynamic on both sides, so each side compiles once or twice for every length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..launch import RankPool
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _model(args, attn: str):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.lengths))
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
+
+
+def _batch(args, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, args.vocab, (1, length), generator=torch.Generator().manual_seed(length))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted on the whole sequence
+    return ids, labels
+
+
+def _steps_for(args, length: int) -> int:
+    """Timed steps at ``length``: fewer where one step takes seconds."""
+    return max(2, min(args.steps, args.steps * 2048 // length))
+
+
+def _timed(args, step, length: int, barrier=None) -> tuple[float, dict]:
+    """(median ms per step, breakdown) of ``step`` after ``args.warmup`` steps (compilation among them)."""
+    from ..breakdown import breakdown
+
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(_steps_for(args, length)):
+        if barrier is not None:  # the ranks start each timed step together
+            barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    steps = _steps_for(args, length)
+    costs = breakdown(lambda: (barrier and barrier(), lambda: [step() for _ in range(steps)])[1], steps)
+    return 1e3 * statistics.median(times), costs
+
+
+def one_process(args) -> dict:
+    torch.set_num_threads(1)
+    model = _model(args, "sdpa")
+    compiled = torch.compile(model, backend=args.inner, fullgraph=True)
+    runs = {}
+    for length in args.lengths:
+        ids, labels = _batch(args, length)
+        for t in (ids, labels):
+            torch._dynamo.mark_dynamic(t, 1)
+
+        def step():
+            loss = compiled(ids, use_cache=False, labels=labels, shift_labels=labels).loss
+            loss.backward()
+            model.zero_grad()
+
+        runs[length] = _timed(args, step, length)
+    return runs
+
+
+def cp_ranks(args, schedule: str) -> dict:
+    import torch.distributed as dist
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers attn_implementation="cp_compile")
+
+    torch.set_num_threads(1)
+    plan = cp_compile.ContextParallel(schedule=schedule, calibrate=args.calibrate)
+    model = _model(args, "cp_compile")
+    backend = plan.backend(args.inner)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    runs = {}
+    for length in args.lengths:
+        ids, labels = _batch(args, length)
+        local_ids, local_labels, positions = plan.shard(ids, 1), plan.shard(labels, 1), plan.positions(length)[None]
+        items = (labels != -100).sum()
+
+        def step():
+            with plan:
+                loss = compiled(local_ids, position_ids=positions, use_cache=False, labels=local_labels,
+                                shift_labels=local_labels, num_items_in_batch=items).loss
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat)  # each rank's gradient is its share of the one-process gradient
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(summed.view_as(g))
+            model.zero_grad()
+
+        runs[length] = _timed(args, step, length, dist.barrier)
+    # what each attention site runs and why (auto: the cost model's pick), from the first graph
+    runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
+    return runs
+
+
+def _rows(args, one: dict, per_schedule: dict) -> list[dict]:
+    rows = []
+    for length in args.lengths:
+        ref_ms, ref_costs = one[length]
+        for schedule, per_rank in per_schedule.items():
+            slowest = max(per_rank, key=lambda runs: runs[length][0])
+            ms, costs = slowest[length]
+            rows.append(dict(C=args.world_size, schedule=schedule, length=length, cp_ms=ms, one_ms=ref_ms,
+                             ratio=ms / ref_ms, costs=costs, one_costs=ref_costs, sites=per_rank[0]["sites"]))
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    from ..breakdown import format_breakdown
+
+    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7}"]
+    for r in rows:
+        lines.append(f"{r['C']:>2} {r['schedule']:>10} {r['length']:>7} {r['cp_ms']:>9.1f} {r['one_ms']:>9.1f} "
+                     f"{r['ratio']:>7.2f}")
+    for schedule, sites in dict.fromkeys((r["schedule"], tuple(r["sites"])) for r in rows):
+        lines += [f"{schedule}: {site}" for site in sites]
+    lines.append("per step, from a profile (CP: the slowest rank):")
+    for r in rows:
+        lines.append(f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
+                     f"{format_breakdown(r['one_costs'])}")
+    return "\n".join(lines)
+
+
+def crossover(lengths: list[int], cp: list[float], one: list[float]) -> float | None:
+    """The length where CP's step time first drops below one process's (interpolated in log-log), or None."""
+    import math
+
+    for i in range(1, len(lengths)):
+        before, after = cp[i - 1] - one[i - 1], cp[i] - one[i]
+        if before > 0 >= after:
+            a, b = math.log(cp[i - 1] / one[i - 1]), math.log(cp[i] / one[i])
+            x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
+            return math.exp(x0 + (x1 - x0) * a / (a - b))
+    return lengths[0] if cp and cp[0] <= one[0] else None
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    lengths = sorted({r["length"] for r in rows})
+    first = [next(r for r in rows if r["length"] == n) for n in lengths]
+    ax.plot(lengths, [r["one_ms"] for r in first], "k--o", label="one process")
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        mine = [r for r in rows if r["schedule"] == schedule]
+        label = f"CP, C={mine[0]['C']} ({schedule})"
+        line, = ax.plot([r["length"] for r in mine], [r["cp_ms"] for r in mine], "-o", label=label)
+        at = crossover([r["length"] for r in mine], [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine])
+        if at is not None:
+            ax.axvline(at, color=line.get_color(), linestyle=":", alpha=0.7)
+            ax.annotate(f"CP pays from ~{at:,.0f}", (at, ax.get_ylim()[0]), color=line.get_color(), fontsize=8,
+                        rotation=90, va="bottom", ha="right")
+    ax.set(xscale="log", yscale="log", xlabel="sequence tokens", ylabel="ms per training step", title=title)
+    ax.title.set_fontsize(9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", "-C", type=int, default=2)
+    p.add_argument("--lengths", "-L", type=_ints, default=[256, 2048], help="sequence lengths, comma list")
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=["auto"],
+                   help="the plan's schedule, comma list (auto, ring, allgather, ...)")
+    p.add_argument("--calibrate", action="store_true", help="the plan measures the machine (calibrate=True)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--inner", choices=["inductor", "aot_eager"], default="inductor")
+    p.add_argument("--steps", type=int, default=10, help="timed steps at 2048 tokens and below (fewer above)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
+    p.add_argument("--plot", type=Path, default=None, help="PNG: ms per step against sequence length")
+
+
+def main(args: argparse.Namespace) -> int:
+    with RankPool(1) as pool:
+        one = pool.run(one_process, args, timeout=3600)[0]
+    per_schedule = {}
+    with RankPool(args.world_size) as pool:
+        for schedule in args.schedules:
+            per_schedule[schedule] = pool.run(cp_ranks, args, schedule, timeout=3600)
+    rows = _rows(args, one, per_schedule)
+    print(f"llama, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, fp32, compiled "
+          f"({args.inner}); forward + loss + backward (+ one gradient all-reduce under CP); one process = 1 thread, "
+          "each CP rank 1 thread (gloo)")
+    print(_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot, f"training step under CP (llama, hidden {args.hidden}, {args.layers} layers, "
+                              f"{args.inner})")
+    return 0
