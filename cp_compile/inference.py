@@ -261,6 +261,19 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def crossover(lengths: list[int], cp: list[float], one: list[float]) -> float | None:
+    """The length where CP's step time first drops below one process's (interpolated in log-log), or None."""
+    import math
+
+    for i in range(1, len(lengths)):
+        before, after = cp[i - 1] - one[i - 1], cp[i] - one[i]
+        if before > 0 >= after:
+            a, b = math.log(cp[i - 1] / one[i - 1]), math.log(cp[i] / one[i])
+            x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
+            return math.exp(x0 + (x1 - x0) * a / (a - b))
+    return lengths[0] if cp and cp[0] <= one[0] else None
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -275,7 +288,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for world_size in sorted({r["C"] for r in rows}):
         mine = [r for r in rows if r["C"] == world_size]
         left.plot([r["prompt"] for r in mine], [r["prefill_tok_s"] for r in mine], "-o", label=f"CP, C={world_size}")
-        right.plot([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}")
+        line, = right.plot([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}")
+        right.plot([r["prompt"] for r in mine], [r["decode_in_step_floor_ms"] for r in mine], ":", color=line.get_color(),
+                   label=f"its floor (one process + all-gathers), C={world_size}")
+        at = crossover([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], [r["ref_decode_ms"] for r in mine])
+        if at is not None:
+            right.axvline(at, color=line.get_color(), linestyle="--", alpha=0.5)
+            right.annotate(f"CP pays from ~{at:,.0f}", (at, 0.02), xycoords=("data", "axes fraction"), fontsize=8,
+                           color=line.get_color(), rotation=90, ha="right", va="bottom")
     for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")

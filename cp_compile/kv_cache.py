@@ -161,6 +161,11 @@ class CacheShard:
             setattr(self, name, getattr(self, name).to(k.device))
         if self.agreement is not None:
             self.agreement.to(k.device)
+        if not torch.compiler.is_compiling():
+            # written in place by every step: at fixed addresses, a compiled step can be captured as a CUDA graph
+            for t in (self.keys, self.values, self.positions, self.seen, self._append_start, self._append_slot,
+                      *(() if self.agreement is None else (self.agreement.tokens, self.agreement.differs))):
+                torch._dynamo.mark_static_address(t)
 
     @property
     def nbytes(self) -> int:

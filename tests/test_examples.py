@@ -36,6 +36,22 @@ def test_generate_command(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_step_command(tmp_path):
+    """``python -m cp_compile step`` at a small size: the loss is one process's, and the all-gather schedule makes
+    3 collectives per layer (K and V together), one agreement per layer and one gradient all-reduce per step."""
+    out = tmp_path / "step.json"
+    run = subprocess.run([sys.executable, "-m", "cp_compile", "step", "-L", "64", "--schedules", "allgather",
+                          "--inner", "aot_eager", "--steps", "2", "--warmup", "1", "--hidden", "64", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    (row,) = json.loads(out.read_text())
+    assert row["loss_rel_err"] < 1e-5 and row["cp_ms"] > 0 and row["one_ms"] > 0
+    assert row["costs"]["collectives"] == 2 * 3 + 2 + 1, row["costs"]
+    assert row["sites"] == ["allgather: chosen by the plan (schedule=...)"]
+
+
 def test_accuracy_command(tmp_path):
     """``python -m cp_compile accuracy`` at a small size: every schedule within the gates, JSON and PNG written."""
     out, plot = tmp_path / "accuracy.json", tmp_path / "accuracy.png"

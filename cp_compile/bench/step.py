@@ -5,7 +5,8 @@ steps (forward, loss, backward) on one sequence of each length: on one process
 ("sdpa", one thread, compiled with the same inner backend) and on C local gloo
 ranks ("cp_compile", ``plan.backend()``, one thread each), where the step
 also sums the gradients over the ranks in one all-reduce (as DDP's buckets do).
-Reported per length: ms per step on each side, their ratio, and the CP step
+Reported per length: ms per step on each side, their ratio, the relative
+difference of the losses (exit 1 above ``--tol``), and the CP step
 taken apart from a profile (``cp_compile.breakdown``: compute, collectives with
 their count, the rest) next to one process's. ``--plot`` draws step time
 against length and marks where CP starts to pay. The sequence dimension is
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..inference import crossover
 from ..launch import RankPool
 
 
@@ -82,8 +84,9 @@ def one_process(args) -> dict:
             loss = compiled(ids, use_cache=False, labels=labels, shift_labels=labels).loss
             loss.backward()
             model.zero_grad()
+            return loss.detach()
 
-        runs[length] = _timed(args, step, length)
+        runs[length] = (*_timed(args, step, length), step().item())
     return runs
 
 
@@ -115,8 +118,11 @@ def cp_ranks(args, schedule: str) -> dict:
             for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(summed.view_as(g))
             model.zero_grad()
+            return loss.detach()
 
-        runs[length] = _timed(args, step, length, dist.barrier)
+        total = step()
+        dist.all_reduce(total)  # the shares summed: the one-process loss (no optimizer step changes the weights)
+        runs[length] = (*_timed(args, step, length, dist.barrier), total.item())
     # what each attention site runs and why (auto: the cost model's pick), from the first graph
     runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
     return runs
@@ -125,22 +131,23 @@ def cp_ranks(args, schedule: str) -> dict:
 def _rows(args, one: dict, per_schedule: dict) -> list[dict]:
     rows = []
     for length in args.lengths:
-        ref_ms, ref_costs = one[length]
+        ref_ms, ref_costs, ref_loss = one[length]
         for schedule, per_rank in per_schedule.items():
             slowest = max(per_rank, key=lambda runs: runs[length][0])
-            ms, costs = slowest[length]
+            ms, costs, loss = slowest[length]
             rows.append(dict(C=args.world_size, schedule=schedule, length=length, cp_ms=ms, one_ms=ref_ms,
-                             ratio=ms / ref_ms, costs=costs, one_costs=ref_costs, sites=per_rank[0]["sites"]))
+                             ratio=ms / ref_ms, loss_rel_err=abs(loss - ref_loss) / abs(ref_loss), costs=costs,
+                             one_costs=ref_costs, sites=per_rank[0]["sites"]))
     return rows
 
 
 def _table(rows: list[dict]) -> str:
     from ..breakdown import format_breakdown
 
-    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7}"]
+    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7} {'loss diff':>9}"]
     for r in rows:
         lines.append(f"{r['C']:>2} {r['schedule']:>10} {r['length']:>7} {r['cp_ms']:>9.1f} {r['one_ms']:>9.1f} "
-                     f"{r['ratio']:>7.2f}")
+                     f"{r['ratio']:>7.2f} {r['loss_rel_err']:>9.1e}")
     for schedule, sites in dict.fromkeys((r["schedule"], tuple(r["sites"])) for r in rows):
         lines += [f"{schedule}: {site}" for site in sites]
     lines.append("per step, from a profile (CP: the slowest rank):")
@@ -148,19 +155,6 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
                      f"{format_breakdown(r['one_costs'])}")
     return "\n".join(lines)
-
-
-def crossover(lengths: list[int], cp: list[float], one: list[float]) -> float | None:
-    """The length where CP's step time first drops below one process's (interpolated in log-log), or None."""
-    import math
-
-    for i in range(1, len(lengths)):
-        before, after = cp[i - 1] - one[i - 1], cp[i] - one[i]
-        if before > 0 >= after:
-            a, b = math.log(cp[i - 1] / one[i - 1]), math.log(cp[i] / one[i])
-            x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
-            return math.exp(x0 + (x1 - x0) * a / (a - b))
-    return lengths[0] if cp and cp[0] <= one[0] else None
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -180,8 +174,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         at = crossover([r["length"] for r in mine], [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine])
         if at is not None:
             ax.axvline(at, color=line.get_color(), linestyle=":", alpha=0.7)
-            ax.annotate(f"CP pays from ~{at:,.0f}", (at, ax.get_ylim()[0]), color=line.get_color(), fontsize=8,
-                        rotation=90, va="bottom", ha="right")
+            ax.annotate(f"CP pays from ~{at:,.0f}", (at, 0.55), xycoords=("data", "axes fraction"), fontsize=8,
+                        color=line.get_color(), rotation=90, va="bottom", ha="right")
     ax.set(xscale="log", yscale="log", xlabel="sequence tokens", ylabel="ms per training step", title=title)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
@@ -204,6 +198,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner", choices=["inductor", "aot_eager"], default="inductor")
     p.add_argument("--steps", type=int, default=10, help="timed steps at 2048 tokens and below (fewer above)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference (exit 1 above it)")
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
     p.add_argument("--plot", type=Path, default=None, help="PNG: ms per step against sequence length")
 
@@ -226,4 +221,4 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot, f"training step under CP (llama, hidden {args.hidden}, {args.layers} layers, "
                               f"{args.inner})")
-    return 0
+    return 0 if all(r["loss_rel_err"] < args.tol for r in rows) else 1
