@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -335,14 +336,21 @@ def main(args: argparse.Namespace) -> int:
         finally:
             pool.close()
     rows = _rows(args, reference, per_world)
-    print(f"{args.arch}, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, {args.dtype}, "
-          f"{args.new} new tokens, decoding {'compiled' if args.compile else 'eager'}; one process = 1 thread, "
-          "each CP rank 1 thread (gloo)")
-    print(_table(rows))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
-    if args.plot:
-        plot(rows, args.plot, f"{args.arch} generate under CP ({args.dtype}, decoding "
-                              f"{'compiled' if args.compile else 'eager'})")
+    decoding = "compiled" if args.compile else "eager"
+    report(rows, f"{args.arch}, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+                 f"{args.dtype}, {args.new} new tokens, decoding {decoding}; one process = 1 thread, each CP rank "
+                 "1 thread (gloo)", _table(rows), args.out,
+           args.plot and (lambda: plot(rows, args.plot, f"{args.arch} generate under CP ({args.dtype}, decoding "
+                                                        f"{decoding})")))
     return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+def report(rows: list[dict], heading: str, table: str, out: Optional[Path], draw: Optional[Callable[[], None]]) -> None:
+    """A command's heading and table printed, its rows written as JSON to ``out`` and its figure drawn, if asked."""
+    print(heading)
+    print(table)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1))
+    if draw:
+        draw()

@@ -16,14 +16,13 @@ dynamic on both sides, so each side compiles once or twice for every length.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ..inference import crossover
+from ..inference import crossover, report
 from ..launch import RankPool
 
 
@@ -211,14 +210,9 @@ def main(args: argparse.Namespace) -> int:
         for schedule in args.schedules:
             per_schedule[schedule] = pool.run(cp_ranks, args, schedule, timeout=3600)
     rows = _rows(args, one, per_schedule)
-    print(f"llama, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, fp32, compiled "
-          f"({args.inner}); forward + loss + backward (+ one gradient all-reduce under CP); one process = 1 thread, "
-          "each CP rank 1 thread (gloo)")
-    print(_table(rows))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
-    if args.plot:
-        plot(rows, args.plot, f"training step under CP (llama, hidden {args.hidden}, {args.layers} layers, "
-                              f"{args.inner})")
+    report(rows, f"llama, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, fp32, "
+                 f"compiled ({args.inner}); forward + loss + backward (+ one gradient all-reduce under CP); one "
+                 "process = 1 thread, each CP rank 1 thread (gloo)", _table(rows), args.out,
+           args.plot and (lambda: plot(rows, args.plot, f"training step under CP (llama, hidden {args.hidden}, "
+                                                        f"{args.layers} layers, {args.inner})")))
     return 0 if all(r["loss_rel_err"] < args.tol for r in rows) else 1
