@@ -136,6 +136,30 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
             assert node.args[-2:] == (3, name)
 
 
+@pytest.mark.parametrize("tracing", ["fake", "symbolic"])
+def test_a_graph_agrees_once_where_later_sizes_follow(fake_group, tracing):
+    """Three sites: the second has the first's sizes, the third sizes of its own. Static sizes: one agreement,
+    carrying a digest of all three; symbolic sizes: the third keeps its own (its symbol was not compared)."""
+    from cp_compile.passes.expand import expand_cp_ops
+
+    name = fake_group
+
+    def site(q, k, v):
+        return torch.ops.cp.allgather_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")[0]
+
+    def three(q, k, v, q2, k2, v2):
+        first = site(q, k, v)
+        return site(first, k, v), site(q2, k2, v2)
+
+    shapes = [(1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), (1, 4, 6, 16), (1, 2, 6, 16), (1, 2, 6, 16)]
+    gm = make_fx(three, tracing_mode=tracing)(*(torch.randn(s) for s in shapes))  # traced on fake tensors
+    expand_cp_ops(gm.graph)
+    agrees = [n for n in gm.graph.nodes if n.target == torch.ops.cp.agree.default]
+    assert len(agrees) == (1 if tracing == "fake" else 2)
+    assert "graph_sites=3:" in agrees[0].args[4]
+    assert sum(1 for n in gm.graph.nodes if n.target == torch.ops.cp.attend.default) == 3
+
+
 def compiled_parity(inner: str):
     import torch.nn.functional as F
 

@@ -42,6 +42,37 @@ def test_rank_mismatch_raises_same_error_everywhere(ranks, mutate):
         assert "(1, 2, 32, 8)" in message and "(1, 2, 48, 8)" in message
 
 
+def compiled_later_site_differs():
+    """A compiled graph of two attention sites where only the second differs between ranks (its head count):
+    the graph keeps one agreement, whose digest of both sites' sizes differs."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    heads = 4 if dist.get_rank() == 0 else 2
+    q, k, v, _ = make_qkv(1, 4, 4, 16, 8)
+
+    def two(q, k, v):
+        first = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(first[:, :heads], k[:, :heads], v[:, :heads], is_causal=True)
+
+    compiled = torch.compile(two, backend=plan.backend("aot_eager"), fullgraph=True)
+    try:
+        with plan:
+            compiled(*(plan.shard(t, 2) for t in (q, k, v)))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_compiled_later_site_that_differs_raises_everywhere(ranks):
+    results = ranks(2, compiled_later_site_differs, timeout=120)
+    assert results[0] is not None and results[1] is not None, results
+    assert all("ranks disagree" in message for _, message in results), results
+
+
 def local_error(case: str):
     import cp_compile
 

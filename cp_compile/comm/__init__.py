@@ -255,7 +255,8 @@ def check_agreement(rows: list[list[int]], what: str) -> None:
         return
     detail = "; ".join(f"rank {r}: {_fmt(row)}" for r, row in enumerate(rows))
     if any(row[17] != first[17] for row in rows):
-        detail += "; the ranks also passed different options"
+        detail += ("; the ranks also passed different options (compiled: or a later attention site of the graph "
+                   "differs, which this first agreement of the graph covers)")
     if any(row[16] != first[16] for row in rows):
         detail += "; the ranks hold tensors on different device types"
     raise ValueError(f"{what}: ranks disagree on their inputs ({detail}). Every rank must pass the same shapes, dtype and options.")

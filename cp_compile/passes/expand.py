@@ -18,8 +18,10 @@ graph; the rank is read inside the ops at run time.
 from __future__ import annotations
 
 import operator
+import zlib
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -85,5 +87,48 @@ def expand_cp_ops(graph: fx.Graph) -> list[Expansion]:
         schedule = _trace(call.fn, call.tensors)
         expansions.append(Expansion(call.direction, call.world_size, _inline(graph, node, schedule, call.tensors)))
     if expansions:
+        fold_agreements(graph)
         graph.lint()
     return expansions
+
+
+def _described(node: fx.Node) -> str:
+    """What a ``cp::agree`` compares, as this graph states it: q/k/v sizes (symbols for dynamic ones), dtype,
+    options."""
+    q, k, v, _, options = node.args
+    return " ".join(f"{tuple(t.meta['val'].shape)}" for t in (q, k, v)) + f" {q.meta['val'].dtype} {options}"
+
+
+def _symbols(node: fx.Node) -> set:
+    """The graph's size symbols in the q/k/v sizes a ``cp::agree`` compares."""
+    return {symbol for t in node.args[:3] for size in t.meta["val"].shape if isinstance(size, torch.SymInt)
+            for symbol in size.node.expr.free_symbols}
+
+
+def fold_agreements(graph: fx.Graph) -> None:
+    """Of a graph's ``cp::agree`` per site, only those that compare something new stay.
+
+    Each agreement is a collective and a host read. A later site's sizes are expressions over the graph's
+    size symbols and its options are constants of the graph: once an earlier agreement compared every
+    symbol it uses, it agrees whenever the ranks run the same graph. So the first agreement of each group
+    carries a digest of every site's description as this graph states it, and a later one stays only if
+    it uses a symbol no kept one compared. Ranks that compiled different graphs fail the first agreement,
+    on every rank, before any transfer; ranks that run the same graph make the same choices.
+    """
+    per_group: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.cp.agree.default:
+            per_group.setdefault(node.args[3], []).append(node)
+    for nodes in per_group.values():
+        if len(nodes) < 2:
+            continue
+        digest = zlib.crc32("; ".join(_described(n) for n in nodes).encode())
+        first, *later = nodes
+        first.args = (*first.args[:4], f"{first.args[4]} graph_sites={len(nodes)}:{digest:08x}")
+        compared = _symbols(first)
+        for node in later:
+            symbols = _symbols(node)
+            if symbols <= compared:
+                graph.erase_node(node)
+            else:
+                compared |= symbols
