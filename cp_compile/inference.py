@@ -7,8 +7,10 @@ prefilled sharded over the ranks, then decoding over a ``ShardedCache``).
 Reported per (C, prompt length): whether every token matches, the largest
 relative logit difference, prefill tokens/s, decode ms/token and the K/V
 bytes each rank holds against one process. Decode is also set against its
-floor (one process's step plus one all-gather per layer of what the decode
-schedule gathers, timed back to back in the same run) and taken apart from a
+floor, one process's step plus one all-gather per layer of what the decode
+schedule gathers, measured two ways in the same run: the all-gathers timed
+back to back, and one process's model run on each rank with them in place
+(timed in turn with CP). Both steps are taken apart from a
 profile (``cp_compile.breakdown``): compute, collectives (count and time), and
 everything else. Exits 1 if a token differs.
 
@@ -32,7 +34,8 @@ from .launch import RankPool
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _ints(text: str) -> list[int]:
+def comma_ints(text: str) -> list[int]:
+    """``"1,2,4"`` as ``[1, 2, 4]``: the comma lists of the command lines."""
     return [int(x) for x in text.split(",") if x]
 
 
@@ -140,29 +143,35 @@ def _floor_model(args, plan):
     layer with the two numbers of ``kv_cache.Agreement``'s tag): a decode step of it is one process's step plus
     the one collective per layer that a decode step under CP needs, where CP makes it."""
     from .comm.gather import gather_dim0
-    from .kernels.merge import acc_dtype
+    from .kv_cache import TAG_NUMEL
 
     model = build_model(args, "sdpa")
-    per_layer = args.heads * (args.hidden // args.heads + 1)
+
     def gather_after(payload):
         def hook(module, inputs, output):
             gather_dim0(payload, plan.group_name, plan.world_size)
         return hook
 
     for index, layer in enumerate(model.model.layers):
-        payload = torch.zeros(1, per_layer + (2 if index == 0 else 0), dtype=acc_dtype(DTYPES[args.dtype]))
-        layer.self_attn.register_forward_hook(gather_after(payload))
+        layer.self_attn.register_forward_hook(gather_after(_layer_payload(args, TAG_NUMEL if index == 0 else 0)))
     return model
+
+
+def _layer_payload(args, tag_numel: int = 0) -> torch.Tensor:
+    """What the decode schedule gathers from each rank per layer and token: out and lse of one query per head,
+    in the accumulator dtype (``schedules/cached.py``), and ``tag_numel`` numbers of a tag."""
+    from .kernels.merge import acc_dtype
+
+    return torch.zeros(1, args.heads * (args.hidden // args.heads + 1) + tag_numel,
+                       dtype=acc_dtype(DTYPES[args.dtype]))
 
 
 def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
     """Seconds of one all-gather of what the decode schedule gathers per layer and token (out and lse of one
     query), back to back: the collective a decode step cannot do without, with no work between."""
     from .comm.gather import gather_dim0
-    from .kernels.merge import acc_dtype
 
-    # out and lse travel together in the accumulator dtype (schedules/cached.py)
-    payload = torch.zeros(1, 1, args.heads, 1, args.hidden // args.heads + 1, dtype=acc_dtype(DTYPES[args.dtype]))
+    payload = _layer_payload(args)
     for _ in range(10):
         gather_dim0(payload, plan.group_name, plan.world_size)
     start = time.perf_counter()
@@ -310,8 +319,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
-    p.add_argument("--world-sizes", "-C", type=_ints, default=[2], help="comma list (default 2)")
-    p.add_argument("--prompts", "-P", type=_ints, default=[257, 1025], help="prompt lengths, comma list")
+    p.add_argument("--world-sizes", "-C", type=comma_ints, default=[2], help="comma list (default 2)")
+    p.add_argument("--prompts", "-P", type=comma_ints, default=[257, 1025], help="prompt lengths, comma list")
     p.add_argument("--new", type=int, default=64, help="tokens to generate (greedy)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

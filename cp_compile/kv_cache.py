@@ -45,7 +45,8 @@ def capacity_for(max_tokens: int, world_size: int) -> int:
 
 # token ids enter the digest modulo 2**24: every id below it is exact in fp32, the dtype the tag travels in
 _DIGEST = 2**24
-_IN_STEP, _FINAL = 0.0, 1.0
+_IN_STEP, _FINAL = 0, 1
+TAG_NUMEL = 2  # an Agreement's tag: [marker, digest]
 
 
 class Agreement:
@@ -81,16 +82,19 @@ class Agreement:
         weights = torch.arange(1, flat.numel() + 1, device=flat.device)
         self.tokens.copy_(((flat % _DIGEST) * weights).sum() % _DIGEST)
 
-    def tag(self, dtype: torch.dtype) -> Tensor:
-        """``[marker, digest]``, sent by the first layer of a step."""
-        self.dtype = dtype
-        return torch.stack([torch.zeros_like(self.tokens), self.tokens]).to(dtype)
+    def tag(self, dtype: torch.dtype, marker: int = _IN_STEP) -> Tensor:
+        """``[marker, digest]`` in ``dtype``: sent by the first layer of a step, or by ``finish`` marked final."""
+        self.dtype = dtype  # what finish sends in, as the layers' gathers do
+        return torch.stack([torch.full_like(self.tokens, marker), self.tokens]).to(dtype)
 
     def record(self, layer: int, tags: Tensor, per_query: int) -> None:
         """Every rank's tag as a layer's gather returned it (``[C, n]``; n = 0 for a layer without one)."""
         self.per_query[layer] = per_query
         if tags.shape[1]:
-            self.differs.logical_or_((tags != tags[:1]).any())
+            self._compare(tags)
+
+    def _compare(self, tags: Tensor) -> None:
+        self.differs.logical_or_((tags != tags[:1]).any())
 
     def reset(self) -> None:
         self.tokens.zero_()
@@ -101,18 +105,19 @@ class Agreement:
         or stopped at different steps (the same answer on every rank)."""
         if self.world_size > 1 and self.per_query:
             first, *rest = sorted(self.per_query)
-            final = torch.zeros(self.per_query[first] + 2, dtype=self.dtype, device=self.tokens.device)
-            final[-2:] = torch.stack([torch.full_like(self.tokens, _FINAL), self.tokens]).to(self.dtype)
-            tags = self._gather(final)
+            final = torch.cat([self.tokens.new_zeros(self.per_query[first], dtype=self.dtype),
+                               self.tag(self.dtype, _FINAL)])
+            tags = self._final(final)
             if bool((tags[:, 0] != _FINAL).any()):  # a rank is in its next step: join it to its own finish
-                for layer in rest:
-                    self._gather(final.new_zeros(self.per_query[layer]))
-                self._gather(final)
+                for layer in rest:  # that step's other layers: their payloads carry no tag
+                    gather_dim0(final.new_zeros(1, self.per_query[layer]), self.group_name, self.world_size)
+                self._final(final)
         return bool(self.differs)
 
-    def _gather(self, payload: Tensor) -> Tensor:
-        tags = gather_dim0(payload[None], self.group_name, self.world_size)[:, -2:]
-        self.differs.logical_or_((tags != tags[:1]).any())
+    def _final(self, payload: Tensor) -> Tensor:
+        """Every rank's tag from a gather of ``payload``, whose end is this rank's final tag; compared."""
+        tags = gather_dim0(payload[None], self.group_name, self.world_size)[:, -TAG_NUMEL:]
+        self._compare(tags)
         return tags
 
 

@@ -22,12 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..inference import crossover, report
+from ..inference import comma_ints, crossover, report
 from ..launch import RankPool
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def _model(args, attn: str):
@@ -57,16 +53,20 @@ def _timed(args, step, length: int, barrier=None) -> tuple[float, dict]:
 
     for _ in range(args.warmup):
         step()
-    times = []
-    for _ in range(_steps_for(args, length)):
+    steps, times = _steps_for(args, length), []
+    for _ in range(steps):
         if barrier is not None:  # the ranks start each timed step together
             barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    steps = _steps_for(args, length)
-    costs = breakdown(lambda: (barrier and barrier(), lambda: [step() for _ in range(steps)])[1], steps)
-    return 1e3 * statistics.median(times), costs
+
+    def prepare():
+        if barrier is not None:
+            barrier()
+        return lambda: [step() for _ in range(steps)]
+
+    return 1e3 * statistics.median(times), breakdown(prepare, steps)
 
 
 def one_process(args) -> dict:
@@ -122,7 +122,7 @@ def cp_ranks(args, schedule: str) -> dict:
         total = step()
         dist.all_reduce(total)  # the shares summed: the one-process loss (no optimizer step changes the weights)
         runs[length] = (*_timed(args, step, length, dist.barrier), total.item())
-    # what each attention site runs and why (auto: the cost model's pick), from the first graph
+    # what each attention site runs and why (auto: the cost model's pick), over every graph compiled
     runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
     return runs
 
@@ -185,7 +185,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", "-C", type=int, default=2)
-    p.add_argument("--lengths", "-L", type=_ints, default=[256, 2048], help="sequence lengths, comma list")
+    p.add_argument("--lengths", "-L", type=comma_ints, default=[256, 2048], help="sequence lengths, comma list")
     p.add_argument("--schedules", type=lambda s: s.split(","), default=["auto"],
                    help="the plan's schedule, comma list (auto, ring, allgather, ...)")
     p.add_argument("--calibrate", action="store_true", help="the plan measures the machine (calibrate=True)")

@@ -9,8 +9,9 @@ saved: the forward keeps only the local shards), compute dQ and the
 full-length dK/dV in fp32, and return dK/dV to their owners with one
 reduce-scatter (``Kind.scatter``).
 
-K and V travel side by side in one collective (dK and dV too): the schedule is
-one collective forward and two backward, so there is no overlap to pin; its cost is O(C) memory for the gathered K/V, which is why it pays for
+K and V travel side by side in one collective (dK and dV too): the schedule
+is one collective forward and two backward, so there is no overlap to pin;
+its cost is O(C) memory for the gathered K/V, which is why it pays for
 few K/V heads (GQA) or short windows, where the gathered K/V is small or most
 of a ring's steps would be empty.
 """

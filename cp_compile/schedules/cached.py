@@ -54,11 +54,12 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     # out, lse and the tag travel as one tensor: one collective per layer
     payload = torch.cat([torch.cat([out, lse.unsqueeze(-1)], dim=-1).flatten(), tag])
     gathered = gather_dim0(payload[None], group_name, world_size)
-    both = gathered[:, :payload.numel() - tag.numel()].reshape(world_size, *out.shape[:-1], out.shape[-1] + 1)
+    tags_at = payload.numel() - tag.numel()
+    both = gathered[:, :tags_at].reshape(world_size, *out.shape[:-1], out.shape[-1] + 1)
     outs, lses = both[..., :-1], both[..., -1]
     lse = torch.logsumexp(lses, dim=0)
     out = (outs * torch.exp(lses - pivot(lse)).unsqueeze(-1)).sum(0)
-    return out.to(q.dtype), lse.contiguous(), gathered[:, payload.numel() - tag.numel():].clone()
+    return out.to(q.dtype), lse.contiguous(), gathered[:, tags_at:].clone()
 
 
 # Eager decoding calls the function above directly: a step is a few small kernels, and the custom op's own
@@ -73,9 +74,9 @@ def _(q, k, v, q_pos, k_pos, group_name, left, scale, options, tag=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=dt), tags
 
 
-def payload_numel(q: Tensor, v: Tensor, tag_numel: int = 0) -> int:
-    """Elements of what ``cp::cached_attention`` gathers from each rank for ``q`` and values ``v``."""
-    return q[..., :1].numel() * (v.shape[-1] + 1) + tag_numel
+def payload_numel(q: Tensor, v: Tensor) -> int:
+    """Elements of what ``cp::cached_attention`` gathers from each rank for ``q`` and values ``v``, its tag aside."""
+    return q[..., :1].numel() * (v.shape[-1] + 1)
 
 
 torch.fx.node.has_side_effect(torch.ops.cp.cached_attention.default)  # a collective: never dropped on one rank
