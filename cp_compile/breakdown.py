@@ -70,6 +70,16 @@ def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str
                 other_ms=max(0.0, profiled_ms - compute_ms - collective_ms))
 
 
+def collectives_issued(step: Callable[[], None]) -> list[tuple[str, list]]:
+    """The collectives one ``step()`` issues on the calling thread, in order: (operator name, input shapes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    return [(e.name, e.input_shapes) for e in prof.events()
+            if _is_collective(e.name) and not _inside_collective(e) and any(k in e.name for k in _ISSUE)]
+
+
 def format_breakdown(costs: dict[str, float]) -> str:
     return (f"{costs['wall_ms']:.2f} ms (profiled {costs['profiled_ms']:.2f} = compute {costs['compute_ms']:.2f} + "
             f"{costs['collectives']:.1f} collectives {costs['collective_ms']:.2f} + other {costs['other_ms']:.2f})")

@@ -45,8 +45,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pin(rank: int, threads: int) -> None:
+    """Keep rank ``rank`` on cores of its own where there are enough: a rank that migrates or shares a
+    core with a peer waits on the scheduler inside each collective (on 2 cores, a 256-token training
+    step at C=2 took 33 ms unpinned and 25 ms pinned)."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[rank * threads:(rank + 1) * threads]
+    if len(mine) == threads:
+        os.sched_setaffinity(0, mine)
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float,
-            env: dict[str, str], init_group: bool) -> None:
+            env: dict[str, str], init_group: bool, pin: bool) -> None:
+    if pin and world_size * threads <= len(os.sched_getaffinity(0)):
+        _pin(rank, threads)
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
@@ -85,8 +97,10 @@ class RankPool:
     """``world_size`` local gloo ranks, reusable across calls."""
 
     def __init__(self, world_size: int, threads_per_rank: int = 1, pg_timeout: float = 60.0,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None, init_group: bool = True):
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None, init_group: bool = True,
+                 pin: bool = False):
         self.world_size = world_size
+        self.pin = pin  # each rank on cores of its own, where the machine has enough (benchmarks)
         self.init_group = init_group
         self.env = dict(env or {})  # set in each worker before anything runs
         self.threads_per_rank = threads_per_rank
@@ -104,7 +118,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank,
-                      self.pg_timeout, self.env, self.init_group),
+                      self.pg_timeout, self.env, self.init_group, self.pin),
                 daemon=True,
             )
             for r in range(self.world_size)

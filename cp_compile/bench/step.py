@@ -8,7 +8,11 @@ also sums the gradients over the ranks in one all-reduce (as DDP's buckets do).
 Reported per length: ms per step on each side, their ratio, the relative
 difference of the losses (exit 1 above ``--tol``), and the CP step
 taken apart from a profile (``cp_compile.breakdown``: compute, collectives with
-their count, the rest) next to one process's. ``--plot`` draws step time
+their count, the rest) next to one process's. The floor is what CP cannot
+avoid: one process's step on 1/C of the tokens plus the CP step's own
+collectives (recorded from a profile, then replayed back to back with the same
+shapes on the ranks); it is left out where a collective cannot be replayed
+from its name and shapes (the ring's sends). ``--plot`` draws step time
 against length and marks where CP starts to pay. The sequence dimension is
 dynamic on both sides, so each side compiles once or twice for every length.
 """
@@ -18,10 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from ..breakdown import collectives_issued
 from ..inference import comma_ints, crossover, report
 from ..launch import RankPool
 
@@ -85,8 +92,34 @@ def one_process(args) -> dict:
             model.zero_grad()
             return loss.detach()
 
-        runs[length] = (*_timed(args, step, length), step().item())
+        ms, costs = _timed(args, step, length)
+        loss = step().item()
+        # the floor's compute: this process's step on one rank's share of the tokens
+        ids, labels = ids[:, :length // args.world_size], labels[:, :length // args.world_size]
+        runs[length] = dict(ms=ms, costs=costs, loss=loss, share_ms=_timed(args, step, length)[0])
     return runs
+
+
+def _replay(issued: list[tuple[str, list]], grads_numel: int) -> Callable[[], None] | None:
+    """The collectives one CP step issued (``breakdown.collectives_issued``) on tensors of their shapes, as one
+    function; None where one cannot be rebuilt from its name and shapes."""
+    import torch.distributed as dist
+
+    world_size, calls = dist.get_world_size(), []
+    for name, shapes in issued:
+        if name == "_c10d_functional::all_gather_into_tensor":  # (input, group size, group name)
+            x = torch.zeros(shapes[0])
+            calls.append(partial(dist.all_gather_into_tensor, x.new_empty((world_size * x.shape[0], *x.shape[1:])), x))
+        elif name == "_c10d_functional::reduce_scatter_tensor":  # (input, op, group size, group name)
+            x = torch.zeros(shapes[0])
+            calls.append(partial(dist.reduce_scatter_tensor, x.new_empty((x.shape[0] // world_size, *x.shape[1:])), x))
+        elif name == "c10d::_allgather_base_":  # the agreement: (output, input, ...)
+            calls.append(partial(dist.all_gather_into_tensor, torch.zeros(shapes[0]), torch.zeros(shapes[1])))
+        elif name == "c10d::allreduce_":  # the step's gradient all-reduce; the profile records no shapes for it
+            calls.append(partial(dist.all_reduce, torch.zeros(grads_numel)))
+        else:
+            return None
+    return lambda: [call() for call in calls]
 
 
 def cp_ranks(args, schedule: str) -> dict:
@@ -121,7 +154,10 @@ def cp_ranks(args, schedule: str) -> dict:
 
         total = step()
         dist.all_reduce(total)  # the shares summed: the one-process loss (no optimizer step changes the weights)
-        runs[length] = (*_timed(args, step, length, dist.barrier), total.item())
+        ms, costs = _timed(args, step, length, dist.barrier)
+        replay = _replay(collectives_issued(step), sum(p.numel() for p in model.parameters()))
+        runs[length] = dict(ms=ms, costs=costs, loss=total.item(),
+                            collectives_ms=None if replay is None else _timed(args, replay, length, dist.barrier)[0])
     # what each attention site runs and why (auto: the cost model's pick), over every graph compiled
     runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
     return runs
@@ -130,25 +166,37 @@ def cp_ranks(args, schedule: str) -> dict:
 def _rows(args, one: dict, per_schedule: dict) -> list[dict]:
     rows = []
     for length in args.lengths:
-        ref_ms, ref_costs, ref_loss = one[length]
+        ref = one[length]
         for schedule, per_rank in per_schedule.items():
-            slowest = max(per_rank, key=lambda runs: runs[length][0])
-            ms, costs, loss = slowest[length]
-            rows.append(dict(C=args.world_size, schedule=schedule, length=length, cp_ms=ms, one_ms=ref_ms,
-                             ratio=ms / ref_ms, loss_rel_err=abs(loss - ref_loss) / abs(ref_loss), costs=costs,
-                             one_costs=ref_costs, sites=per_rank[0]["sites"]))
+            cp = max((runs[length] for runs in per_rank), key=lambda run: run["ms"])  # the slowest rank
+            replayed = [runs[length]["collectives_ms"] for runs in per_rank]
+            floor = None if None in replayed else ref["share_ms"] + max(replayed)
+            rows.append(dict(C=args.world_size, schedule=schedule, length=length, cp_ms=cp["ms"], one_ms=ref["ms"],
+                             ratio=cp["ms"] / ref["ms"], floor_ms=floor, share_ms=ref["share_ms"],
+                             collectives_ms=None if floor is None else max(replayed),
+                             loss_rel_err=abs(cp["loss"] - ref["loss"]) / abs(ref["loss"]), costs=cp["costs"],
+                             one_costs=ref["costs"], sites=per_rank[0]["sites"]))
     return rows
 
 
 def _table(rows: list[dict]) -> str:
     from ..breakdown import format_breakdown
 
-    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7} {'loss diff':>9}"]
+    def fmt(x, spec):
+        return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
+
+    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7} {'floor ms':>9} "
+             f"{'CP/floor':>8} {'floor/one':>9} {'loss diff':>9}"]
     for r in rows:
+        floor = r["floor_ms"]
         lines.append(f"{r['C']:>2} {r['schedule']:>10} {r['length']:>7} {r['cp_ms']:>9.1f} {r['one_ms']:>9.1f} "
-                     f"{r['ratio']:>7.2f} {r['loss_rel_err']:>9.1e}")
+                     f"{r['ratio']:>7.2f} {fmt(floor, '9.1f')} {fmt(floor and r['cp_ms'] / floor, '8.2f')} "
+                     f"{fmt(floor and floor / r['one_ms'], '9.2f')} {r['loss_rel_err']:>9.1e}")
     for schedule, sites in dict.fromkeys((r["schedule"], tuple(r["sites"])) for r in rows):
         lines += [f"{schedule}: {site}" for site in sites]
+    lines.append("floor = one process on 1/C of the tokens + the CP step's collectives back to back:")
+    lines += [f"  {r['schedule']} {r['length']}: {r['share_ms']:.2f} + {r['collectives_ms']:.2f} ms"
+              for r in rows if r["floor_ms"] is not None]
     lines.append("per step, from a profile (CP: the slowest rank):")
     for r in rows:
         lines.append(f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
@@ -203,10 +251,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    with RankPool(1) as pool:
+    with RankPool(1, pin=True) as pool:
         one = pool.run(one_process, args, timeout=3600)[0]
     per_schedule = {}
-    with RankPool(args.world_size) as pool:
+    with RankPool(args.world_size, pin=True) as pool:
         for schedule in args.schedules:
             per_schedule[schedule] = pool.run(cp_ranks, args, schedule, timeout=3600)
     rows = _rows(args, one, per_schedule)

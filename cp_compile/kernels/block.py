@@ -428,7 +428,7 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     hkv = k.shape[1]
     group = hq // hkv
     dt = acc_dtype(q.dtype)
-    fused = _positions_fused(q, k, v, softcap)
+    fused = not softcap and fused_masked_ready(q, k, v)
     keys, values = (k, v) if fused else (k.to(dt), v.to(dt))
     outs, lses = [], []
     for start in range(0, lq, rows_per_block):
@@ -449,16 +449,46 @@ def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _positions_fused(q: Tensor, k: Tensor, v: Tensor, softcap: float) -> bool:
+def fused_masked_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """CPU's fused kernel takes a mask and returns lse; it computes in the inputs' dtype, so only where that is
-    the accumulator dtype (fp32, fp64), and without a soft-cap, which it cannot apply."""
-    return (q.device.type == "cpu" and not softcap and q.dtype == k.dtype == v.dtype == acc_dtype(q.dtype)
-            and q.shape[-1] == v.shape[-1])
+    the accumulator dtype (fp32, fp64), and it cannot apply a soft-cap."""
+    return q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == acc_dtype(q.dtype) and q.shape[-1] == v.shape[-1]
+
+
+def _bias(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _fused_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``q`` against ``k, v`` where ``visible [Lq, Lk]``; a row that sees nothing gets out 0 and lse
     -inf (the kernel returns lse 0 for it)."""
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=_bias(visible, q.dtype),
+                                                                scale=scale)
     return out, lse.masked_fill(~visible.any(-1), float("-inf"))
+
+
+def _fold_groups(t: Tensor, kv_heads: int) -> Tensor:
+    """``[B, Hq, L, D]`` as ``[B, Hkv, G*L, D]``: the query heads of one key/value head as rows, so the kernel
+    reads each key/value head once (query head h reads key/value head h // G)."""
+    b, hq, length, d = t.shape
+    return t.reshape(b, kv_heads, hq // kv_heads * length, d)
+
+
+def fused_masked_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a block where ``visible [Lq, Lk]``, as one call of CPU's fused kernel (``fused_masked_ready``);
+    every row must see a key. For short blocks whose tiles would each cost a call and a merge."""
+    b, hq, lq, _ = q.shape
+    groups = hq // k.shape[1]
+    out, lse = _fused_masked(_fold_groups(q, k.shape[1]), k, v, visible.repeat(groups, 1), scale)
+    return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
+
+
+def fused_masked_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               visible: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``fused_masked_attn``'s block, given the final ``out`` and ``lse``."""
+    hkv = k.shape[1]
+    bias = _bias(visible.repeat(q.shape[1] // hkv, 1), q.dtype)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _fold_groups(dout, hkv).contiguous(), _fold_groups(q, hkv), k, v, _fold_groups(out, hkv),
+        lse.reshape(lse.shape[0], hkv, -1), 0.0, False, attn_mask=bias, scale=scale)
+    return dq.reshape(q.shape), dk, dv
