@@ -4,7 +4,13 @@ from . import kinds, schedules  # noqa: F401  (registers torch.ops.cp.*)
 from .calibrate import calibrate
 from .comm import count_traffic
 from .eager import (
-    allgather_attention, cached_attention, flex_attention, hybrid_attention, ring_attention, ulysses_attention, varlen_attention,
+    allgather_attention,
+    cached_attention,
+    flex_attention,
+    hybrid_attention,
+    ring_attention,
+    ulysses_attention,
+    varlen_attention,
 )
 from .inspect import explain
 from .kinds.flex import count_blocks
@@ -15,8 +21,23 @@ from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy
 
 __all__ = [
-    "ContextParallel", "LocalAttentionError", "Machine", "UnsupportedAttention", "active_plan", "allgather_attention", "cached_attention", "calibrate", "count_blocks",
-    "count_traffic", "explain", "flex_attention", "hybrid_attention", "ring_attention", "sac_context", "sac_policy",
-    "ulysses_attention", "varlen_attention",
+    "ContextParallel",
+    "LocalAttentionError",
+    "Machine",
+    "UnsupportedAttention",
+    "active_plan",
+    "allgather_attention",
+    "cached_attention",
+    "calibrate",
+    "count_blocks",
+    "count_traffic",
+    "explain",
+    "flex_attention",
+    "hybrid_attention",
+    "ring_attention",
+    "sac_context",
+    "sac_policy",
+    "ulysses_attention",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"

@@ -16,17 +16,35 @@ def _models():
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cp_compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo.add_arguments(sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device"))
+    demo.add_arguments(
+        sub.add_parser("demo", help="CP training (or ring attention) on local ranks, checked against one device")
+    )
     bench.add_arguments(sub.add_parser("bench", help="time ours vs PyTorch's ring vs one device; JSON + PNG"))
-    accuracy.add_arguments(sub.add_parser("accuracy", help="each schedule's error against fp64 as C grows, as a "
-                                                          "ratio to one device's; JSON + PNG"))
-    inference.add_arguments(sub.add_parser("generate", help="Hugging Face generate under CP vs one process: "
-                                                            "tokens, prefill tokens/s, decode ms/token, cache memory"))
-    step.add_arguments(sub.add_parser("step", help="a Hugging Face training step under CP vs one process by sequence "
-                                                   "length: ms per step, its breakdown, where CP starts to pay"))
-    sub_models = sub.add_parser("models", help="every decoder-only causal-LM family of the installed transformers "
-                                               "under CP vs one process: train step and generation; table, JSON, "
-                                               "Markdown")
+    accuracy.add_arguments(
+        sub.add_parser(
+            "accuracy", help="each schedule's error against fp64 as C grows, as a ratio to one device's; JSON + PNG"
+        )
+    )
+    inference.add_arguments(
+        sub.add_parser(
+            "generate",
+            help="Hugging Face generate under CP vs one process: "
+            "tokens, prefill tokens/s, decode ms/token, cache memory",
+        )
+    )
+    step.add_arguments(
+        sub.add_parser(
+            "step",
+            help="a Hugging Face training step under CP vs one process by sequence "
+            "length: ms per step, its breakdown, where CP starts to pay",
+        )
+    )
+    sub_models = sub.add_parser(
+        "models",
+        help="every decoder-only causal-LM family of the installed transformers "
+        "under CP vs one process: train step and generation; table, JSON, "
+        "Markdown",
+    )
     _models().add_arguments(sub_models)
     args = parser.parse_args(argv)
     if args.command == "demo":

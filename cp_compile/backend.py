@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -103,8 +103,15 @@ class _PinPass(CustomGraphPass):
 class CPBackend:
     """A ``torch.compile`` backend that turns attention into CP schedules."""
 
-    def __init__(self, group_name: str, layout: str, inner: str = "inductor", schedule: str = "auto",
-                 mesh_groups: tuple = (), machine=None):
+    def __init__(
+        self,
+        group_name: str,
+        layout: str,
+        inner: str = "inductor",
+        schedule: str = "auto",
+        mesh_groups: tuple = (),
+        machine=None,
+    ):
         from .passes.cost import check_schedule
 
         if inner not in INNER_COMPILERS:
@@ -122,8 +129,8 @@ class CPBackend:
         then print ``backend.explain()``. Graph breaks are not counted here
         (compile with ``fullgraph=True`` to rule them out).
         """
-        from .inspect import ExplainReport, site_report
         from .comm import resolve_group
+        from .inspect import ExplainReport, site_report
 
         world_size = resolve_group(self.options.group_name).size()
         report = ExplainReport(graphs=len(self.records))
@@ -155,6 +162,7 @@ class CPBackend:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
+
         from .torch_compat import partitioners
 
         def expand_and_run(graph_module: fx.GraphModule, _inputs):

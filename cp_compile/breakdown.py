@@ -20,13 +20,23 @@ collectives' time as an upper bound.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 # What the collectives of cp_compile (functional collectives) and of torch.distributed record on the calling
 # thread; the backends' own events ("gloo:all_gather") run on their worker threads, at the same time.
 _COLLECTIVE_PREFIXES = ("_c10d_functional::", "c10d::")
-_ISSUE = ("all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "all_reduce", "allreduce",
-          "broadcast", "send", "recv")
+_ISSUE = (
+    "all_gather",
+    "allgather",
+    "all_to_all",
+    "alltoall",
+    "reduce_scatter",
+    "all_reduce",
+    "allreduce",
+    "broadcast",
+    "send",
+    "recv",
+)
 
 
 def _is_collective(name: str) -> bool:
@@ -65,9 +75,14 @@ def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str
             compute_us += event.self_cpu_time_total
     profiled_ms = 1e3 * profiled / steps
     compute_ms, collective_ms = 1e-3 * compute_us / steps, 1e-3 * collective_us / steps
-    return dict(wall_ms=1e3 * wall / steps, profiled_ms=profiled_ms, compute_ms=compute_ms,
-                collective_ms=collective_ms, collectives=issued / steps,
-                other_ms=max(0.0, profiled_ms - compute_ms - collective_ms))
+    return dict(
+        wall_ms=1e3 * wall / steps,
+        profiled_ms=profiled_ms,
+        compute_ms=compute_ms,
+        collective_ms=collective_ms,
+        collectives=issued / steps,
+        other_ms=max(0.0, profiled_ms - compute_ms - collective_ms),
+    )
 
 
 def collectives_issued(step: Callable[[], None]) -> list[tuple[str, list]]:
@@ -76,10 +91,15 @@ def collectives_issued(step: Callable[[], None]) -> list[tuple[str, list]]:
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    return [(e.name, e.input_shapes) for e in prof.events()
-            if _is_collective(e.name) and not _inside_collective(e) and any(k in e.name for k in _ISSUE)]
+    return [
+        (e.name, e.input_shapes)
+        for e in prof.events()
+        if _is_collective(e.name) and not _inside_collective(e) and any(k in e.name for k in _ISSUE)
+    ]
 
 
 def format_breakdown(costs: dict[str, float]) -> str:
-    return (f"{costs['wall_ms']:.2f} ms (profiled {costs['profiled_ms']:.2f} = compute {costs['compute_ms']:.2f} + "
-            f"{costs['collectives']:.1f} collectives {costs['collective_ms']:.2f} + other {costs['other_ms']:.2f})")
+    return (
+        f"{costs['wall_ms']:.2f} ms (profiled {costs['profiled_ms']:.2f} = compute {costs['compute_ms']:.2f} + "
+        f"{costs['collectives']:.1f} collectives {costs['collective_ms']:.2f} + other {costs['other_ms']:.2f})"
+    )

@@ -29,18 +29,19 @@ def _best_of(fn, repeats: int) -> float:
 
 def calibrate(plan, device=None, small: int = 1 << 10, large: int = 1 << 22, repeats: int = 3) -> Machine:
     """A ``Machine`` measured on ``plan``'s group: the same on every rank."""
-    from .kernels.block import block_attn_impl
     from .comm import wait
+    from .kernels.block import block_attn_impl
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() and dist.get_backend(plan.group) == "nccl"
-                                     else "cpu"))
+    device = torch.device(
+        device or ("cuda" if torch.cuda.is_available() and dist.get_backend(plan.group) == "nccl" else "cpu")
+    )
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     b, h, s, d = 1, 4, 512, 64
     q = torch.randn(b, h, s, d, device=device, dtype=dtype)
     flops = 4.0 * b * h * s * s * d
 
     def attend():
-        block_attn_impl(q, q, q, "none", d ** -0.5)
+        block_attn_impl(q, q, q, "none", d**-0.5)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -51,21 +52,35 @@ def calibrate(plan, device=None, small: int = 1 << 10, large: int = 1 << 22, rep
             wait(torch.ops.cp.ring_shift([buf], plan.group_name, 1, 7), sent=[buf])
             if device.type == "cuda":
                 torch.cuda.synchronize()
+
         return run
 
     times = [_best_of(attend, repeats)]
     if plan.world_size > 1:
         times += [_best_of(shift(small), repeats), _best_of(shift(large), repeats)]
-    measured = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(plan.group) == "nccl"
-                            else "cpu")
+    measured = torch.tensor(
+        times, dtype=torch.float64, device=device if dist.get_backend(plan.group) == "nccl" else "cpu"
+    )
     dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=plan.group)
     t_attn, *t_shift = measured.tolist()
     base = default_machine(device.type)
     if not t_shift:
-        return Machine(device.type, flops=flops / t_attn, bandwidth=base.bandwidth, latency=base.latency,
-                       kernel_overhead=base.kernel_overhead, source="calibrated (compute only: C=1)")
+        return Machine(
+            device.type,
+            flops=flops / t_attn,
+            bandwidth=base.bandwidth,
+            latency=base.latency,
+            kernel_overhead=base.kernel_overhead,
+            source="calibrated (compute only: C=1)",
+        )
     t_small, t_large = t_shift
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
     latency = max(t_small - small / bandwidth, 1e-7) / 2  # a shift is one send and one receive
-    return Machine(device.type, flops=flops / t_attn, bandwidth=bandwidth, latency=latency,
-                   kernel_overhead=base.kernel_overhead, source="calibrated")
+    return Machine(
+        device.type,
+        flops=flops / t_attn,
+        bandwidth=bandwidth,
+        latency=latency,
+        kernel_overhead=base.kernel_overhead,
+        source="calibrated",
+    )

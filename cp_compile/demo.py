@@ -70,8 +70,11 @@ def demo_rank(batch, heads, kv_heads, seq_len, head_dim, dtype_name, causal, ste
     err = max((a.double() - plan.shard(b.detach(), 2)).abs().max().item() for a, b in pairs)
     q_local_bytes = leaves[0].numel() * leaves[0].element_size()
     return {
-        "rank": plan.rank, "step_s": statistics.median(times), "max_err": err,
-        "peak_bytes": mem.peak_bytes, "q_local_bytes": q_local_bytes,
+        "rank": plan.rank,
+        "step_s": statistics.median(times),
+        "max_err": err,
+        "peak_bytes": mem.peak_bytes,
+        "q_local_bytes": q_local_bytes,
     }
 
 
@@ -99,8 +102,14 @@ def _model_and_data(args):
     from .llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab=args.vocab, dim=args.model_dim, layers=args.layers, heads=args.heads,
-                      kv_heads=args.kv_heads, hidden=2 * args.model_dim)
+    cfg = LlamaConfig(
+        vocab=args.vocab,
+        dim=args.model_dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=2 * args.model_dim,
+    )
     model = Llama(cfg).to(getattr(torch, args.dtype))
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (args.batch, args.seq_len + 1), generator=gen) for _ in range(args.steps)]
@@ -112,6 +121,7 @@ def train_rank(args):
     import torch.distributed as dist
 
     import cp_compile
+
     from .llama import token_loss_sum
 
     plan = cp_compile.ContextParallel()
@@ -237,8 +247,17 @@ def main(args: argparse.Namespace) -> int:
         table, worst = _train_table(rows, ref_losses, ref_times, args)
     else:
         device = "cuda" if "WORLD_SIZE" in os.environ and torch.cuda.is_available() else "cpu"
-        config = (args.batch, args.heads, args.kv_heads, args.seq_len, args.head_dim, args.dtype, args.causal,
-                  args.steps, device)
+        config = (
+            args.batch,
+            args.heads,
+            args.kv_heads,
+            args.seq_len,
+            args.head_dim,
+            args.dtype,
+            args.causal,
+            args.steps,
+            device,
+        )
         rows = _run_on_ranks(args, demo_rank, *config)
         if rows is None:
             return 0

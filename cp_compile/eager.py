@@ -36,8 +36,20 @@ def softmax_scale(q: Tensor, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
-def run_schedule(schedule: str, q: Tensor, k: Tensor, v: Tensor, extra: list, group, is_causal: bool, layout: str,
-                 scale: float, enable_gqa: bool, kind: str, options: str) -> tuple[Tensor, Tensor]:
+def run_schedule(
+    schedule: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra: list,
+    group,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    enable_gqa: bool,
+    kind: str,
+    options: str,
+) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
     op, groups = whole_op(schedule, *_groups(group, schedule))
     res = op(q, k, v, list(extra), *groups, bool(is_causal), layout, scale, bool(enable_gqa), kind, options)
@@ -45,12 +57,21 @@ def run_schedule(schedule: str, q: Tensor, k: Tensor, v: Tensor, extra: list, gr
 
 
 def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout) -> Tensor:
-    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, softmax_scale(q, scale), enable_gqa, "sdpa", "")[0]
+    return run_schedule(
+        schedule, q, k, v, [], group, is_causal, layout, softmax_scale(q, scale), enable_gqa, "sdpa", ""
+    )[0]
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
-    enable_gqa: bool = False, layout: str = "zigzag", dropout_p: float = 0.0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "zigzag",
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Ring attention over a sequence sharded across ``group``.
 
@@ -60,23 +81,34 @@ def ring_attention(
     """
     if dropout_p:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
-            "use dropout_p=0.0"
+            f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; use dropout_p=0.0"
         )
     return _dense("ring", q, k, v, group, is_causal, scale, enable_gqa, layout)
 
 
 def allgather_attention(
-    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
-    enable_gqa: bool = False, layout: str = "zigzag",
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "zigzag",
 ) -> Tensor:
     """All-gather CP attention over ``[B, H, S_local, D]`` shards (see ``ring_attention``). Differentiable."""
     return _dense("allgather", q, k, v, group, is_causal, scale, enable_gqa, layout)
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group=None, is_causal: bool = False, scale: Optional[float] = None,
-    enable_gqa: bool = False, layout: str = "zigzag",
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "zigzag",
 ) -> Tensor:
     """All-to-all (Ulysses) attention over a sequence sharded across ``group``.
 
@@ -86,8 +118,14 @@ def ulysses_attention(
 
 
 def hybrid_attention(
-    q: Tensor, k: Tensor, v: Tensor, mesh, is_causal: bool = False, scale: Optional[float] = None,
-    enable_gqa: bool = False, layout: str = "zigzag",
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mesh,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "zigzag",
 ) -> Tensor:
     """Hybrid attention over a 2-D ``(ring, a2a)`` DeviceMesh (or its (flattened, ring, a2a) group names);
     shards as ``ContextParallel(mesh).shard`` makes them.
@@ -98,9 +136,19 @@ def hybrid_attention(
 
 
 def flex_attention(
-    q: Tensor, k: Tensor, v: Tensor, score_mod=None, block_mask=None, scale: Optional[float] = None,
-    enable_gqa: bool = False, return_lse: bool = False, *, group=None, schedule: str = "auto",
-    layout: str = "zigzag", machine=None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod=None,
+    block_mask=None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    group=None,
+    schedule: str = "auto",
+    layout: str = "zigzag",
+    machine=None,
 ):
     """FlexAttention over a sequence sharded across ``group``, with torch's signature.
 
@@ -125,17 +173,44 @@ def flex_attention(
     if schedule == "auto":
         from .passes.masked import choose_flex
 
-        schedule = "hybrid" if is_2d_mesh(group) else choose_flex(
-            q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
-    out, lse = run_schedule(schedule, q, k, v, buffers, group, False, layout, softmax_scale(q, scale),
-                            q.shape[1] != k.shape[1], "flex", flex_options(key, mask_b, mask_h))
+        schedule = (
+            "hybrid"
+            if is_2d_mesh(group)
+            else choose_flex(q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
+        )
+    out, lse = run_schedule(
+        schedule,
+        q,
+        k,
+        v,
+        buffers,
+        group,
+        False,
+        layout,
+        softmax_scale(q, scale),
+        q.shape[1] != k.shape[1],
+        "flex",
+        flex_options(key, mask_b, mask_h),
+    )
     return (out, lse) if return_lse else out
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group=None, *, is_causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1), scale: Optional[float] = None, enable_gqa: bool = False,
-    schedule: str = "auto", machine=None, chunk: int = 0, softcap: float = 0.0, return_lse: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    group=None,
+    *,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    schedule: str = "auto",
+    machine=None,
+    chunk: int = 0,
+    softcap: float = 0.0,
+    return_lse: bool = False,
 ):
     """CP attention over packed documents. Differentiable.
 
@@ -164,20 +239,39 @@ def varlen_attention(
     elif schedule == "auto":
         from .passes.masked import choose_packed
 
-        schedule = choose_packed(q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right),
-                                 machine)[0]
+        schedule = choose_packed(
+            q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine
+        )[0]
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
-    out, lse = run_schedule(schedule, *qkv, [cu_seqlens], group, False, PACKED_LAYOUT, softmax_scale(q, scale),
-                            enable_gqa, "packed", packed_options(left, right, chunk, softcap))
+    out, lse = run_schedule(
+        schedule,
+        *qkv,
+        [cu_seqlens],
+        group,
+        False,
+        PACKED_LAYOUT,
+        softmax_scale(q, scale),
+        enable_gqa,
+        "packed",
+        packed_options(left, right, chunk, softcap),
+    )
     if heads:
         out, lse = thd(out), thd(lse)
     return (out, lse) if return_lse else out
 
 
 def cached_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_positions: Tensor, k_positions: Tensor, group=None,
-    window: Optional[int] = None, scale: Optional[float] = None, chunk: int = 0, softcap: float = 0.0,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q_positions: Tensor,
+    k_positions: Tensor,
+    group=None,
+    window: Optional[int] = None,
+    scale: Optional[float] = None,
+    chunk: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Attention of queries every rank holds to a KV cache sharded over ``group`` (inference).
 
@@ -196,7 +290,13 @@ def cached_attention(
     left = -1 if window is None else int(window) - 1
     group_name, scale = group_name_of(group), softmax_scale(q, scale)
     # the ranks' caches may hold different numbers of slots: compare everything else
-    torch.ops.cp.agree(q, k_cache.narrow(2, 0, 0), v_cache.narrow(2, 0, 0), group_name,
-                       f"cached_attention left={left} scale={scale} {cached_options(chunk, softcap)}")
-    return torch.ops.cp.cached_attention(q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale,
-                                         cached_options(chunk, softcap))[0]
+    torch.ops.cp.agree(
+        q,
+        k_cache.narrow(2, 0, 0),
+        v_cache.narrow(2, 0, 0),
+        group_name,
+        f"cached_attention left={left} scale={scale} {cached_options(chunk, softcap)}",
+    )
+    return torch.ops.cp.cached_attention(
+        q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale, cached_options(chunk, softcap)
+    )[0]

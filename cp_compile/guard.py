@@ -15,7 +15,7 @@ kernels it runs inside, so the eager CP paths pass untouched.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
@@ -33,14 +33,18 @@ _NAMES = {  # what the guard watches, as the user wrote it
 
 # sequence mixers other than attention that cp_compile does not make CP: a short causal convolution (Mamba,
 # DeltaNet, LFM's "conv" layers) would see the tokens of this rank's shard alone
-_MIXERS = {torch.conv1d: "a 1-D convolution (F.conv1d / nn.Conv1d: a state-space, DeltaNet or short-convolution "
-                         "layer mixing tokens along the sequence)"}
+_MIXERS = {
+    torch.conv1d: "a 1-D convolution (F.conv1d / nn.Conv1d: a state-space, DeltaNet or short-convolution "
+    "layer mixing tokens along the sequence)"
+}
 
 
 def mixer_message(what: str) -> str:
-    return (f"{what} ran inside `with plan:`: cp_compile does not parallelise it, so it would mix only the tokens "
-            "of this rank's shard of the sequence. Run this model without a plan (a model with such layers declares "
-            "them in config.layer_types, which cp_compile.hf refuses by name).")
+    return (
+        f"{what} ran inside `with plan:`: cp_compile does not parallelise it, so it would mix only the tokens "
+        "of this rank's shard of the sequence. Run this model without a plan (a model with such layers declares "
+        "them in config.layer_types, which cp_compile.hf refuses by name)."
+    )
 
 
 class LocalAttentionGuard(TorchFunctionMode):

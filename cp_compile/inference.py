@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -42,16 +43,23 @@ def comma_ints(text: str) -> list[int]:
 def build_model(args, attn: str):
     import transformers
 
-    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                  max_position_embeddings=max(args.prompts) + args.new)
+    common = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.prompts) + args.new,
+    )
     if args.arch == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif args.arch == "mistral":
         config, cls = transformers.MistralConfig(**common, sliding_window=args.window), transformers.MistralForCausalLM
     else:  # the first half of the layers full attention, the rest a sliding window
-        config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=args.window,
-                                          max_window_layers=args.layers // 2)
+        config = transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=args.window, max_window_layers=args.layers // 2
+        )
         cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     return cls._from_config(config, attn_implementation=attn, dtype=DTYPES[args.dtype]).eval()
@@ -76,8 +84,13 @@ def _generate_timed(args, model, ids: torch.Tensor, prefill, cache, generate=Non
     ``generate`` (transformers' ``model.generate`` by default) continues from the cache (its first step
     runs the prompt's last token)."""
     generate = generate or model.generate
-    kwargs = dict(max_new_tokens=args.new, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                  **_compile_config(args))
+    kwargs = dict(
+        max_new_tokens=args.new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **_compile_config(args),
+    )
     if args.compile:  # compile the decode step outside the timing
         generate(ids, cache=cache(), **kwargs)
     store = cache()
@@ -130,10 +143,14 @@ def reference_runs(args) -> dict:
     for length in [args.prompts[0]] + args.prompts:  # the first run warms up (allocator, lazy inits), unrecorded
         ids = _prompt(args, length)
         result, prefill_s, decode_s = _generate_timed(args, model, ids, prefill, cache_for(length))
-        runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
-                            decode_s=decode_s, cache_bytes=sum(t.nbytes for layer in result.cache.layers
-                                                               for t in (layer.keys, layer.values)),
-                            costs=_decode_costs(args, model, ids, prefill, cache_for(length)))
+        runs[length] = dict(
+            sequences=result.sequences,
+            logits=torch.stack(result.logits),
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            cache_bytes=sum(t.nbytes for layer in result.cache.layers for t in (layer.keys, layer.values)),
+            costs=_decode_costs(args, model, ids, prefill, cache_for(length)),
+        )
     return runs
 
 
@@ -150,6 +167,7 @@ def _floor_model(args, plan):
     def gather_after(payload):
         def hook(module, inputs, output):
             gather_dim0(payload, plan.group_name, plan.world_size)
+
         return hook
 
     for index, layer in enumerate(model.model.layers):
@@ -162,8 +180,7 @@ def _layer_payload(args, tag_numel: int = 0) -> torch.Tensor:
     in the accumulator dtype (``schedules/cached.py``), and ``tag_numel`` numbers of a tag."""
     from .kernels.merge import acc_dtype
 
-    return torch.zeros(1, args.heads * (args.hidden // args.heads + 1) + tag_numel,
-                       dtype=acc_dtype(DTYPES[args.dtype]))
+    return torch.zeros(1, args.heads * (args.hidden // args.heads + 1) + tag_numel, dtype=acc_dtype(DTYPES[args.dtype]))
 
 
 def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
@@ -200,8 +217,10 @@ def rank_runs(args) -> dict:
 
     runs = {}
     for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
+
         def cache():
             return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
+
         ids = _prompt(args, length)
         decode_s, floor_s = [], []
         for _ in range(args.repeats):  # CP and its floor in turn: both meet the machine in the same state
@@ -211,10 +230,17 @@ def rank_runs(args) -> dict:
             floor_s.append(_generate_timed(args, floor, ids, floor_prefill, floor_cache_for(length))[2])
         with plan:
             costs = _decode_costs(args, model, ids, prefill, cache, generate)
-        runs[length] = dict(sequences=result.sequences, logits=torch.stack(result.logits), prefill_s=prefill_s,
-                            decode_s=min(decode_s), cache_bytes=result.cache.nbytes, costs=costs,
-                            floor_s=min(floor_s), allgather_s=_layer_allgather_s(args, plan),
-                            floor_costs=_decode_costs(args, floor, ids, floor_prefill, floor_cache_for(length)))
+        runs[length] = dict(
+            sequences=result.sequences,
+            logits=torch.stack(result.logits),
+            prefill_s=prefill_s,
+            decode_s=min(decode_s),
+            cache_bytes=result.cache.nbytes,
+            costs=costs,
+            floor_s=min(floor_s),
+            allgather_s=_layer_allgather_s(args, plan),
+            floor_costs=_decode_costs(args, floor, ids, floor_prefill, floor_cache_for(length)),
+        )
     return runs
 
 
@@ -224,8 +250,12 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
         for length in args.prompts:
             ref = reference[length]
             mine = [runs[length] for runs in per_rank]
-            err = max(((m["logits"].double() - ref["logits"].double()).abs().max()
-                       / ref["logits"].double().abs().max()).item() for m in mine)
+            err = max(
+                (
+                    (m["logits"].double() - ref["logits"].double()).abs().max() / ref["logits"].double().abs().max()
+                ).item()
+                for m in mine
+            )
             prefill_s = max(m["prefill_s"] for m in mine)
             decode_s = max(m["decode_s"] for m in mine)
             slowest = max(mine, key=lambda m: m["costs"]["wall_ms"])
@@ -233,41 +263,60 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
             # back, and in its place inside a step (in turn with the CP decode, on the same ranks)
             floor_ms = 1e3 * (ref["decode_s"] + args.layers * max(m["allgather_s"] for m in mine))
             in_step_floor_ms = 1e3 * max(m["floor_s"] for m in mine)
-            rows.append(dict(
-                C=world_size, prompt=length, same_tokens=all(torch.equal(m["sequences"], ref["sequences"]) for m in mine),
-                logits_rel_err=err, prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
-                ref_prefill_tok_s=(length - 1) / ref["prefill_s"] if length > 1 else None,
-                decode_ms=1e3 * decode_s, ref_decode_ms=1e3 * ref["decode_s"],
-                cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
-                ref_cache_MiB=ref["cache_bytes"] / 2**20, decode_floor_ms=floor_ms,
-                decode_in_step_floor_ms=in_step_floor_ms,
-                allgather_ms=1e3 * max(m["allgather_s"] for m in mine), costs=slowest["costs"],
-                ref_costs=ref["costs"], floor_costs=slowest["floor_costs"]))
+            rows.append(
+                dict(
+                    C=world_size,
+                    prompt=length,
+                    same_tokens=all(torch.equal(m["sequences"], ref["sequences"]) for m in mine),
+                    logits_rel_err=err,
+                    prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
+                    ref_prefill_tok_s=(length - 1) / ref["prefill_s"] if length > 1 else None,
+                    decode_ms=1e3 * decode_s,
+                    ref_decode_ms=1e3 * ref["decode_s"],
+                    cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
+                    ref_cache_MiB=ref["cache_bytes"] / 2**20,
+                    decode_floor_ms=floor_ms,
+                    decode_in_step_floor_ms=in_step_floor_ms,
+                    allgather_ms=1e3 * max(m["allgather_s"] for m in mine),
+                    costs=slowest["costs"],
+                    ref_costs=ref["costs"],
+                    floor_costs=slowest["floor_costs"],
+                )
+            )
     return rows
 
 
 def _table(rows: list[dict]) -> str:
     from .breakdown import format_breakdown
 
-    lines = [f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} "
-             f"{'decode ms/token':>59} {'K/V MiB per rank':>19}",
-             f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'floor':>9} "
-             f"{'CP/floor':>9} {'in-step':>9} {'CP/it':>9} {'CP':>9} {'one':>9}"]
+    lines = [
+        f"{'C':>2} {'prompt':>7} {'tokens':>7} {'logit err':>9} {'prefill tok/s':>19} "
+        f"{'decode ms/token':>59} {'K/V MiB per rank':>19}",
+        f"{'':>2} {'':>7} {'':>7} {'':>9} {'CP':>9} {'one':>9} {'CP':>9} {'one':>9} {'floor':>9} "
+        f"{'CP/floor':>9} {'in-step':>9} {'CP/it':>9} {'CP':>9} {'one':>9}",
+    ]
     for r in rows:
-        prefill = (f"{r['prefill_tok_s']:>9.0f} {r['ref_prefill_tok_s']:>9.0f}" if r["prefill_tok_s"]
-                   else f"{'-':>9} {'-':>9}")
-        lines.append(f"{r['C']:>2} {r['prompt']:>7} {'same' if r['same_tokens'] else 'DIFFER':>7} "
-                     f"{r['logits_rel_err']:>9.1e} {prefill} {r['decode_ms']:>9.1f} {r['ref_decode_ms']:>9.1f} "
-                     f"{r['decode_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_floor_ms']:>9.2f} "
-                     f"{r['decode_in_step_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_in_step_floor_ms']:>9.2f} "
-                     f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}")
-    lines.append("floor: one process + one all-gather per layer timed back to back; in-step (it): one process's model "
-                 "run on each rank with that all-gather after each attention layer, timed in turn with CP")
+        prefill = (
+            f"{r['prefill_tok_s']:>9.0f} {r['ref_prefill_tok_s']:>9.0f}" if r["prefill_tok_s"] else f"{'-':>9} {'-':>9}"
+        )
+        lines.append(
+            f"{r['C']:>2} {r['prompt']:>7} {'same' if r['same_tokens'] else 'DIFFER':>7} "
+            f"{r['logits_rel_err']:>9.1e} {prefill} {r['decode_ms']:>9.1f} {r['ref_decode_ms']:>9.1f} "
+            f"{r['decode_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_floor_ms']:>9.2f} "
+            f"{r['decode_in_step_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_in_step_floor_ms']:>9.2f} "
+            f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}"
+        )
+    lines.append(
+        "floor: one process + one all-gather per layer timed back to back; in-step (it): one process's model "
+        "run on each rank with that all-gather after each attention layer, timed in turn with CP"
+    )
     lines.append("decode step (per token, from a profile of the slowest rank):")
     for r in rows:
-        lines.append(f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
-                     f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
-                     f"all-gather {r['allgather_ms']:.3f} ms")
+        lines.append(
+            f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
+            f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
+            f"all-gather {r['allgather_ms']:.3f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -298,14 +347,29 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for world_size in sorted({r["C"] for r in rows}):
         mine = [r for r in rows if r["C"] == world_size]
         left.plot([r["prompt"] for r in mine], [r["prefill_tok_s"] for r in mine], "-o", label=f"CP, C={world_size}")
-        line, = right.plot([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}")
-        right.plot([r["prompt"] for r in mine], [r["decode_in_step_floor_ms"] for r in mine], ":", color=line.get_color(),
-                   label=f"its floor (one process + all-gathers), C={world_size}")
+        (line,) = right.plot(
+            [r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}"
+        )
+        right.plot(
+            [r["prompt"] for r in mine],
+            [r["decode_in_step_floor_ms"] for r in mine],
+            ":",
+            color=line.get_color(),
+            label=f"its floor (one process + all-gathers), C={world_size}",
+        )
         at = crossover([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], [r["ref_decode_ms"] for r in mine])
         if at is not None:
             right.axvline(at, color=line.get_color(), linestyle="--", alpha=0.5)
-            right.annotate(f"CP pays from ~{at:,.0f}", (at, 0.02), xycoords=("data", "axes fraction"), fontsize=8,
-                           color=line.get_color(), rotation=90, ha="right", va="bottom")
+            right.annotate(
+                f"CP pays from ~{at:,.0f}",
+                (at, 0.02),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                color=line.get_color(),
+                rotation=90,
+                ha="right",
+                va="bottom",
+            )
     for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
@@ -346,11 +410,16 @@ def main(args: argparse.Namespace) -> int:
             pool.close()
     rows = _rows(args, reference, per_world)
     decoding = "compiled" if args.compile else "eager"
-    report(rows, f"{args.arch}, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
-                 f"{args.dtype}, {args.new} new tokens, decoding {decoding}; one process = 1 thread, each CP rank "
-                 "1 thread (gloo)", _table(rows), args.out,
-           args.plot and (lambda: plot(rows, args.plot, f"{args.arch} generate under CP ({args.dtype}, decoding "
-                                                        f"{decoding})")))
+    report(
+        rows,
+        f"{args.arch}, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+        f"{args.dtype}, {args.new} new tokens, decoding {decoding}; one process = 1 thread, each CP rank "
+        "1 thread (gloo)",
+        _table(rows),
+        args.out,
+        args.plot
+        and (lambda: plot(rows, args.plot, f"{args.arch} generate under CP ({args.dtype}, decoding {decoding})")),
+    )
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 

@@ -51,13 +51,16 @@ class SiteReport:
             text = self._header()
         if self.candidates:
             text += f"\n    candidates ({self.machine}):" + "".join(
-                f"\n      {'*' if e.schedule == self.schedule else ' '} {e.row()}" for e in self.candidates)
+                f"\n      {'*' if e.schedule == self.schedule else ' '} {e.row()}" for e in self.candidates
+            )
         return text
 
     def _header(self) -> str:
-        return (f"{self.source}\n    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
-                f"{'causal' if self.is_causal else 'non-causal'}\n"
-                f"    schedule: {self.schedule} over C={self.world_size} ({self.why})")
+        return (
+            f"{self.source}\n    {self.location}; q {self.q_shape} k/v {self.kv_shape} {self.dtype}, "
+            f"{'causal' if self.is_causal else 'non-causal'}\n"
+            f"    schedule: {self.schedule} over C={self.world_size} ({self.why})"
+        )
 
     def _allgather_text(self) -> str:
         c = self.world_size
@@ -140,17 +143,25 @@ def site_report(site, world_size: int) -> SiteReport:
         forward = world_size * kv_bytes + out_acc + lse
         backward = world_size * (kv_bytes + dkv_bytes) + _nbytes(q_shape, acc)
     return SiteReport(
-        source=site.source, location=site.location, schedule=site.decision.get("schedule", "?"),
-        why=site.decision.get("why", ""), is_causal=bool(site.decision.get("is_causal", site.args["is_causal"])),
-        q_shape=q_shape, kv_shape=k_shape, dtype=str(dtype).replace("torch.", ""), world_size=world_size,
-        forward_bytes_per_step=kv_bytes, backward_bytes_per_step=kv_bytes + dkv_bytes,
-        forward_memory_q_units=forward / q_bytes, backward_memory_q_units=backward / q_bytes,
-        candidates=list(site.decision.get("estimates", [])), machine=site.decision.get("machine"),
+        source=site.source,
+        location=site.location,
+        schedule=site.decision.get("schedule", "?"),
+        why=site.decision.get("why", ""),
+        is_causal=bool(site.decision.get("is_causal", site.args["is_causal"])),
+        q_shape=q_shape,
+        kv_shape=k_shape,
+        dtype=str(dtype).replace("torch.", ""),
+        world_size=world_size,
+        forward_bytes_per_step=kv_bytes,
+        backward_bytes_per_step=kv_bytes + dkv_bytes,
+        forward_memory_q_units=forward / q_bytes,
+        backward_memory_q_units=backward / q_bytes,
+        candidates=list(site.decision.get("estimates", [])),
+        machine=site.decision.get("machine"),
     )
 
 
-def explain(fn_or_module, *args, plan, inner: str = "aot_eager", backward: bool = False,
-            **kwargs) -> ExplainReport:
+def explain(fn_or_module, *args, plan, inner: str = "aot_eager", backward: bool = False, **kwargs) -> ExplainReport:
     """Compile ``fn_or_module`` with ``plan``'s backend, run it once, and report.
 
     Runs one forward (and, with ``backward=True``, a backward of the sum of the

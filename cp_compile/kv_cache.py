@@ -105,8 +105,9 @@ class Agreement:
         or stopped at different steps (the same answer on every rank)."""
         if self.world_size > 1 and self.per_query:
             first, *rest = sorted(self.per_query)
-            final = torch.cat([self.tokens.new_zeros(self.per_query[first], dtype=self.dtype),
-                               self.tag(self.dtype, _FINAL)])
+            final = torch.cat(
+                [self.tokens.new_zeros(self.per_query[first], dtype=self.dtype), self.tag(self.dtype, _FINAL)]
+            )
             tags = self._final(final)
             if bool((tags[:, 0] != _FINAL).any()):  # a rank is in its next step: join it to its own finish
                 for layer in rest:  # that step's other layers: their payloads carry no tag
@@ -168,8 +169,15 @@ class CacheShard:
             self.agreement.to(k.device)
         if not torch.compiler.is_compiling():
             # written in place by every step: at fixed addresses, a compiled step can be captured as a CUDA graph
-            for t in (self.keys, self.values, self.positions, self.seen, self._append_start, self._append_slot,
-                      *(() if self.agreement is None else (self.agreement.tokens, self.agreement.differs))):
+            for t in (
+                self.keys,
+                self.values,
+                self.positions,
+                self.seen,
+                self._append_start,
+                self._append_slot,
+                *(() if self.agreement is None else (self.agreement.tokens, self.agreement.differs)),
+            ):
                 torch._dynamo.mark_static_address(t)
 
     @property
@@ -190,7 +198,8 @@ class CacheShard:
             raise ValueError(
                 f"the sharded prefill stores keys {tuple(k.shape)} and values {tuple(v.shape)}, but this rank holds "
                 f"{positions.shape[0]} slots of the prompt: the model does not hand the cache [batch, heads, tokens, "
-                "dim] keys and values of its shard (a model with attention code of its own)")
+                "dim] keys and values of its shard (a model with attention code of its own)"
+            )
         positions = positions.to(self.positions.device)
         self.seen.fill_(tokens)
         self.host_seen = tokens
@@ -216,9 +225,9 @@ class CacheShard:
             return
         kept = ((positions != EMPTY_POSITION) & (positions >= first)).nonzero().flatten()
         slots = torch.zeros(most, dtype=torch.int64, device=k.device)
-        slots[:kept.numel()] = kept
+        slots[: kept.numel()] = kept
         held = torch.full((most,), EMPTY_POSITION, dtype=torch.int64, device=k.device)
-        held[:kept.numel()] = positions[kept]
+        held[: kept.numel()] = positions[kept]
         kv = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(2, slots)
         # keys, values and positions travel as bytes in one collective: no float dtype holds a position exactly
         payload = torch.cat([kv.flatten().view(torch.uint8), held.view(torch.uint8)])
@@ -229,8 +238,13 @@ class CacheShard:
         gathered_positions = everyone[:, kv_bytes:].contiguous().view(torch.int64).flatten()
         turn = gathered_positions - first
         mine = (gathered_positions != EMPTY_POSITION) & (turn % self.world_size == self._rank)
-        self._write(gathered[..., :k.shape[-1]], gathered[..., k.shape[-1]:], gathered_positions, mine,
-                    (turn // self.world_size) % self.ring)
+        self._write(
+            gathered[..., : k.shape[-1]],
+            gathered[..., k.shape[-1] :],
+            gathered_positions,
+            mine,
+            (turn // self.world_size) % self.ring,
+        )
 
     def append(self, k: Tensor, v: Tensor) -> Step:
         """Add the next ``L`` tokens (``[B, Hkv, L, D]``, the same on every rank); returns what their attention
@@ -244,8 +258,10 @@ class CacheShard:
         else:
             stored = self.stored()
             if stored + k.shape[2] > self.max_tokens:
-                raise ValueError(f"the cache holds {self.max_tokens} tokens; {stored} are stored and "
-                                 f"{k.shape[2]} more arrived (make the cache for the generation's max_length)")
+                raise ValueError(
+                    f"the cache holds {self.max_tokens} tokens; {stored} are stored and "
+                    f"{k.shape[2]} more arrived (make the cache for the generation's max_length)"
+                )
             self.host_seen = stored + k.shape[2]
         new = self.seen + torch.arange(k.shape[2], device=self.seen.device)
         turn = new - self._append_start
@@ -256,11 +272,20 @@ class CacheShard:
             return Step(self.keys, self.values, self.positions, new)
         # The ring is read before it is written: a step longer than the ring still sees its own early tokens
         # (each counted on its owner only), and only its last tokens, the ones a later query can see, are kept.
-        step = Step(torch.cat([self.keys, k.to(self.keys.dtype)], 2), torch.cat([self.values, v.to(self.values.dtype)], 2),
-                    torch.cat([self.positions, torch.where(mine, new, EMPTY_POSITION)]), new)
+        step = Step(
+            torch.cat([self.keys, k.to(self.keys.dtype)], 2),
+            torch.cat([self.values, v.to(self.values.dtype)], 2),
+            torch.cat([self.positions, torch.where(mine, new, EMPTY_POSITION)]),
+            new,
+        )
         last = slice(max(0, k.shape[2] - self.ring * self.world_size), None)
-        self._write(k[:, :, last], v[:, :, last], new[last], mine[last],
-                    self._append_slot + (turn[last] // self.world_size) % self.ring)
+        self._write(
+            k[:, :, last],
+            v[:, :, last],
+            new[last],
+            mine[last],
+            self._append_slot + (turn[last] // self.world_size) % self.ring,
+        )
         return step
 
     def stored(self) -> int:
@@ -282,8 +307,18 @@ class CacheShard:
         check = self.agreement
         tag = check.tag(acc_dtype(q.dtype)) if check is not None and self.index == 0 else None
         attention = torch.ops.cp.cached_attention if torch.compiler.is_compiling() else cached_attention
-        out, lse, tags = attention(q, step.keys, step.values, step.query_positions, step.key_positions,
-                                   self.group_name, left, scale, options, tag)
+        out, lse, tags = attention(
+            q,
+            step.keys,
+            step.values,
+            step.query_positions,
+            step.key_positions,
+            self.group_name,
+            left,
+            scale,
+            options,
+            tag,
+        )
         if check is not None:
             check.record(self.index, tags, payload_numel(q[:, :, :1], step.values))
         return out, lse

@@ -25,8 +25,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 class RankError(RuntimeError):
@@ -50,13 +51,23 @@ def _pin(rank: int, threads: int) -> None:
     core with a peer waits on the scheduler inside each collective (on 2 cores, a 256-token training
     step at C=2 took 33 ms unpinned and 25 ms pinned)."""
     cores = sorted(os.sched_getaffinity(0))
-    mine = cores[rank * threads:(rank + 1) * threads]
+    mine = cores[rank * threads : (rank + 1) * threads]
     if len(mine) == threads:
         os.sched_setaffinity(0, mine)
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int, pg_timeout: float,
-            env: dict[str, str], init_group: bool, pin: bool) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    tasks,
+    results,
+    threads: int,
+    pg_timeout: float,
+    env: dict[str, str],
+    init_group: bool,
+    pin: bool,
+) -> None:
     if pin and world_size * threads <= len(os.sched_getaffinity(0)):
         _pin(rank, threads)
     os.environ.update(env)
@@ -67,12 +78,21 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int,
     torch.set_num_threads(threads)
     if init_group:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=pg_timeout),
         )
     else:  # what torchrun sets for a script
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     import cp_compile  # noqa: F401  (register the ops once per worker)
 
     results.put(("ready", rank, True, None))
@@ -96,9 +116,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, threads: int,
 class RankPool:
     """``world_size`` local gloo ranks, reusable across calls."""
 
-    def __init__(self, world_size: int, threads_per_rank: int = 1, pg_timeout: float = 60.0,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None, init_group: bool = True,
-                 pin: bool = False):
+    def __init__(
+        self,
+        world_size: int,
+        threads_per_rank: int = 1,
+        pg_timeout: float = 60.0,
+        start_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        init_group: bool = True,
+        pin: bool = False,
+    ):
         self.world_size = world_size
         self.pin = pin  # each rank on cores of its own, where the machine has enough (benchmarks)
         self.init_group = init_group
@@ -117,8 +144,18 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads_per_rank,
-                      self.pg_timeout, self.env, self.init_group, self.pin),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self._tasks[r],
+                    self._results,
+                    self.threads_per_rank,
+                    self.pg_timeout,
+                    self.env,
+                    self.init_group,
+                    self.pin,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)
@@ -143,8 +180,8 @@ class RankPool:
                     done = sorted(set(values) | set(errors))
                     msg = f"{why}; ranks {done} had finished"
                     if errors:
-                        raise TimeoutError(f"{msg}. Errors so far:\n{RankError(errors)}")
-                    raise TimeoutError(msg)
+                        raise TimeoutError(f"{msg}. Errors so far:\n{RankError(errors)}") from None
+                    raise TimeoutError(msg) from None
                 continue
             if tid != task_id:
                 continue  # a late answer to a call that already failed
@@ -180,7 +217,7 @@ class RankPool:
                 p.join(timeout=10)
         self._procs = []
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -54,7 +54,7 @@ class PeakMemory:
         self.device = torch.device(device)
         self.peak_bytes = 0
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Union
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -13,14 +15,17 @@ from . import layout as _layout
 from .comm import group_name_of, mesh_groups
 from .torch_compat import resolve_process_group
 
+if TYPE_CHECKING:
+    from .layout.blockmask import BalancedLayout
+
 _ACTIVE: list = []  # (plan, its guard) for each ``with plan:`` entered, innermost last
 # what integrations keep in force while any plan is active: context-manager factories, entered by the
 # outermost ``with plan:`` (``while_active``)
-_WHILE_ACTIVE: list[Callable[[], ContextManager]] = []
+_WHILE_ACTIVE: list[Callable[[], AbstractContextManager]] = []
 _ACTIVE_STACK: list[contextlib.ExitStack] = []
 
 
-def while_active(factory: Callable[[], ContextManager]) -> Callable[[], ContextManager]:
+def while_active(factory: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
     """Registers ``factory``: the outermost ``with plan:`` enters ``factory()`` and leaves it at its exit.
 
     The extension point of integrations that must watch what runs inside a plan (``cp_compile.hf``
@@ -29,7 +34,7 @@ def while_active(factory: Callable[[], ContextManager]) -> Callable[[], ContextM
     return factory
 
 
-def active_plan() -> Optional["ContextParallel"]:
+def active_plan() -> Optional[ContextParallel]:
     """The innermost plan entered with ``with plan:`` (None outside every one).
 
     Integrations that call attention through a framework's dispatch (``cp_compile.hf``)
@@ -39,7 +44,7 @@ def active_plan() -> Optional["ContextParallel"]:
     return _ACTIVE[-1][0] if _ACTIVE else None
 
 
-def made_by(t) -> Optional[tuple["ContextParallel", str]]:
+def made_by(t) -> Optional[tuple[ContextParallel, str]]:
     """(plan, "shard" | "positions") when ``t``, or the tensor it is a view of, is what a plan's ``shard``
     or ``positions`` returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own).
     Integrations read it to tell a plan's shards from whole sequences."""
@@ -50,10 +55,10 @@ def made_by(t) -> Optional[tuple["ContextParallel", str]]:
     return None
 
 
-def _made(plan: "ContextParallel", t: Tensor, what: str) -> Tensor:
+def _made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
     if t._base is not None:  # a view: views of it would name its base, not it
         t = t.clone()
-    t._cp_compile_made_by = (plan, what)
+    setattr(t, "_cp_compile_made_by", (plan, what))  # noqa: B010  (an attribute Tensor does not declare)
     return t
 
 
@@ -85,15 +90,21 @@ class ContextParallel:
     measured now on this group (every rank must construct the plan).
     """
 
-    def __init__(self, group_or_mesh: Union[dist.ProcessGroup, "torch.distributed.DeviceMesh", None] = None,
-                 load_balance: str = "zigzag", schedule: str = "auto", machine=None, calibrate: bool = False):
+    def __init__(
+        self,
+        group_or_mesh: Union[dist.ProcessGroup, torch.distributed.DeviceMesh, None] = None,
+        load_balance: str = "zigzag",
+        schedule: str = "auto",
+        machine=None,
+        calibrate: bool = False,
+    ):
         from .passes.cost import check_schedule
 
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
         from torch.nn.attention.flex_attention import BlockMask
 
-        self.balanced = None
+        self.balanced: Optional[BalancedLayout] = None
         check_schedule(schedule)
         self.schedule = schedule
         self.mesh_groups: tuple = ()
@@ -127,7 +138,7 @@ class ContextParallel:
     def rank(self) -> int:
         return self.group.rank()
 
-    def __enter__(self) -> "ContextParallel":
+    def __enter__(self) -> ContextParallel:
         """``with plan:`` makes this the active plan (``cp_compile.active_plan()``), e.g. for a
         Hugging Face model using ``attn_implementation="cp_compile"`` (``cp_compile.hf``).
 
@@ -233,14 +244,19 @@ class ContextParallel:
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         self._documents = None
-        positions = (self._balanced_positions(seq_len, device) if self.balanced is not None
-                     else _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device))
+        positions = (
+            self._balanced_positions(seq_len, device)
+            if self.balanced is not None
+            else _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
+        )
         return _made(self, positions, "positions")
 
     def _balanced_positions(self, seq_len: int, device) -> Tensor:
-        if seq_len != self.balanced.perm.numel():
-            raise ValueError(f"the plan balances a {self.balanced.perm.numel()}-token mask; got {seq_len} tokens")
-        return self.balanced.positions(self.rank).to(device)
+        balanced = self.balanced
+        assert balanced is not None
+        if seq_len != balanced.perm.numel():
+            raise ValueError(f"the plan balances a {balanced.perm.numel()}-token mask; got {seq_len} tokens")
+        return balanced.positions(self.rank).to(device)
 
     def backend(self, inner: str = "inductor"):
         """A ``torch.compile`` backend that rewrites attention into CP schedules.
@@ -251,11 +267,30 @@ class ContextParallel:
 
         return CPBackend(self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False,
-                  scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
         from .eager import run_schedule, softmax_scale
 
         schedule = "ring" if self.schedule == "auto" else self.schedule
-        return run_schedule(schedule, q, k, v, [], (self.group_name, *self.mesh_groups), is_causal,
-                            self.load_balance, softmax_scale(q, scale), enable_gqa, "sdpa", "")[0]
+        return run_schedule(
+            schedule,
+            q,
+            k,
+            v,
+            [],
+            (self.group_name, *self.mesh_groups),
+            is_causal,
+            self.load_balance,
+            softmax_scale(q, scale),
+            enable_gqa,
+            "sdpa",
+            "",
+        )[0]

@@ -21,7 +21,8 @@ see ``passes/partition.py``).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -29,13 +30,18 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 aten = torch.ops.aten
 
 #: Ops saved by the default policy besides CP ops: the expensive ones.
-SAVED_BY_DEFAULT = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-})
+SAVED_BY_DEFAULT = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
 
 Policy = Callable[..., CheckpointPolicy]
 

@@ -21,8 +21,14 @@ TESTED_TORCH = ("2.13", "2.14")
 
 # c10d: a Python-side Work, registered on tensors, is what lets the functional
 # ``wait_tensor`` complete our own asynchronous transfers.
-from torch._C._distributed_c10d import PythonCallbackWork, _register_work as register_work  # noqa: E402
-from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group  # noqa: E402
+from torch._C._distributed_c10d import PythonCallbackWork  # noqa: E402, F401  (re-exported)
+from torch._C._distributed_c10d import _register_work as register_work  # noqa: E402, F401  (re-exported)
+from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+
+
+def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
+    """The process group registered under ``group_name`` (torch types the name as its own ``GroupName``)."""
+    return _resolve_process_group(group_name)  # type: ignore[arg-type]
 
 
 def missing(what: str) -> RuntimeError:
@@ -48,13 +54,22 @@ def preserve_node_ordering():
 @functools.cache
 def flex_index_helpers():
     """(TransformGetItemToIndex, _vmap_for_bhqkv): evaluating a mask_mod over index grids as flex does."""
-    return (_attribute("torch._dynamo._trace_wrapped_higher_order_op", "TransformGetItemToIndex"),
-            _attribute("torch.nn.attention.flex_attention", "_vmap_for_bhqkv"))
+    return (
+        _attribute("torch._dynamo._trace_wrapped_higher_order_op", "TransformGetItemToIndex"),
+        _attribute("torch.nn.attention.flex_attention", "_vmap_for_bhqkv"),
+    )
 
 
-_PARTITIONER_API = ("min_cut_rematerialization_partition", "default_partition", "is_sym_node", "is_opaque_node",
-                    "classify_nodes", "_extract_fwd_bwd_modules", "reordering_to_mimic_autograd_engine",
-                    "raise_getitems")
+_PARTITIONER_API = (
+    "min_cut_rematerialization_partition",
+    "default_partition",
+    "is_sym_node",
+    "is_opaque_node",
+    "classify_nodes",
+    "_extract_fwd_bwd_modules",
+    "reordering_to_mimic_autograd_engine",
+    "raise_getitems",
+)
 
 
 @functools.cache

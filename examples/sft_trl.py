@@ -40,8 +40,7 @@ def build_tokenizer():
     vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", *WORDS])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def build_dataset(n: int, seed: int):
@@ -63,9 +62,18 @@ def build_model(vocab_size: int):
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)  # the same weights in every process
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile")
 
@@ -88,13 +96,30 @@ def train(opts) -> None:
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
     config = SFTConfig(
-        output_dir=opts.output_dir, max_steps=opts.steps, per_device_train_batch_size=opts.batch,
-        gradient_accumulation_steps=opts.accum, learning_rate=opts.lr, optim=opts.optim,
-        lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=opts.save_steps,
-        report_to="none", packing=True, bf16=opts.bf16, max_length=opts.max_length, use_cpu=True, seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, torch_compile=opts.compile is not None,
-        torch_compile_backend=opts.compile, eval_strategy="steps" if opts.eval_steps else "no",
-        eval_steps=opts.eval_steps or None, per_device_eval_batch_size=opts.batch)
+        output_dir=opts.output_dir,
+        max_steps=opts.steps,
+        per_device_train_batch_size=opts.batch,
+        gradient_accumulation_steps=opts.accum,
+        learning_rate=opts.lr,
+        optim=opts.optim,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=opts.save_steps,
+        report_to="none",
+        packing=True,
+        bf16=opts.bf16,
+        max_length=opts.max_length,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        torch_compile=opts.compile is not None,
+        torch_compile_backend=opts.compile,
+        eval_strategy="steps" if opts.eval_steps else "no",
+        eval_steps=opts.eval_steps or None,
+        per_device_eval_batch_size=opts.batch,
+    )
     train_data, eval_data = build_dataset(400, seed=1), build_dataset(24, seed=2) if opts.eval_steps else None
     kwargs = dict(model=build_model(len(tokenizer)), args=config, processing_class=tokenizer, callbacks=[StopAt()])
     base = SFTTrainer
@@ -124,17 +149,48 @@ def train(opts) -> None:
         from torch._dynamo.utils import counters
 
         backend = getattr(trainer, "cp_backend", None)
-        Path(opts.out).write_text(json.dumps({
-            "history": trainer.state.log_history, "graph_breaks": sum(counters["graph_break"].values()),
-            "cp_graphs": len(backend.records) if backend is not None else None}))
+        Path(opts.out).write_text(
+            json.dumps(
+                {
+                    "history": trainer.state.log_history,
+                    "graph_breaks": sum(counters["graph_break"].values()),
+                    "cp_graphs": len(backend.records) if backend is not None else None,
+                }
+            )
+        )
 
 
 def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=()) -> list[dict]:
     """One training run in processes of its own; returns its log history."""
-    worker = [str(Path(__file__).resolve()), "--worker", "--cp", str(cp), "--out", str(out), "--output-dir",
-              str(output_dir), "--steps", str(opts.steps), "--batch", str(opts.batch), "--accum", str(opts.accum),
-              "--lr", str(opts.lr), "--optim", opts.optim, "--max-length", str(opts.max_length), "--save-steps",
-              str(opts.save_steps), "--eval-steps", str(opts.eval_steps), "--trainer", opts.trainer, *extra]
+    worker = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--cp",
+        str(cp),
+        "--out",
+        str(out),
+        "--output-dir",
+        str(output_dir),
+        "--steps",
+        str(opts.steps),
+        "--batch",
+        str(opts.batch),
+        "--accum",
+        str(opts.accum),
+        "--lr",
+        str(opts.lr),
+        "--optim",
+        opts.optim,
+        "--max-length",
+        str(opts.max_length),
+        "--save-steps",
+        str(opts.save_steps),
+        "--eval-steps",
+        str(opts.eval_steps),
+        "--trainer",
+        opts.trainer,
+        *extra,
+    ]
     if opts.bf16:
         worker.append("--bf16")
     if opts.compile:
@@ -142,12 +198,34 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
     if processes == 1:
         command = [sys.executable, *worker]
     elif opts.launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                   "--master-port", str(_free_port()), *worker]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(processes),
+            "--master-port",
+            str(_free_port()),
+            *worker,
+        ]
     else:  # --multi_gpu is accelerate's launcher of local processes (torch's elastic agent); on CPU too
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", str(_free_port()), *worker]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+            *worker,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     run = subprocess.run(command, env=env, capture_output=True, text=True)
     if run.returncode != 0:
@@ -200,8 +278,9 @@ def plot(path: str, curves: dict[str, dict[int, float]], title: str) -> None:
         steps = sorted(curve)
         top.plot(steps, [curve[s] for s in steps], style, label=name, linewidth=1.5)
         if name != "one process":
-            bottom.semilogy(steps, [max(abs(curve[s] - reference[s]) / abs(reference[s]), 1e-12) for s in steps],
-                            style, label=name)
+            bottom.semilogy(
+                steps, [max(abs(curve[s] - reference[s]) / abs(reference[s]), 1e-12) for s in steps], style, label=name
+            )
     top.set_ylabel("training loss (logged by the Trainer)")
     top.set_title(title)
     top.legend()
@@ -223,14 +302,26 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--optim", default="adamw_torch", help="adamw_torch or sgd")
     p.add_argument("--max-length", type=int, default=128, help="tokens per packed row")
-    p.add_argument("--compile", choices=("inductor", "aot_eager"), default=None,
-                   help="torch_compile=True with this torch_compile_backend (behind the plan's backend)")
-    p.add_argument("--trainer", choices=("sft", "trainer"), default="sft",
-                   help="TRL's SFTTrainer (packing=True), or transformers' Trainer with DataCollatorWithFlattening")
+    p.add_argument(
+        "--compile",
+        choices=("inductor", "aot_eager"),
+        default=None,
+        help="torch_compile=True with this torch_compile_backend (behind the plan's backend)",
+    )
+    p.add_argument(
+        "--trainer",
+        choices=("sft", "trainer"),
+        default="sft",
+        help="TRL's SFTTrainer (packing=True), or transformers' Trainer with DataCollatorWithFlattening",
+    )
     p.add_argument("--bf16", action="store_true", help="SFTConfig's default bf16 autocast (else fp32)")
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
-    p.add_argument("--resume-at", type=int, default=None, help="stop the CP run after this step and resume it "
-                   "(default: half way; 0: no resume)")
+    p.add_argument(
+        "--resume-at",
+        type=int,
+        default=None,
+        help="stop the CP run after this step and resume it (default: half way; 0: no resume)",
+    )
     p.add_argument("--stop-cp", type=int, default=None, help="CP degree of the stopped run (default: --cp)")
     p.add_argument("--resume-cp", type=int, default=1, help="CP degree of the resumed run")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every this many steps (0: never)")
@@ -264,17 +355,28 @@ def main() -> int:
     curves = {"one process": losses(reference), f"CP {where}": losses(cp)}
     if resume_at:
         stopped, stop_cp = work / "stopped", opts.stop_cp or opts.cp
-        launch(opts, processes=stop_cp * opts.dp, cp=stop_cp, out=work / "stopped.json", output_dir=stopped,
-               extra=("--stop-at", str(resume_at), "--save-steps", str(resume_at)))
+        launch(
+            opts,
+            processes=stop_cp * opts.dp,
+            cp=stop_cp,
+            out=work / "stopped.json",
+            output_dir=stopped,
+            extra=("--stop-at", str(resume_at), "--save-steps", str(resume_at)),
+        )
         resume_processes = opts.resume_cp * opts.dp
-        resumed = launch(opts, processes=resume_processes, cp=opts.resume_cp, out=work / "resumed.json",
-                         output_dir=stopped, extra=("--resume-from", str(stopped / f"checkpoint-{resume_at}")))
+        resumed = launch(
+            opts,
+            processes=resume_processes,
+            cp=opts.resume_cp,
+            out=work / "resumed.json",
+            output_dir=stopped,
+            extra=("--resume-from", str(stopped / f"checkpoint-{resume_at}")),
+        )
         after = {s: v for s, v in losses(resumed).items() if s > resume_at}
         ref_after = {s: v for s, v in losses(reference).items() if s > resume_at}
         change = f"C={stop_cp} stopped after step {resume_at}, resumed at C={opts.resume_cp}"
         worst = max(worst, compare(change, after, ref_after))
-        curves[change] = {
-            **{s: v for s, v in losses(resumed).items() if s <= resume_at}, **after}
+        curves[change] = {**{s: v for s, v in losses(resumed).items() if s <= resume_at}, **after}
     if opts.plot:
         title = "TRL SFTTrainer, packed" if opts.trainer == "sft" else "Trainer, DataCollatorWithFlattening"
         plot(opts.plot, curves, f"{title}, {where}: logged loss against one process")

@@ -81,8 +81,9 @@ def cp_varlen_metadata(varlen_meta, seq: int, device):
 
 
 def summed_loss(logits, labels, n_tokens):
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=-100) / n_tokens
+    return (
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=-100) / n_tokens
+    )
 
 
 def sync(device):
@@ -153,8 +154,11 @@ def cp_rank(args) -> dict:
         dist.all_reduce(total)
         losses.append(total.item())
         if rank0:
-            print(f"  CP step {step}: loss {losses[-1]:.6f}, {times[-1]:.2f} s"
-                  f"{' (compiles)' if compiled[-1] else ''}, {local_inputs.shape[1]} local slots per rank", flush=True)
+            print(
+                f"  CP step {step}: loss {losses[-1]:.6f}, {times[-1]:.2f} s"
+                f"{' (compiles)' if compiled[-1] else ''}, {local_inputs.shape[1]} local slots per rank",
+                flush=True,
+            )
     report = str(backend.explain()) if rank0 and args.explain else ""
     steady = [t for t, c in zip(times, compiled) if not c] or times
     return {"losses": losses, "times": times, "steady": steady, "peak": peak, "report": report}
@@ -179,8 +183,10 @@ def one_process(args, device: torch.device) -> dict:
         with PeakMemory(device) as mem:
             total = 0.0
             for dp_index in range(args.dp_shard):
-                inputs, labels, positions, meta = (t.to(device) if torch.is_tensor(t) else t
-                                                   for t in batch(step, dp_index, args.seq, model.config.vocab_size))
+                inputs, labels, positions, meta = (
+                    t.to(device) if torch.is_tensor(t) else t
+                    for t in batch(step, dp_index, args.seq, model.config.vocab_size)
+                )
                 meta = meta._replace(cu_seq_q=meta.cu_seq_q.to(device), cu_seq_k=meta.cu_seq_k.to(device))
                 loss = summed_loss(model(inputs, positions, meta), labels, n_tokens)
                 loss.backward()
@@ -196,15 +202,32 @@ def one_process(args, device: torch.device) -> dict:
     return {"losses": losses, "times": times, "peak": peak}
 
 
-def per_document_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                        enable_gqa=False, num_splits=None, return_aux=None, **unused):
+def per_document_varlen(
+    q,
+    k,
+    v,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    num_splits=None,
+    return_aux=None,
+    **unused,
+):
     """varlen_attn for one CPU process: each document on its own through SDPA."""
     bounds = cu_seq_q.tolist()
     outs = []
     for a, b in zip(bounds, bounds[1:]):
         tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(tq, tk, tv, is_causal=tuple(window_size) == (-1, 0), scale=scale,
-                                                   enable_gqa=enable_gqa)[0].transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                tq, tk, tv, is_causal=tuple(window_size) == (-1, 0), scale=scale, enable_gqa=enable_gqa
+            )[0].transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
@@ -215,19 +238,25 @@ def median_after_first(times: list[float]) -> float:
 def summary(args, cp: list[dict], single: dict | None) -> None:
     tokens = args.seq * args.dp_shard
     cp_time = statistics.median(max(r["steady"][i] for r in cp) for i in range(len(cp[0]["steady"])))
-    print(f"\nllama3 debugmodel ({args.layers} layers), {args.seq} tokens per sequence x dp_shard {args.dp_shard}, "
-          f"CP {args.cp}, {args.steps} steps (CP: median of the {len(cp[0]['steady'])} steps that compiled nothing; "
-          f"one process, eager: median after step 0)")
+    print(
+        f"\nllama3 debugmodel ({args.layers} layers), {args.seq} tokens per sequence x dp_shard {args.dp_shard}, "
+        f"CP {args.cp}, {args.steps} steps (CP: median of the {len(cp[0]['steady'])} steps that compiled nothing; "
+        f"one process, eager: median after step 0)"
+    )
     if single is not None:
         print("step  loss (FSDP2 + CP)  loss (one process)  diff")
         for i, (a, b) in enumerate(zip(cp[0]["losses"], single["losses"])):
             print(f"{i:4d}  {a:17.6f}  {b:18.6f}  {abs(a - b):.2e}")
-    print(f"FSDP2 + CP: {tokens / cp_time:9.0f} tokens/s ({cp_time:.2f} s per step); peak memory per rank "
-          + ", ".join(f"{r['peak'] / MiB:.0f} MiB" for r in cp))
+    print(
+        f"FSDP2 + CP: {tokens / cp_time:9.0f} tokens/s ({cp_time:.2f} s per step); peak memory per rank "
+        + ", ".join(f"{r['peak'] / MiB:.0f} MiB" for r in cp)
+    )
     if single is not None:
         one_time = median_after_first(single["times"])
-        print(f"one process: {tokens / one_time:8.0f} tokens/s ({one_time:.2f} s per step); peak memory "
-              f"{single['peak'] / MiB:.0f} MiB")
+        print(
+            f"one process: {tokens / one_time:8.0f} tokens/s ({one_time:.2f} s per step); peak memory "
+            f"{single['peak'] / MiB:.0f} MiB"
+        )
     if cp[0]["report"]:
         print("\n" + cp[0]["report"])
 
@@ -235,8 +264,9 @@ def summary(args, cp: list[dict], single: dict | None) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", type=int, default=2, help="context-parallel degree (local ranks when not under torchrun)")
-    p.add_argument("--dp-shard", type=int, default=1,
-                   help="data-parallel shard degree (FSDP2 shards over dp_shard x cp)")
+    p.add_argument(
+        "--dp-shard", type=int, default=1, help="data-parallel shard degree (FSDP2 shards over dp_shard x cp)"
+    )
     p.add_argument("--seq", type=int, default=512, help="tokens per packed sequence (try 8192)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--layers", type=int, default=2, help="debugmodel blocks (it has 6)")
@@ -266,8 +296,10 @@ def main() -> int:
         from cp_compile.launch import RankPool
 
         world = args.cp * args.dp_shard
-        print(f"training with FSDP2 + CP on {world} local ranks (gloo, CPU, {args.threads_per_rank} thread each)...",
-              flush=True)
+        print(
+            f"training with FSDP2 + CP on {world} local ranks (gloo, CPU, {args.threads_per_rank} thread each)...",
+            flush=True,
+        )
         with RankPool(world, threads_per_rank=args.threads_per_rank, pg_timeout=3600) as pool:
             rows = pool.run(cp_rank, args, timeout=24 * 3600)
         device = torch.device("cpu")

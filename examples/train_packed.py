@@ -33,11 +33,18 @@ def build_model(args, attn: str, device):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=args.tokens)
+        vocab_size=args.vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.tokens,
+    )
     torch.manual_seed(0)  # the same weights in every process
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn,
-                                                      dtype=DTYPES[args.dtype]).to(device)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=DTYPES[args.dtype]).to(
+        device
+    )
 
 
 def batches(args):
@@ -50,7 +57,7 @@ def batches(args):
     zipf = 1.0 / torch.arange(1, args.vocab + 1)
     for _ in range(args.steps):
         n = int(torch.randint(1, args.max_docs + 1, (1,), generator=g))
-        cuts = (torch.randperm(args.tokens - 1, generator=g)[:n - 1] + 1).sort().values
+        cuts = (torch.randperm(args.tokens - 1, generator=g)[: n - 1] + 1).sort().values
         cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([args.tokens])]).to(torch.int32)
         docs = []
         for length in cu.diff().tolist():
@@ -100,9 +107,16 @@ def cp_rank(args) -> dict:
 
     def step(local_ids, local_labels, positions, items, cu):
         with plan:
-            loss = compiled(local_ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
-                            cu_seq_lens_k=cu, labels=local_labels, shift_labels=local_labels,
-                            num_items_in_batch=items).loss
+            loss = compiled(
+                local_ids,
+                position_ids=positions,
+                use_cache=False,
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                labels=local_labels,
+                shift_labels=local_labels,
+                num_items_in_batch=items,
+            ).loss
         loss.backward()
         # the summed gradient is the one-process gradient: one all-reduce of every gradient at once (as DDP's
         # buckets do), since each collective costs a latency of its own
@@ -153,8 +167,9 @@ def reference(args, device) -> dict:
     losses, times, last = [], [], []
 
     def step(ids, positions, labels, items):
-        loss = model(ids, position_ids=positions, use_cache=False, labels=labels, shift_labels=labels,
-                     num_items_in_batch=items).loss
+        loss = model(
+            ids, position_ids=positions, use_cache=False, labels=labels, shift_labels=labels, num_items_in_batch=items
+        ).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -199,8 +214,12 @@ def main() -> int:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--inner", choices=("inductor", "aot_eager"), default="inductor",
-                   help="the compiler the CP backend hands the rewritten graphs to")
+    p.add_argument(
+        "--inner",
+        choices=("inductor", "aot_eager"),
+        default="inductor",
+        help="the compiler the CP backend hands the rewritten graphs to",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference per step (fp32)")
@@ -213,8 +232,7 @@ def main() -> int:
 
     from cp_compile.launch import RankPool
 
-    print(f"training with CP on {args.cp} local ranks ({args.device}, {args.inner}, {args.steps} steps)...",
-          flush=True)
+    print(f"training with CP on {args.cp} local ranks ({args.device}, {args.inner}, {args.steps} steps)...", flush=True)
     with RankPool(args.cp, threads_per_rank=args.threads_per_rank, pg_timeout=3600) as pool:
         cp = pool.run(cp_rank, args, timeout=24 * 3600)[0]
     print("training the same model on one process...", flush=True)
@@ -223,37 +241,56 @@ def main() -> int:
     ref = reference(args, device)
 
     compile_steps = [i for i, n in enumerate(cp["graphs"]) if n > (cp["graphs"][i - 1] if i else 0)]
-    steady = cp["times"][compile_steps[-1] + 1:] if compile_steps else cp["times"]
+    steady = cp["times"][compile_steps[-1] + 1 :] if compile_steps else cp["times"]
     diffs = [abs(a - b) / abs(b) for a, b in zip(cp["losses"], ref["losses"])]
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     params = sum(p.numel() for p in build_model(args, "sdpa", "cpu").parameters())
     took = ", ".join(f"{cp['times'][i]:.1f} s" for i in compile_steps)
-    print(f"\nCP backend compiled {cp['graphs'][-1]} graphs (at steps {compile_steps}; those steps took {took}); "
-          f"dynamo: {cp['unique_graphs'][-1]} unique graphs, {cp['breaks'][-1]} graph breaks")
-    print(f"CP ({args.cp} ranks, compiled): first step {cp['times'][0]:.2f} s, steady "
-          f"{statistics.median(steady or [float('nan')]) * 1e3:.1f} ms/step (median after the last compile)")
-    print(f"one process (eager): first step {ref['times'][0]:.2f} s, steady "
-          f"{statistics.median(ref['times'][1:] or ref['times']) * 1e3:.1f} ms/step")
+    print(
+        f"\nCP backend compiled {cp['graphs'][-1]} graphs (at steps {compile_steps}; those steps took {took}); "
+        f"dynamo: {cp['unique_graphs'][-1]} unique graphs, {cp['breaks'][-1]} graph breaks"
+    )
+    print(
+        f"CP ({args.cp} ranks, compiled): first step {cp['times'][0]:.2f} s, steady "
+        f"{statistics.median(steady or [float('nan')]) * 1e3:.1f} ms/step (median after the last compile)"
+    )
+    print(
+        f"one process (eager): first step {ref['times'][0]:.2f} s, steady "
+        f"{statistics.median(ref['times'][1:] or ref['times']) * 1e3:.1f} ms/step"
+    )
     from cp_compile.breakdown import format_breakdown
 
-    print(f"a step, from a profile of the last {BREAKDOWN_STEPS} steps run again: CP (rank 0) "
-          f"{format_breakdown(cp['costs'])}; one process {format_breakdown(ref['costs'])}")
-    print(f"loss (one process): step 0 {ref['losses'][0]:.4f}, last {ref['losses'][-1]:.4f}; largest relative "
-          f"difference {diffs[worst]:.2e} at step {worst} (CP {cp['losses'][worst]:.6f}, "
-          f"one process {ref['losses'][worst]:.6f})")
-    plot(args, f"Llama 2 layers x 64 ({params / 1e3:.0f}k params), C={args.cp}, {args.dtype}, {args.optimizer} "
-               f"lr {args.lr:g}, {args.tokens} tokens/step: max |cp - ref| / |ref| = {diffs[worst]:.1e}",
-         cp["losses"], ref["losses"], diffs)
+    print(
+        f"a step, from a profile of the last {BREAKDOWN_STEPS} steps run again: CP (rank 0) "
+        f"{format_breakdown(cp['costs'])}; one process {format_breakdown(ref['costs'])}"
+    )
+    print(
+        f"loss (one process): step 0 {ref['losses'][0]:.4f}, last {ref['losses'][-1]:.4f}; largest relative "
+        f"difference {diffs[worst]:.2e} at step {worst} (CP {cp['losses'][worst]:.6f}, "
+        f"one process {ref['losses'][worst]:.6f})"
+    )
+    plot(
+        args,
+        f"Llama 2 layers x 64 ({params / 1e3:.0f}k params), C={args.cp}, {args.dtype}, {args.optimizer} "
+        f"lr {args.lr:g}, {args.tokens} tokens/step: max |cp - ref| / |ref| = {diffs[worst]:.1e}",
+        cp["losses"],
+        ref["losses"],
+        diffs,
+    )
     print(f"plot: {args.plot}")
 
     failed = False
     if cp["graphs"][-1] > MAX_GRAPHS or cp["breaks"][-1]:
-        print(f"FAILED: the CP backend compiled {cp['graphs'][-1]} graphs (at steps {compile_steps}; at most "
-              f"{MAX_GRAPHS}), with {cp['breaks'][-1]} graph breaks")
+        print(
+            f"FAILED: the CP backend compiled {cp['graphs'][-1]} graphs (at steps {compile_steps}; at most "
+            f"{MAX_GRAPHS}), with {cp['breaks'][-1]} graph breaks"
+        )
         failed = True
     if diffs[worst] > args.tol:  # bf16 is reported, not checked: its rounding differs between the two runs
-        print(f"{'FAILED' if args.dtype == 'fp32' else 'bf16, not checked'}: step {worst}: relative loss "
-              f"difference {diffs[worst]:.2e} > --tol {args.tol:g}")
+        print(
+            f"{'FAILED' if args.dtype == 'fp32' else 'bf16, not checked'}: step {worst}: relative loss "
+            f"difference {diffs[worst]:.2e} > --tol {args.tol:g}"
+        )
         failed |= args.dtype == "fp32"
     return 1 if failed else 0
 

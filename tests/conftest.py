@@ -1,8 +1,30 @@
-"""Shared fixtures: a pool of gloo ranks per world size, alive for the whole session."""
+"""Shared fixtures (a pool of gloo ranks per world size, alive for the whole session) and the quick tier."""
 
 import pytest
 
 from cp_compile.launch import RankPool
+
+# ``pytest -m quick tests``, the loop while editing (under 2 minutes here): the kernels against dense fp64,
+# graph shapes on the fake group, the layer rule, the cost model, the layouts, every schedule and kind run
+# eagerly on gloo ranks at C = 1 to 4 against one device, and the all-gather schedule compiled. The whole
+# suite (compilation, models, integrations, docs) runs in CI.
+QUICK_MODULES = {
+    "test_block.py",
+    "test_graph.py",
+    "test_layers.py",
+    "test_cost.py",
+    "test_layout.py",
+    "test_kinds.py",
+    "test_ring.py",
+    "test_variants.py",
+    "test_allgather.py",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")

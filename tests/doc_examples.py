@@ -160,4 +160,3 @@ def pytest_sessionfinish(session):
     for pool in _pools.values():
         pool.close()
     _pools.clear()
-

@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import make_qkv, max_err, sdpa_with_grads
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from helpers import make_qkv, max_err, sdpa_with_grads
 
 # (B, Hq, Hkv, S per rank, D, causal, layout)
 CONFIGS = [
@@ -32,11 +31,13 @@ def run_allgather_configs():
             out = plan.attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)
             out.backward(plan.shard(do, 2))
         got = [out.detach()] + [t.grad for t in leaves]
-        results.append({
-            "errors": [max_err(g, plan.shard(r, 2)) for g, r in zip(got, reference)],
-            "nan": any(torch.isnan(g).any().item() for g in got),
-            "ring_shifts": traffic.shifts,
-        })
+        results.append(
+            {
+                "errors": [max_err(g, plan.shard(r, 2)) for g, r in zip(got, reference)],
+                "nan": any(torch.isnan(g).any().item() for g in got),
+                "ring_shifts": traffic.shifts,
+            }
+        )
     return results
 
 
@@ -61,8 +62,10 @@ def low_precision(dtype_name: str):
     out = plan.attention(*leaves, is_causal=True, enable_gqa=True)
     out.backward(plan.shard(do.to(dtype), 2))
     got = [out.detach()] + [t.grad for t in leaves]
-    return [(max_err(g, plan.shard(r, 2)), max_err(plan.shard(s, 2), plan.shard(r, 2)))
-            for g, s, r in zip(got, single, reference)]
+    return [
+        (max_err(g, plan.shard(r, 2)), max_err(plan.shard(s, 2), plan.shard(r, 2)))
+        for g, s, r in zip(got, single, reference)
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
@@ -83,8 +86,10 @@ def opcheck_allgather_ops():
     gathered = ("sdpa", -1, name, 1, True, "zigzag", 0.4, "")
     cases = [
         (torch.ops.cp.allgather_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
-        (torch.ops.cp.allgather_attention_backward.default,
-         (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", "")),
+        (
+            torch.ops.cp.allgather_attention_backward.default,
+            (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", ""),
+        ),
         (torch.ops.cp.attend.default, (q, k_all, v_all, [], *gathered)),
         (torch.ops.cp.attend_backward.default, (do, q, k_all, v_all, out, lse, lse.clone(), [], *gathered)),
     ]
@@ -113,8 +118,9 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
 
     def both(q, k, v, do):
         out, lse = torch.ops.cp.allgather_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")
-        grads = torch.ops.cp.allgather_attention_backward(do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25,
-                                                          "sdpa", "")
+        grads = torch.ops.cp.allgather_attention_backward(
+            do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25, "sdpa", ""
+        )
         return out, grads
 
     with FakeTensorMode():

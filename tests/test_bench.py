@@ -128,8 +128,9 @@ def test_host_time_per_step_reported_for_stubbed_variants(tiny_results):
 def test_samples_average_enough_steps(ranks):
     """A short step is timed over several back-to-back runs, the same number on every rank."""
     p = bench.Problem(1, 2, 32, 128, 2, True)
-    rows = ranks(2, bench.bench_rank, p, [bench.VARIANTS[bench.OURS], bench.VARIANTS[bench.SINGLE]], 2, "cpu",
-                 False, (), 1, 0.2)
+    rows = ranks(
+        2, bench.bench_rank, p, [bench.VARIANTS[bench.OURS], bench.VARIANTS[bench.SINGLE]], 2, "cpu", False, (), 1, 0.2
+    )
     counts = {r["variants"][bench.OURS]["steps_per_sample"] for r in rows}
     assert len(counts) == 1 and counts.pop() > 1
 
@@ -137,8 +138,19 @@ def test_samples_average_enough_steps(ranks):
 def test_virtual_ranks_decomposition(tmp_path):
     from cp_compile.bench import virtual
 
-    rows = virtual.run(torch.device("cpu"), world_sizes=(2, 3), seq_lens=(96,), causal=(True, False), batch=1,
-                     heads=2, head_dim=16, dtype="float32", repeats=2, out=tmp_path / "v.json", log=lambda s: None)
+    rows = virtual.run(
+        torch.device("cpu"),
+        world_sizes=(2, 3),
+        seq_lens=(96,),
+        causal=(True, False),
+        batch=1,
+        heads=2,
+        head_dim=16,
+        dtype="float32",
+        repeats=2,
+        out=tmp_path / "v.json",
+        log=lambda s: None,
+    )
     assert len(rows) == 4 and json.loads((tmp_path / "v.json").read_text())["configs"] == rows
     for row in rows:
         assert len(row["per_rank"]) == row["config"]["world_size"]
@@ -147,14 +159,14 @@ def test_virtual_ranks_decomposition(tmp_path):
     assert len(virtual.table(rows).splitlines()) == 2 + len(rows)
 
 
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_virtual_rank_computes_its_share(world_size, causal):
     """The kernels the decomposition times give each rank its exact output and dq (fp64)."""
+    from helpers import make_qkv, max_err, sdpa_with_grads
+
     from cp_compile import layout
     from cp_compile.bench import virtual
-    from helpers import make_qkv, max_err, sdpa_with_grads
 
     q, k, v, do = make_qkv(1, 4, 2, 12 * world_size, 8)
     reference = sdpa_with_grads(q, k, v, do, is_causal=causal)
@@ -175,10 +187,33 @@ def test_torchrun_driver_on_gloo(tmp_path):
 
     out = tmp_path / "r.json"
     # torchrun of this interpreter (python -m torch.distributed.run), whichever torch the suite runs on
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_compile", "bench",
-           "--tiny", "--no-trace", "--mask", "causal", "--variants", "ours eager", "--out", str(out)]
-    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path, check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "cp_compile",
+        "bench",
+        "--tiny",
+        "--no-trace",
+        "--mask",
+        "causal",
+        "--variants",
+        "ours eager",
+        "--out",
+        str(out),
+    ]
+    res = subprocess.run(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["device"] == "cpu"
@@ -203,6 +238,7 @@ def profiled_steps():
                 y = x @ x
                 for _ in range(2):
                     gather_dim0(y[:1], plan.group_name, plan.world_size)
+
         return steps
 
     return breakdown(prepare, 3)

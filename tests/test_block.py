@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from helpers import max_err
 
 import cp_compile  # noqa: F401  (registers torch.ops.cp)
 from cp_compile.kernels.block import MASK_KINDS
-
-from helpers import max_err
 
 
 def visible_mask(lq, lk, mask):
@@ -111,10 +110,12 @@ def test_merge_accumulates_in_fp32_for_bf16():
 
 def test_merge_gradients():
     g = torch.Generator().manual_seed(3)
-    args = [torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randn(1, 2, 3, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True),
-            torch.randn(1, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)]
+    args = [
+        torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(1, 2, 3, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True),
+        torch.randn(1, 2, 3, generator=g, dtype=torch.float64, requires_grad=True),
+    ]
     assert torch.autograd.gradcheck(lambda *a: torch.ops.cp.merge(*a), args)
 
 
@@ -157,8 +158,9 @@ def test_gathered_block_matches_dense_fp64(monkeypatch, one_call, layout, is_cau
         units, call = Units(rank, world_size, 1, GATHERED), Call("", is_causal, layout, scale, "")
         q_local = q[:, :, rows].contiguous()
         out, lse = sdpa.gathered_attn(q_local, k, v, units, call)
-        dq, dk, dv = sdpa.gathered_attn_backward(do[:, :, rows].contiguous(), q_local, k, v, out, lse, None,
-                                                 units, call)
+        dq, dk, dv = sdpa.gathered_attn_backward(
+            do[:, :, rows].contiguous(), q_local, k, v, out, lse, None, units, call
+        )
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         visible = visible_mask(seq, seq, "causal" if is_causal else "none")
         ref_out, ref_lse = dense_attention(*leaves, visible, scale)

@@ -11,7 +11,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cp_compile
 from cp_compile.passes.cost import (
-    ESTIMATORS, MACHINES, SCHEDULES, Machine, Workload, estimate_all, pick,
+    ESTIMATORS,
+    MACHINES,
+    SCHEDULES,
+    Machine,
+    Workload,
+    estimate_all,
+    pick,
 )
 from cp_compile.passes.expand import expand_cp_ops
 from cp_compile.passes.order import schedule_listing
@@ -83,8 +89,10 @@ def test_ulysses_graph_holds_no_rank(fake_group):
     gm = traced(forward, (1, 8, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
     (expansion,) = expand_cp_ops(gm.graph)
     # agree, q/k/v in (K/V heads replicated x2 at C=4), attention, out and lse back
-    assert schedule_listing(gm.graph) == ["agree"] + ["all_to_all", "wait"] * 3 + ["heads_attend"] + \
-        ["all_to_all", "wait"] * 2
+    assert (
+        schedule_listing(gm.graph)
+        == ["agree"] + ["all_to_all", "wait"] * 3 + ["heads_attend"] + ["all_to_all", "wait"] * 2
+    )
     for node in gm.graph.nodes:
         if node.target == torch.ops._c10d_functional.all_to_all_single.default:
             assert node.args[1] == node.args[2] == [1] * c and node.args[3] == name
@@ -116,8 +124,9 @@ def packed_choice(lengths, window, hq, hkv, c=8, machine="cuda"):
     local = packed_local_len(cu, c)
     facts = packed_facts(cu, local, c, window)
     shapes = [(local, h, 128) for h in (hq, hkv, hkv)]
-    schedule, why, estimates = choose_masked("varlen", *shapes, torch.bfloat16, c, facts, causal=window[1] == 0,
-                                             backward=True, machine=MACHINES[machine])
+    schedule, why, estimates = choose_masked(
+        "varlen", *shapes, torch.bfloat16, c, facts, causal=window[1] == 0, backward=True, machine=MACHINES[machine]
+    )
     return schedule, why, {e.schedule: e for e in estimates}
 
 
@@ -160,8 +169,9 @@ def test_masked_ring_pays_transfers_of_empty_steps():
         else:  # step i + 1's K/V travel during step i: step 3's find nothing to hide under (step 2 is empty)
             assert ring.compute_s == pytest.approx(2 * step)
             assert ring.exposed_comm_s == pytest.approx(transfer)
-            assert ring.notes == ["2 of 4 ring steps have no visible work on any rank: nothing to hide the next "
-                                  "transfer under"]
+            assert ring.notes == [
+                "2 of 4 ring steps have no visible work on any rank: nothing to hide the next transfer under"
+            ]
 
 
 def test_uniform_tiles_cost_like_the_sdpa_model():
@@ -176,8 +186,9 @@ def test_uniform_tiles_cost_like_the_sdpa_model():
         assert ESTIMATORS["ulysses"](uniform, m).time_s == pytest.approx(ESTIMATORS["ulysses"](w, m).time_s)
     # the hybrid's ring runs between groups: tiles averaged over each group's ranks
     hybrid = ESTIMATORS["hybrid"](replace(uniform, mesh=(2, 2)), MACHINES["cuda"])
-    assert hybrid.feasible and hybrid.time_s == pytest.approx(ESTIMATORS["hybrid"](replace(w, mesh=(2, 2)),
-                                                                                   MACHINES["cuda"]).time_s)
+    assert hybrid.feasible and hybrid.time_s == pytest.approx(
+        ESTIMATORS["hybrid"](replace(w, mesh=(2, 2)), MACHINES["cuda"]).time_s
+    )
 
 
 def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
@@ -243,8 +254,9 @@ def test_explain_shows_masked_estimates(fake_group):
 
     seq = 256
     doc = torch.arange(seq) // 48
-    block_mask = create_block_mask(masks.and_(masks.causal(), masks.document(doc)), None, None, seq, seq,
-                                   device="cpu", BLOCK_SIZE=16)
+    block_mask = create_block_mask(
+        masks.and_(masks.causal(), masks.document(doc)), None, None, seq, seq, device="cpu", BLOCK_SIZE=16
+    )
     local_mask = plan.shard(block_mask)
     qs = [plan.shard(torch.randn(1, 4, seq, 16), 2) for _ in range(3)]
     (site,) = capture_sites(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm), [*qs, local_mask], plan)

@@ -15,7 +15,6 @@ most twice that of single-device SDPA in the same dtype on the same device.
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import DTYPES, max_err
 
 NO_CUDA = "no CUDA device visible; the GPU tier runs with `pytest -m cuda` on a GPU machine"
@@ -98,7 +97,9 @@ def test_packed_tiles_on_device(device, dtype, window):
             keep = (behind <= window[0]) | (window[0] < 0)
             keep &= (-behind <= window[1]) | (window[1] < 0)
             doc = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-            outs.append(F.scaled_dot_product_attention(*doc, attn_mask=keep.to(q.device), enable_gqa=True)[0].transpose(0, 1))
+            outs.append(
+                F.scaled_dot_product_attention(*doc, attn_mask=keep.to(q.device), enable_gqa=True)[0].transpose(0, 1)
+            )
         out = torch.cat(outs)
         out.backward(do)
         return out.detach(), q.grad, k.grad, v.grad
@@ -183,8 +184,9 @@ def _shard_errors(plan, out, leaves, single, reference) -> dict:
 
 
 def schedule_on_device(device: str, schedule: str, compiled: bool, dtype_name: str = "bfloat16"):
-    import cp_compile
     from helpers import make_qkv, sdpa_with_grads
+
+    import cp_compile
 
     plan = cp_compile.ContextParallel(schedule=schedule)
     dtype = DTYPES[dtype_name]
@@ -196,8 +198,11 @@ def schedule_on_device(device: str, schedule: str, compiled: bool, dtype_name: s
     def attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    fn = torch.compile(attention, backend=plan.backend(), fullgraph=True) if compiled else (
-        lambda q, k, v: plan.attention(q, k, v, is_causal=True, enable_gqa=True))
+    fn = (
+        torch.compile(attention, backend=plan.backend(), fullgraph=True)
+        if compiled
+        else (lambda q, k, v: plan.attention(q, k, v, is_causal=True, enable_gqa=True))
+    )
     with cp_compile.count_traffic() as traffic:
         out = fn(*leaves)
         out.backward(plan.shard(do, 2).to(device, dtype))
@@ -219,9 +224,10 @@ def test_schedules_on_device(ranks, device, schedule, compiled):
 
 def flex_on_device(device: str, schedule: str, dtype_name: str = "bfloat16"):
     """The flex tile path (mask evaluated densely per tile) on the device: a causal mask_mod."""
-    import cp_compile
     from helpers import make_qkv, sdpa_with_grads
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
 
     plan = cp_compile.ContextParallel()
     dtype, chunk = DTYPES[dtype_name], 32

@@ -7,7 +7,6 @@ The Hugging Face and torchtitan integrations have the same check in their own te
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import max_err
 from test_varlen import per_document_reference
 
@@ -52,8 +51,12 @@ def packed_splits(inner: str, steps: int, window: tuple[int, int]):
         grads = [local[0].grad.detach()] + [t.grad for t in local[1:]]
         # q's reference gradient is the sin's input's gradient: chain through cos
         ref_grads = [ref[1] * q.cos(), ref[2], ref[3]]
-        errors.append(max([max_err(out, plan.shard(ref[0], 0, cu_seqlens=cu))] +
-                          [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(grads, ref_grads)]))
+        errors.append(
+            max(
+                [max_err(out, plan.shard(ref[0], 0, cu_seqlens=cu))]
+                + [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(grads, ref_grads)]
+            )
+        )
         graphs.append(len(backend.records))
         slots.append(out.shape[0])
     return graphs, errors, slots, sum(counters["graph_break"].values())
@@ -78,8 +81,9 @@ def causal_lengths(inner: str, lengths: list[int]):
     counters.clear()
     plan = cp_compile.ContextParallel()
     backend = plan.backend(inner)
-    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q.sin(), k, v, is_causal=True),
-                             backend=backend, fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v: F.scaled_dot_product_attention(q.sin(), k, v, is_causal=True), backend=backend, fullgraph=True
+    )
     gen = torch.Generator().manual_seed(6)
     graphs, errors = [], []
     for seq in lengths:
@@ -103,20 +107,21 @@ def test_causal_lengths_compile_at_most_twice(ranks, world_size):
 
 def flex_documents(inner: str, steps: int):
     """A FlexAttention document mask built anew every step (forward: CPU flex takes no grads under Dynamo)."""
+    from test_flex import reference
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import cp_compile
     from cp_compile import masks
-    from test_flex import reference
 
     torch._dynamo.reset()
     counters.clear()
     plan = cp_compile.ContextParallel()
     seq = 8 * plan.world_size
     backend = plan.backend(inner)
-    compiled = torch.compile(lambda q, k, v, bm: flex_attention(q.sin(), k, v, block_mask=bm, scale=0.3),
-                             backend=backend, fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v, bm: flex_attention(q.sin(), k, v, block_mask=bm, scale=0.3), backend=backend, fullgraph=True
+    )
     gen = torch.Generator().manual_seed(7)
     graphs, errors = [], []
     for _ in range(steps):

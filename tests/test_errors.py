@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import make_qkv
 
 FAST = 30.0  # seconds; the gloo timeout is 60 s, so a hang fails the test instead of passing late

@@ -15,8 +15,21 @@ def test_train_packed_example(tmp_path):
     """A few steps of random packings: the script itself fails on more than 2 compiles, a graph break or a
     step whose fp32 loss is more than 1e-4 (relative) from one process; it writes the plot."""
     plot = tmp_path / "curves.png"
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_packed.py"), "--steps", "8", "--inner",
-                          "aot_eager", "--plot", str(plot)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_packed.py"),
+            "--steps",
+            "8",
+            "--inner",
+            "aot_eager",
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "CP backend compiled" in run.stdout and "largest relative difference" in run.stdout
     assert plot.stat().st_size > 10_000
@@ -25,9 +38,36 @@ def test_train_packed_example(tmp_path):
 def test_generate_command(tmp_path):
     """``python -m cp_compile generate`` on a small model: it exits 1 if any token differs from one process."""
     out, plot = tmp_path / "rows.json", tmp_path / "generate.png"
-    run = subprocess.run([sys.executable, "-m", "cp_compile", "generate", "--arch", "qwen2", "-C", "2", "-P", "9,33",
-                          "--new", "8", "--hidden", "64", "--layers", "2", "--window", "8", "--out", str(out),
-                          "--plot", str(plot)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cp_compile",
+            "generate",
+            "--arch",
+            "qwen2",
+            "-C",
+            "2",
+            "-P",
+            "9,33",
+            "--new",
+            "8",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--window",
+            "8",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import json
 
@@ -40,9 +80,32 @@ def test_step_command(tmp_path):
     """``python -m cp_compile step`` at a small size: the loss is one process's, and the all-gather schedule makes
     3 collectives per layer (K and V together), one agreement per graph and one gradient all-reduce per step."""
     out = tmp_path / "step.json"
-    run = subprocess.run([sys.executable, "-m", "cp_compile", "step", "-L", "64", "--schedules", "allgather",
-                          "--inner", "aot_eager", "--steps", "2", "--warmup", "1", "--hidden", "64", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cp_compile",
+            "step",
+            "-L",
+            "64",
+            "--schedules",
+            "allgather",
+            "--inner",
+            "aot_eager",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--hidden",
+            "64",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import json
 
@@ -55,9 +118,32 @@ def test_step_command(tmp_path):
 def test_accuracy_command(tmp_path):
     """``python -m cp_compile accuracy`` at a small size: every schedule within the gates, JSON and PNG written."""
     out, plot = tmp_path / "accuracy.json", tmp_path / "accuracy.png"
-    run = subprocess.run([sys.executable, "-m", "cp_compile", "accuracy", "-C", "1,2", "-S", "96", "--heads", "4",
-                          "--kv-heads", "2", "--head-dim", "16", "--out", str(out), "--plot", str(plot)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cp_compile",
+            "accuracy",
+            "-C",
+            "1,2",
+            "-S",
+            "96",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import json
 

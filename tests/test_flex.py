@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import make_qkv, max_err
 
 CHUNK = 4  # tokens per zigzag chunk: S = 2 * C * CHUNK
@@ -17,7 +16,7 @@ def mask_case(name: str, seq: int, chunk: int = CHUNK):
         lengths, doc, i = [5, 3, 7, 1, 9], torch.empty(seq, dtype=torch.long), 0
         while i < seq:
             for d, n in enumerate(lengths * seq):
-                doc[i:i + n] = d
+                doc[i : i + n] = d
                 i += n
                 if i >= seq:
                     break
@@ -66,8 +65,9 @@ def reference(q, k, v, do, mask_mod, score_mod, scale):
 
 def run_flex_eager(case: str, schedule: str, chunk: int = CHUNK, hq: int = 2, hkv: int = 2):
     """On every rank: the eager op's out, lse and gradients against the dense single-device reference."""
-    import cp_compile
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
 
     plan = cp_compile.ContextParallel()
     seq = 2 * plan.world_size * chunk
@@ -80,8 +80,15 @@ def run_flex_eager(case: str, schedule: str, chunk: int = CHUNK, hq: int = 2, hk
         local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=chunk))
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
     with cp_compile.count_blocks() as blocks, cp_compile.count_traffic() as traffic:
-        out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=local_mask, scale=scale,
-                                             enable_gqa=hq != hkv, return_lse=True, schedule=schedule)
+        out, lse = cp_compile.flex_attention(
+            *leaves,
+            score_mod=score_mod,
+            block_mask=local_mask,
+            scale=scale,
+            enable_gqa=hq != hkv,
+            return_lse=True,
+            schedule=schedule,
+        )
         out.backward(plan.shard(do, 2))
     got = [out.detach(), lse] + [t.grad for t in leaves]
     return {
@@ -158,12 +165,19 @@ def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkp
     q, k, v, do = make_qkv(1, 4, 2, seq, 8, seed=plan.world_size)
     ref = reference(q, k, v, do, mask_mod, score_mod, 0.3)
     block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK)
-    single, single_lse = flex_attention(*(t.to(dtype) for t in (q, k, v)), score_mod=score_mod,
-                                        block_mask=block_mask, scale=0.3, enable_gqa=True, return_lse=True)
+    single, single_lse = flex_attention(
+        *(t.to(dtype) for t in (q, k, v)),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=0.3,
+        enable_gqa=True,
+        return_lse=True,
+    )
 
     def attend(q, k, v, bm):
-        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3, enable_gqa=True,
-                                  return_lse=True)
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3, enable_gqa=True, return_lse=True
+        )
         return out * 2, lse
 
     fn = (lambda *a: ckpt(attend, *a, use_reentrant=False)) if checkpoint else attend
@@ -187,8 +201,12 @@ def run_compiled_cases(cases):
 
 def test_compiled_fp64_aot_eager(ranks):
     """fp64 runs with inner="aot_eager": Inductor's CPU flex lowering takes fp32/fp16/bf16 only."""
-    cases = [("aot_eager", "document-causal"), ("aot_eager", "bias-score", "float64", True),
-             ("aot_eager", "window-small"), ("aot_eager", "prefix-lm")]
+    cases = [
+        ("aot_eager", "document-causal"),
+        ("aot_eager", "bias-score", "float64", True),
+        ("aot_eager", "window-small"),
+        ("aot_eager", "prefix-lm"),
+    ]
     for plain, checkpointed, *more in ranks(3, run_compiled_cases, cases, timeout=600):
         for result in (plain, checkpointed, *more):
             assert result["graph_breaks"] == 0
@@ -291,8 +309,9 @@ def test_schedule_choice_from_global_block_counts():
         facts = MaskFacts(rank_tiles(bm, perm, c), "test mask")
         for hq, hkv in ((12, 2), (8, 8)):
             shapes = [(1, h, 4096, 128) for h in (hq, hkv, hkv)]
-            chosen[name, hq, hkv] = choose_masked("flex", *shapes, torch.bfloat16, c, facts, causal=False,
-                                                  backward=True, machine=MACHINES["cuda"])[:2]
+            chosen[name, hq, hkv] = choose_masked(
+                "flex", *shapes, torch.bfloat16, c, facts, causal=False, backward=True, machine=MACHINES["cuda"]
+            )[:2]
     schedule, why = chosen["documents", 12, 2]
     assert schedule == "allgather" and "4 of 12 remote tiles" in why, why
     assert chosen["documents", 8, 8][0] == "ulysses"
@@ -352,13 +371,13 @@ def fake_group(request):
 def test_expanded_flex_schedules(fake_group):
     """Stage 2 traces the same schedules: the ring as in SDPA (also its backward, which CPU compile
     cannot reach), the all-gather as one gathered tile."""
+    from test_graph import expected_backward, expected_forward
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from cp_compile.kinds.flex import Mods, flex_options, register_mods
     from cp_compile.passes.expand import expand_cp_ops
     from cp_compile.passes.order import schedule_listing
-    from test_graph import expected_backward, expected_forward
 
     c, name = fake_group
     key = register_mods("test:none", Mods(None, None, 0))
@@ -371,6 +390,7 @@ def test_expanded_flex_schedules(fake_group):
         return schedule_listing(gm.graph)
 
     qkv = [(1, 2, 8, 4)] * 3
+
     def forward(schedule):
         op = getattr(torch.ops.cp, f"{schedule}_attention")
         return lambda q, k, v: op(q, k, v, [], *settings, True, *kind)[0]
@@ -378,6 +398,13 @@ def test_expanded_flex_schedules(fake_group):
     fwd = {s: traced(forward(s), *qkv) for s in ("ring", "allgather")}
     assert fwd["ring"] == expected_forward(c)
     assert fwd["allgather"] == ["agree", "gather", "wait", "gathered attend"]  # K and V gathered together, one tile
-    bwd = traced(lambda do, q, k, v, o, lse: torch.ops.cp.ring_attention_backward(
-        do, q, k, v, o, lse, None, [], *settings, *kind), *qkv, (1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8))
+    bwd = traced(
+        lambda do, q, k, v, o, lse: torch.ops.cp.ring_attention_backward(
+            do, q, k, v, o, lse, None, [], *settings, *kind
+        ),
+        *qkv,
+        (1, 2, 8, 4),
+        (1, 2, 8, 4),
+        (1, 2, 8),
+    )
     assert bwd == expected_backward(c, halves=False)  # a score_mod may read the head index: no split

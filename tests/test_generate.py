@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-
 from helpers import max_err
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -22,24 +21,28 @@ def cached_parity(window, dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(7)
     length, queries = 37, 5
-    q, k, v = (torch.randn(1, h, n, 16, generator=gen, dtype=torch.float64)
-               for h, n in ((4, queries), (2, length), (2, length)))
+    q, k, v = (
+        torch.randn(1, h, n, 16, generator=gen, dtype=torch.float64)
+        for h, n in ((4, queries), (2, length), (2, length))
+    )
     owner = torch.randint(0, world, (length,), generator=gen)  # any split, any slot order
     mine = (owner == rank).nonzero().flatten()
     mine = mine[torch.randperm(mine.numel(), generator=torch.Generator().manual_seed(rank))]
     slots = mine.numel() + 3  # three empty slots
     k_pos = torch.full((slots,), EMPTY_POSITION)
-    k_pos[:mine.numel()] = mine
-    local_k, local_v = torch.zeros(1, 2, slots, 16, dtype=torch.float64), torch.zeros(1, 2, slots, 16, dtype=torch.float64)
-    local_k[:, :, :mine.numel()], local_v[:, :, :mine.numel()] = k[:, :, mine], v[:, :, mine]
+    k_pos[: mine.numel()] = mine
+    local_k, local_v = (
+        torch.zeros(1, 2, slots, 16, dtype=torch.float64),
+        torch.zeros(1, 2, slots, 16, dtype=torch.float64),
+    )
+    local_k[:, :, : mine.numel()], local_v[:, :, : mine.numel()] = k[:, :, mine], v[:, :, mine]
     q_pos = torch.arange(length - queries, length)  # the last 5 tokens, each sees itself and what came before
 
     behind = q_pos[:, None] - torch.arange(length)[None]
     visible = (behind >= 0) & ((behind < window) if window else True)
     reference = sdpa(q, k, v, attn_mask=visible, enable_gqa=True)
     single = sdpa(*(t.to(dtype) for t in (q, k, v)), attn_mask=visible, enable_gqa=True)
-    out = cp_compile.cached_attention(q.to(dtype), local_k.to(dtype), local_v.to(dtype), q_pos, k_pos,
-                                      window=window)
+    out = cp_compile.cached_attention(q.to(dtype), local_k.to(dtype), local_v.to(dtype), q_pos, k_pos, window=window)
     everyone = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(everyone, out)
     return max_err(out, reference), max_err(single, reference), all(torch.equal(o, out) for o in everyone)
@@ -73,14 +76,14 @@ def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt
         shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
         start = prompt
         for n in (1, 3, 1):
-            step = shard.append(tokens[:, :, start:start + n], tokens[:, :, start:start + n])
+            step = shard.append(tokens[:, :, start : start + n], tokens[:, :, start : start + n])
             assert torch.equal(step.query_positions, torch.arange(start, start + n))
             start += n
-    held = [s.positions[:s.capacity][s.positions[:s.capacity] != EMPTY_POSITION] for s in shards]
+    held = [s.positions[: s.capacity][s.positions[: s.capacity] != EMPTY_POSITION] for s in shards]
     assert sorted(torch.cat(held).tolist()) == list(range(total))
     assert max(map(len, held)) - min(map(len, held)) <= 2
     for shard, positions in zip(shards, held):
-        stored = shard.keys[:, :, :shard.capacity][:, :, shard.positions[:shard.capacity] != EMPTY_POSITION]
+        stored = shard.keys[:, :, : shard.capacity][:, :, shard.positions[: shard.capacity] != EMPTY_POSITION]
         assert torch.equal(stored, tokens[:, :, positions])
         assert shard.capacity <= total // world_size + 3
     with pytest.raises(ValueError, match="holds"):
@@ -107,7 +110,7 @@ def window_shard_steps(window: int, prompt: int, steps: list):
     shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
     seen, start = [], prompt
     for n in steps:
-        new = tokens[:, :, start:start + n]
+        new = tokens[:, :, start : start + n]
         step = shard.append(new, new)
         assert torch.equal(step.query_positions, torch.arange(start, start + n))
         wanted = (step.key_positions > start - window) & (step.key_positions < start + n)
@@ -165,12 +168,17 @@ def hf_generate_parity(arch: str, prompts: list, new: int, sample: bool = False)
             out = cp_compile.hf.generate(model, _prompt(n), **kwargs)
         full = [i for i, layer in enumerate(ref.cache.layers) if not layer.is_sliding]
         sliding = [i for i, layer in enumerate(ref.cache.layers) if layer.is_sliding]
-        results.append(dict(prompt=n, same_tokens=torch.equal(out.sequences, ref.sequences),
-                            logits_err=rel_err(torch.stack(out.logits), torch.stack(ref.logits)),
-                            cache_bytes=sum(out.cache.layers[i].nbytes for i in full),
-                            one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full),
-                            window_bytes=sum(out.cache.layers[i].nbytes for i in sliding),
-                            one_process_window_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in sliding)))
+        results.append(
+            dict(
+                prompt=n,
+                same_tokens=torch.equal(out.sequences, ref.sequences),
+                logits_err=rel_err(torch.stack(out.logits), torch.stack(ref.logits)),
+                cache_bytes=sum(out.cache.layers[i].nbytes for i in full),
+                one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full),
+                window_bytes=sum(out.cache.layers[i].nbytes for i in sliding),
+                one_process_window_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in sliding),
+            )
+        )
     return results
 
 
@@ -216,15 +224,18 @@ def follow_up_and_plain_generate(arch: str):
 
     ref_cache = DynamicCache(config=reference.config)
     ref_first = reference.generate(first, max_new_tokens=8, do_sample=False, cache=ref_cache)
-    ref_second = reference.generate(torch.cat([ref_first, follow], 1), max_new_tokens=8, do_sample=False,
-                                    cache=ref_cache)
+    ref_second = reference.generate(
+        torch.cat([ref_first, follow], 1), max_new_tokens=8, do_sample=False, cache=ref_cache
+    )
     with plan:
         cache = cp_compile.hf.ShardedCache(model.config, max_cache_len=64)
         out_first = cp_compile.hf.generate(model, first, cache=cache, max_new_tokens=8, do_sample=False)
-        out_second = cp_compile.hf.generate(model, torch.cat([out_first, follow], 1), cache=cache,
-                                            max_new_tokens=8, do_sample=False)
-        plain = model.generate(first, cache=cp_compile.hf.ShardedCache(model.config, 64), max_new_tokens=8,
-                               do_sample=False)
+        out_second = cp_compile.hf.generate(
+            model, torch.cat([out_first, follow], 1), cache=cache, max_new_tokens=8, do_sample=False
+        )
+        plain = model.generate(
+            first, cache=cp_compile.hf.ShardedCache(model.config, 64), max_new_tokens=8, do_sample=False
+        )
     return torch.equal(out_second, ref_second), torch.equal(plain, ref_first)
 
 
@@ -258,8 +269,7 @@ def compiled_decode(arch: str, prompts: list, new: int):
     for n in prompts:
         ref = reference.generate(_prompt(n), max_new_tokens=new, do_sample=False)
         with plan:
-            out = cp_compile.hf.generate(model, _prompt(n), max_new_tokens=new, do_sample=False,
-                                         compile_config=config)
+            out = cp_compile.hf.generate(model, _prompt(n), max_new_tokens=new, do_sample=False, compile_config=config)
         same.append(torch.equal(out, ref))
         counts.append(len(graphs))
     return same, counts, [gm.code for gm in graphs]
@@ -314,20 +324,24 @@ def refusals():
     generate = lambda **kw: cp_compile.hf.generate(model, kw.pop("ids", ids), max_new_tokens=4, **kw)  # noqa: E731
     refused("outside a plan", generate)
     with plan:
-        for name, kwargs in [("num_beams", dict(num_beams=2)),
-                             ("num_return_sequences", dict(num_return_sequences=2, do_sample=True)),
-                             ("penalty_alpha", dict(penalty_alpha=0.6, top_k=4)),
-                             ("max_time", dict(max_time=10.0)),
-                             ("use_cache", dict(use_cache=False)),
-                             ("padding", dict(attention_mask=torch.tensor([[0] + [1] * 8]))),
-                             ("batch", dict(ids=ids.repeat(2, 1))),
-                             ("small cache", dict(cache=cp_compile.hf.ShardedCache(model.config, 10)))]:
+        for name, kwargs in [
+            ("num_beams", dict(num_beams=2)),
+            ("num_return_sequences", dict(num_return_sequences=2, do_sample=True)),
+            ("penalty_alpha", dict(penalty_alpha=0.6, top_k=4)),
+            ("max_time", dict(max_time=10.0)),
+            ("use_cache", dict(use_cache=False)),
+            ("padding", dict(attention_mask=torch.tensor([[0] + [1] * 8]))),
+            ("batch", dict(ids=ids.repeat(2, 1))),
+            ("small cache", dict(cache=cp_compile.hf.ShardedCache(model.config, 10))),
+        ]:
             refused(name, lambda: generate(**kwargs))
         refused("model.generate", lambda: model.generate(ids, max_new_tokens=4))  # the prompt would not be sharded
         refused("other prompts", lambda: generate(ids=_prompt(9) + dist.get_rank()))
         torch.manual_seed(dist.get_rank())  # sampling seeded differently on each rank
-        refused("other seeds", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=32, do_sample=True,
-                                                              temperature=5.0))
+        refused(
+            "other seeds",
+            lambda: cp_compile.hf.generate(model, ids, max_new_tokens=32, do_sample=True, temperature=5.0),
+        )
         # the same tokens, but rank 0 stops after 3 of them: the others are in their next step's collectives
         stop = StopAt(3 if dist.get_rank() == 0 else 100)
         refused("other stops", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=8, stopping_criteria=[stop]))
@@ -346,11 +360,19 @@ def refusals():
 
 def test_what_generation_under_cp_refuses(ranks):
     expected = {
-        "outside a plan": "inside `with plan:`", "num_beams": "beam search", "num_return_sequences": "several sequences",
-        "penalty_alpha": "contrastive search", "max_time": "wall-clock", "use_cache": "use_cache=False",
-        "padding": "padded prompt", "batch": "batch of prompts", "small cache": "max_cache_len=13",
-        "model.generate": r"cp_compile.hf.generate", "other prompts": "different prompts",
-        "other seeds": "different tokens", "other stops": "stopped at different steps",
+        "outside a plan": "inside `with plan:`",
+        "num_beams": "beam search",
+        "num_return_sequences": "several sequences",
+        "penalty_alpha": "contrastive search",
+        "max_time": "wall-clock",
+        "use_cache": "use_cache=False",
+        "padding": "padded prompt",
+        "batch": "batch of prompts",
+        "small cache": "max_cache_len=13",
+        "model.generate": r"cp_compile.hf.generate",
+        "other prompts": "different prompts",
+        "other seeds": "different tokens",
+        "other stops": "stopped at different steps",
         "own attention": "layers [1] of the ShardedCache",
     }
     per_rank = ranks(2, refusals, timeout=300)
@@ -372,11 +394,13 @@ def opcheck_cached():
     k_pos, q_pos = torch.tensor([0, 4, 2, 2**62, 1]), torch.tensor([4, 5, 6])
     for v_dim, options in [(8, cached_options()), (6, cached_options(chunk=4)), (8, cached_options(softcap=2.0))]:
         v = torch.randn(1, 2, 5, v_dim)
-        torch.library.opcheck(torch.ops.cp.cached_attention.default,
-                              (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3, options))
+        torch.library.opcheck(
+            torch.ops.cp.cached_attention.default, (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3, options)
+        )
     tag = torch.tensor([0.0, float(plan.rank)])  # a tag rides along: every rank's comes back, in rank order
-    torch.library.opcheck(torch.ops.cp.cached_attention.default,
-                          (q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag))
+    torch.library.opcheck(
+        torch.ops.cp.cached_attention.default, (q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag)
+    )
     tags = torch.ops.cp.cached_attention(q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag)[2]
     assert torch.equal(tags, torch.tensor([[0.0, 0.0], [0.0, 1.0]])), tags
     return True
@@ -403,8 +427,8 @@ def test_a_query_that_sees_nothing_gets_zeros(ranks):
 def decode_step_syncs():
     """Device reads (``.item()``, ``int()``, ``bool()`` of a tensor) in eager decode steps of a model over a
     ShardedCache, full and sliding-window layers: each would stall a GPU step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from test_hf import tiny_model
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     import cp_compile
     import cp_compile.hf

@@ -41,7 +41,7 @@ def expected_backward(c, halves=True):
             listing += next_kv + step + dkv_arrives
         else:
             listing += step + dkv_arrives + next_kv + step
-        listing += ["shift"] if c > 1 else []         # ... and leaves with this step's share
+        listing += ["shift"] if c > 1 else []  # ... and leaves with this step's share
         listing += ["wait"] * 4 if i < c - 1 else []  # next K/V
     return listing + (["wait"] * 4 if c > 1 else [])  # own dK/dV home
 
@@ -55,8 +55,12 @@ def traced(fn, *shapes):
 @pytest.mark.parametrize("fake_group", [1, 2, 3, 4], indirect=True)
 def test_forward_expands_to_overlapped_ring(fake_group):
     c, name = fake_group
-    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")[0],
-                (1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+    gm = traced(
+        lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, True, "sdpa", "")[0],
+        (1, 4, 8, 16),
+        (1, 2, 8, 16),
+        (1, 2, 8, 16),
+    )
     (expansion,) = expand_cp_ops(gm.graph)
     gm.recompile()
     assert expansion.count(torch.ops.cp.ring_shift.default) == c - 1
@@ -74,8 +78,9 @@ def test_backward_expands_with_travelling_dkv(fake_group):
     c, name = fake_group
 
     def backward(do, q, k, v, out, lse):
-        return torch.ops.cp.ring_attention_backward(do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25, "sdpa",
-                                                   "")
+        return torch.ops.cp.ring_attention_backward(
+            do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.25, "sdpa", ""
+        )
 
     shapes = [(1, 4, 8, 16), (1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), (1, 4, 8, 16), (1, 4, 8)]
     gm = traced(backward, *shapes)
@@ -96,8 +101,12 @@ def test_backward_expands_with_travelling_dkv(fake_group):
 @pytest.mark.parametrize("fake_group", [2], indirect=True)
 def test_expanded_graph_holds_no_rank(fake_group):
     _, name = fake_group
-    gm = traced(lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, False, "sdpa", "")[0],
-                (1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+    gm = traced(
+        lambda q, k, v: torch.ops.cp.ring_attention(q, k, v, [], name, True, "zigzag", 0.25, False, "sdpa", "")[0],
+        (1, 2, 8, 16),
+        (1, 2, 8, 16),
+        (1, 2, 8, 16),
+    )
     expand_cp_ops(gm.graph)
     gm.recompile()
     # constants in the code: the group name, steps, shift, tags, options; no peer rank

@@ -15,8 +15,15 @@ def tiny_model(arch: str, attn: str):
     """A 2-layer, hidden-64 model with random weights (seeded; the same on every rank)."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if arch == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "mistral":  # every layer a sliding window of 8 tokens
@@ -42,8 +49,9 @@ def batch(lengths):
 
 
 def loss_of(logits, labels):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                             reduction="sum")
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def rel_err(a, b) -> float:
@@ -107,29 +115,40 @@ def hf_parity(arch: str, runs: list):
         total = loss.detach().clone()
         dist.all_reduce(total)
         grad_err = 0.0
-        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        for p, ref in zip(model.parameters(), reference.parameters()):
             summed = p.grad.clone()
             dist.all_reduce(summed)
             grad_err = max(grad_err, rel_err(summed, ref.grad))
-        results.append({
-            "run": (mode, lengths, packing_kwargs),
-            "logits": rel_err(logits[0, real], shard(ref_logits.detach())[0, real]),
-            "loss": abs(total.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "grads": grad_err,
-        })
+        results.append(
+            {
+                "run": (mode, lengths, packing_kwargs),
+                "logits": rel_err(logits[0, real], shard(ref_logits.detach())[0, real]),
+                "loss": abs(total.item() - ref_loss.item()) / abs(ref_loss.item()),
+                "grads": grad_err,
+            }
+        )
     sites = [(s.kind, s.decision.get("window")) for b in backends for r in b.records for s in r.sites]
     return results, sum(counters["graph_break"].values()), sites, [len(b.records) for b in backends]
 
 
 EAGER = [("eager", None, False), ("eager", LENGTHS, False)]
-COMPILED = [("aot_eager", None, False), ("aot_eager", LENGTHS, False), ("aot_eager", OTHER, False),
-            ("aot_eager", LENGTHS, True)]
+COMPILED = [
+    ("aot_eager", None, False),
+    ("aot_eager", LENGTHS, False),
+    ("aot_eager", OTHER, False),
+    ("aot_eager", LENGTHS, True),
+]
 INDUCTOR = [("inductor", None, False), ("inductor", LENGTHS, False)]
 
 
-@pytest.mark.parametrize("arch,world_size,runs", [
-    ("llama", 2, EAGER + COMPILED + INDUCTOR), ("qwen2", 2, EAGER + COMPILED[:2]), ("qwen2", 3, EAGER + COMPILED),
-])
+@pytest.mark.parametrize(
+    "arch,world_size,runs",
+    [
+        ("llama", 2, EAGER + COMPILED + INDUCTOR),
+        ("qwen2", 2, EAGER + COMPILED[:2]),
+        ("qwen2", 3, EAGER + COMPILED),
+    ],
+)
 def test_model_matches_sdpa_on_one_process(ranks, arch, world_size, runs):
     for results, breaks, sites, _ in ranks(world_size, hf_parity, arch, runs, timeout=600):
         assert breaks == 0  # fullgraph=True, and no break in a recompile either
@@ -160,9 +179,13 @@ def test_no_plan_behaves_like_sdpa(arch):
         assert all(torch.equal(a, b) for a, b in zip(*grads)), (lengths, compiled)
 
 
-@pytest.mark.parametrize("arch,world_size,mode,packing_kwargs", [
-    ("llama", 2, "inductor", True), ("qwen2", 3, "aot_eager", False),
-])
+@pytest.mark.parametrize(
+    "arch,world_size,mode,packing_kwargs",
+    [
+        ("llama", 2, "inductor", True),
+        ("qwen2", 3, "aot_eager", False),
+    ],
+)
 def test_random_splits_compile_at_most_twice(ranks, arch, world_size, mode, packing_kwargs):
     """100 random packings of the same budget through one compiled model: at most two graphs (the first
     split's, then a dynamic one), every step's logits, loss and gradients as one process's. The documents
@@ -189,7 +212,7 @@ def _unsupported_cause(error):
 
 @pytest.mark.parametrize("attn,in_plan", [("sdpa", True), ("cp_compile", False)])
 def test_mask_from_hf_under_cp_backend_names_the_fix(fake_plan, attn, in_plan):
-    """"sdpa" (or "cp_compile" outside ``with plan:``) gives SDPA the mask HF builds from the local positions."""
+    """ "sdpa" (or "cp_compile" outside ``with plan:``) gives SDPA the mask HF builds from the local positions."""
     import contextlib
 
     import cp_compile.hf  # noqa: F401
@@ -199,7 +222,7 @@ def test_mask_from_hf_under_cp_backend_names_the_fix(fake_plan, attn, in_plan):
     model = tiny_model("llama", attn)
     ids, _, _, _ = batch(None)
     compiled = torch.compile(model, backend=plan.backend("aot_eager"), fullgraph=True)
-    with pytest.raises(Exception) as info, (plan if in_plan else contextlib.nullcontext()):
+    with pytest.raises(Exception) as info, plan if in_plan else contextlib.nullcontext():
         compiled(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
     cause = _unsupported_cause(info.value)
     assert cause is not None, info.value

@@ -20,18 +20,48 @@ VOCAB, SEQ, PROMPT, NEW = 128, 72, 37, 12  # SEQ splits into 2C chunks for C = 2
 LENGTHS = [21, 5, 38, 8]  # packed documents, none a multiple of 2C, one longer than two chunks of 16
 TOL = 1e-4  # relative to the reference's largest magnitude (over the whole model for gradients), fp32
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    attention_dropout=0.0,
+)
 FAMILIES = {
-    "llama4_text": dict(attention_chunk_size=16, layer_types=["chunked_attention", "full_attention"], head_dim=16,
-                        intermediate_size_mlp=128, num_local_experts=2, attn_temperature_tuning=False),
+    "llama4_text": dict(
+        attention_chunk_size=16,
+        layer_types=["chunked_attention", "full_attention"],
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=2,
+        attn_temperature_tuning=False,
+    ),
     "phimoe": dict(sliding_window=16, num_local_experts=2),
     "gemma2": dict(sliding_window=16, head_dim=16, attn_logit_softcapping=5.0, query_pre_attn_scalar=16),
-    "gpt_oss": dict(sliding_window=16, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
-                    layer_types=["sliding_attention", "full_attention"]),
-    "deepseek_v3": dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                        kv_lora_rank=16, q_lora_rank=None, n_routed_experts=2, num_experts_per_tok=1,
-                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "gpt_oss": dict(
+        sliding_window=16,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 NO_SDPA = ("gemma2", "gpt_oss")  # transformers refuses "sdpa" for them: the reference runs "eager"
 
@@ -194,9 +224,17 @@ def refusal(family: str, overrides: dict, phase: str) -> str:
     return "no error"
 
 
-HYBRID = dict(head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-              linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-              layer_types=["linear_attention", "full_attention"])
+HYBRID = dict(
+    head_dim=16,
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    num_experts=2,
+    num_experts_per_tok=1,
+    moe_intermediate_size=32,
+    layer_types=["linear_attention", "full_attention"],
+)
 
 
 @pytest.mark.parametrize("phase", ["train", "generate"])
@@ -219,10 +257,11 @@ def test_temperature_tuning_on_positions_of_the_shard_is_refused(ranks):
 
 def mask_refusals() -> list:
     """The mask function under a plan: what it reads, and what it refuses."""
-    import cp_compile
-    import cp_compile.hf
     from transformers import LlamaConfig
     from transformers import masking_utils as mu
+
+    import cp_compile
+    import cp_compile.hf
 
     plan = cp_compile.ContextParallel()
     config = LlamaConfig(**COMMON)
@@ -233,12 +272,18 @@ def mask_refusals() -> list:
 
     zeros = torch.zeros(1, dtype=torch.long)
     with plan:
-        specs = [call(mu.causal_mask_function), call(mu.sliding_window_causal_mask_function(7)),
-                 call(mu.chunked_causal_mask_function(8, zeros)),
-                 call(mu.and_masks(mu.chunked_causal_mask_function(8, zeros), mu.sliding_window_overlay(5)))]
+        specs = [
+            call(mu.causal_mask_function),
+            call(mu.sliding_window_causal_mask_function(7)),
+            call(mu.chunked_causal_mask_function(8, zeros)),
+            call(mu.and_masks(mu.chunked_causal_mask_function(8, zeros), mu.sliding_window_overlay(5))),
+        ]
         messages = []
-        for fn in (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv == 0),
-                   lambda b, h, q, kv: kv <= q, mu.sliding_window_bidirectional_mask_function(4)):
+        for fn in (
+            mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv == 0),
+            lambda b, h, q, kv: kv <= q,
+            mu.sliding_window_bidirectional_mask_function(4),
+        ):
             try:
                 call(fn)
                 messages.append("no error")
@@ -269,8 +314,11 @@ def explained() -> str:
     model = tiny("gemma2", "cp_compile")
     ids = torch.randint(0, VOCAB, (1, SEQ))
     with plan:
-        return str(cp_compile.explain(model, plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None],
-                                      use_cache=False, plan=plan))
+        return str(
+            cp_compile.explain(
+                model, plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False, plan=plan
+            )
+        )
 
 
 def test_explain_lists_the_ops_a_model_calls_itself(ranks):

@@ -17,14 +17,27 @@ VOCAB, SEQ = 128, 64
 def llama(attn: str = "cp_compile"):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
-ROUTES = ["no positions", "local positions", "labels", "shift_labels without count", "outside the plan",
-          "positions outside the plan"]
+ROUTES = [
+    "no positions",
+    "local positions",
+    "labels",
+    "shift_labels without count",
+    "outside the plan",
+    "positions outside the plan",
+]
 
 
 def route(name: str, mode: str, load_balance: str = "zigzag") -> str:
@@ -42,16 +55,25 @@ def route(name: str, mode: str, load_balance: str = "zigzag") -> str:
     labels = plan.shard(torch.roll(ids, -1, 1), 1)
     calls = {
         "no positions": lambda: model(local, use_cache=False),
-        "local positions": lambda: model(local, position_ids=torch.arange(SEQ // plan.world_size)[None],
-                                         use_cache=False),
+        "local positions": lambda: model(
+            local, position_ids=torch.arange(SEQ // plan.world_size)[None], use_cache=False
+        ),
         "labels": lambda: model(local, position_ids=positions, labels=labels, use_cache=False),
-        "shift_labels without count": lambda: model(local, position_ids=positions, labels=labels,
-                                                    shift_labels=labels, use_cache=False),
+        "shift_labels without count": lambda: model(
+            local, position_ids=positions, labels=labels, shift_labels=labels, use_cache=False
+        ),
         "outside the plan": lambda: model(local, position_ids=positions, use_cache=False),
-        "positions outside the plan": lambda: model(ids[:, : SEQ // plan.world_size], position_ids=positions,
-                                                    use_cache=False),
-        "right": lambda: model(local, position_ids=positions, labels=labels, shift_labels=labels,
-                               num_items_in_batch=torch.tensor(SEQ), use_cache=False),
+        "positions outside the plan": lambda: model(
+            ids[:, : SEQ // plan.world_size], position_ids=positions, use_cache=False
+        ),
+        "right": lambda: model(
+            local,
+            position_ids=positions,
+            labels=labels,
+            shift_labels=labels,
+            num_items_in_batch=torch.tensor(SEQ),
+            use_cache=False,
+        ),
     }
     try:
         if name.endswith("outside the plan"):
@@ -90,7 +112,10 @@ def test_each_trap_raises_on_every_rank(ranks, mode):
 
 def test_local_positions_under_the_contiguous_layout(ranks):
     """Rank 0's own positions are right there: the ranks agree first, and every rank raises."""
-    for load_balance, expected in (("contiguous", EXPECTED["local positions"]), ("zigzag", EXPECTED["local positions"])):
+    for load_balance, expected in (
+        ("contiguous", EXPECTED["local positions"]),
+        ("zigzag", EXPECTED["local positions"]),
+    ):
         messages = ranks(2, route, "local positions", "eager", load_balance)
         assert all(expected in m for m in messages), (load_balance, messages)
     assert ranks(2, route, "right", "eager", "contiguous") == ["no error", "no error"]

@@ -9,7 +9,6 @@ replicated where they do not (C = 3). The hybrid meshes are (1, 1), (1, 2),
 """
 
 import pytest
-
 from helpers import make_qkv, max_err, sdpa_with_grads
 from test_flex import mask_case
 from test_flex import reference as flex_reference
@@ -46,8 +45,9 @@ def run_sdpa(plan, schedule, group):
 
 
 def run_flex(plan, schedule, group):
-    import cp_compile
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
 
     seq = 2 * plan.world_size * CHUNK
     mask_mod, _ = mask_case("document-causal", seq, CHUNK)
@@ -55,8 +55,9 @@ def run_flex(plan, schedule, group):
     out_ref, _, *grads_ref = flex_reference(q, k, v, do, mask_mod, None, 0.3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    out = cp_compile.flex_attention(*leaves, block_mask=block_mask, scale=0.3, enable_gqa=True, group=group,
-                                    schedule=schedule)
+    out = cp_compile.flex_attention(
+        *leaves, block_mask=block_mask, scale=0.3, enable_gqa=True, group=group, schedule=schedule
+    )
     got = _backward(out, plan.shard(do, 2), leaves)
     return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, [out_ref, *grads_ref])]
 
@@ -78,9 +79,9 @@ KINDS = {"sdpa": run_sdpa, "flex": run_flex, "packed": run_packed}
 
 
 def every_kind_and_schedule():
-    import cp_compile
-
     import torch.distributed as dist
+
+    import cp_compile
 
     errors = {}
     for schedule in SCHEDULES:

@@ -15,8 +15,25 @@ PACKAGE = pathlib.Path(cp_compile.__file__).parent
 
 # bottom to top; a module may import from its own layer or any layer below
 LAYERS = ["torch_compat", "layout", "kernels", "comm", "kinds", "schedules", "passes", "api", "bench", "__main__"]
-API_MODULES = {"__init__", "backend", "breakdown", "calibrate", "demo", "eager", "guard", "hf", "inference", "inspect", "kv_cache", "launch", "llama",
-               "masks", "memory", "plan", "sac"}
+API_MODULES = {
+    "__init__",
+    "backend",
+    "breakdown",
+    "calibrate",
+    "demo",
+    "eager",
+    "guard",
+    "hf",
+    "inference",
+    "inspect",
+    "kv_cache",
+    "launch",
+    "llama",
+    "masks",
+    "memory",
+    "plan",
+    "sac",
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -44,7 +61,7 @@ def _imports(path: pathlib.Path, module: str, is_package: bool) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            stem = ".".join(base[:len(base) - node.level + 1]) if node.level else ""
+            stem = ".".join(base[: len(base) - node.level + 1]) if node.level else ""
             target = f"{stem}.{node.module}" if node.level and node.module else (stem or node.module)
             names = [f"{target}.{alias.name}" for alias in node.names]
         else:
@@ -78,7 +95,8 @@ def test_every_module_has_a_layer():
 def test_imports_only_go_down():
     upward = sorted(
         f"{src} ({_layer(src)}) imports {dst} ({_layer(dst)})"
-        for src, targets in _graph().items() for dst in targets
+        for src, targets in _graph().items()
+        for dst in targets
         if LAYERS.index(_layer(dst)) > LAYERS.index(_layer(src))
     )
     assert not upward, "\n".join(upward)
@@ -98,7 +116,7 @@ def _cycle(graph: dict[str, set[str]]):
             if nxt.startswith(node + "."):
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:

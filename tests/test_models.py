@@ -10,8 +10,19 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 MUST_BE_EXACT = ["llama", "qwen2", "mistral", "llama4_text", "phimoe", "gemma2", "gpt_oss", "deepseek_v3"]
 # hybrids (linear attention, Mamba, convolutions), sparse attention, recurrent models and models with attention
 # code of their own: each stopped by a different check
-MUST_BE_REFUSED = ["qwen3_next", "falcon_h1", "lfm2", "jamba", "nemotron_h", "deepseek_v32", "mamba", "rwkv",
-                   "openai-gpt", "xlnet", "bloom"]
+MUST_BE_REFUSED = [
+    "qwen3_next",
+    "falcon_h1",
+    "lfm2",
+    "jamba",
+    "nemotron_h",
+    "deepseek_v32",
+    "mamba",
+    "rwkv",
+    "openai-gpt",
+    "xlnet",
+    "bloom",
+]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
 KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}
@@ -36,10 +47,12 @@ def test_no_family_is_wrong_and_every_failure_is_known(rows):
     """A transformers upgrade that breaks a family, or a new family cp_compile gets wrong, fails here."""
     from cp_compile.bench import models
 
-    bad = {name: (row["train"]["status"], row["generate"]["status"], models.detail(row))
-           for name, row in rows.items()
-           if {row["train"]["status"], row["generate"]["status"]} - {"exact", "refused", "reference-failed",
-                                                                     KNOWN.get(name)}}
+    bad = {
+        name: (row["train"]["status"], row["generate"]["status"], models.detail(row))
+        for name, row in rows.items()
+        if {row["train"]["status"], row["generate"]["status"]}
+        - {"exact", "refused", "reference-failed", KNOWN.get(name)}
+    }
     assert not bad, bad
     assert not [name for name, row in rows.items() if "wrong" in (row["train"]["status"], row["generate"]["status"])]
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import DTYPES, make_qkv, max_err, sdpa_with_grads
 
 # (B, Hq, Hkv, S per rank, D, causal, layout): GQA, odd heads, head dims that are
@@ -24,8 +23,8 @@ def run_ring(b, hq, hkv, s_local, d, causal, layout, dtype_name="float64", seed=
     plan = cp_compile.ContextParallel(load_balance=layout)
     q, k, v, do = make_qkv(b, hq, hkv, s_local * plan.world_size, d, dtype=torch.float64, seed=seed)
     low = [t.to(dtype) for t in (q, k, v, do)]
-    reference = sdpa_with_grads(q, k, v, do, is_causal=causal)          # fp64 truth
-    single = sdpa_with_grads(*low, is_causal=causal)                    # one device, same dtype
+    reference = sdpa_with_grads(q, k, v, do, is_causal=causal)  # fp64 truth
+    single = sdpa_with_grads(*low, is_causal=causal)  # one device, same dtype
     leaves = [plan.shard(t, 2).requires_grad_() for t in low[:3]]
     with cp_compile.count_traffic() as fwd:
         out = cp_compile.ring_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv, layout=layout)
@@ -90,8 +89,10 @@ def opcheck_comm_ops():
     step = ("sdpa", 1, name, 1, True, "zigzag", 0.4, "")
     cases = [
         (torch.ops.cp.ring_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
-        (torch.ops.cp.ring_attention_backward.default,
-         (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", "")),
+        (
+            torch.ops.cp.ring_attention_backward.default,
+            (do, q, k, v, out, lse, None, [], name, True, "zigzag", 0.4, "sdpa", ""),
+        ),
         (torch.ops.cp.attend.default, (q, k, v, [], *step)),
         (torch.ops.cp.attend_backward.default, (do, q, k, v, out, lse, None, [], *step)),
         (torch.ops.cp.agree.default, (q, k, v, name, "x")),

@@ -12,12 +12,12 @@ def checkpointed_traffic(mode: str, compiled: bool, inner: str = "aot_eager", bu
 
     ``budget`` is ``torch._functorch.config.activation_memory_budget`` while compiling."""
     import torch.nn.functional as F
+    from helpers import make_qkv, max_err
     from torch._functorch import config as functorch_config
     from torch.utils.checkpoint import checkpoint
 
     import cp_compile
     from cp_compile.sac import sac_context
-    from helpers import make_qkv, max_err
 
     torch._dynamo.reset()
     plan = cp_compile.ContextParallel(schedule="ring")  # the ring's graphs and traffic are what is checked
@@ -109,11 +109,11 @@ def test_policy_saves_cp_ops_and_defers_to_the_users_policy():
 
 def stale_input(use_sac: bool):
     """An input changed in place after the forward: backward must refuse, not use stale data."""
+    from helpers import make_qkv
     from torch.utils.checkpoint import checkpoint
 
     import cp_compile
     from cp_compile.sac import sac_context
-    from helpers import make_qkv
 
     q, k, v, _ = make_qkv(1, 2, 2, 8, 8)
     leaf = q.clone().requires_grad_()

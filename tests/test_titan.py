@@ -56,16 +56,31 @@ def titan_llama(attn_backend: str, layers: int = 2, max_seq_len: int = SEQ):
     return model
 
 
-def per_document_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                        enable_gqa=False, num_splits=None, return_aux=None, **unused):
+def per_document_varlen(
+    q,
+    k,
+    v,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    num_splits=None,
+    return_aux=None,
+    **unused,
+):
     """``varlen_attn`` on one CPU process: each document on its own through SDPA (causal or full)."""
     assert cu_seq_k is cu_seq_q and tuple(window_size) in ((-1, 0), (-1, -1)) and return_aux is None
     bounds = cu_seq_q.tolist()
     outs = []
     for a, b in zip(bounds, bounds[1:]):
         tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(tq, tk, tv, is_causal=tuple(window_size) == (-1, 0), scale=scale,
-                                           enable_gqa=enable_gqa)
+        o = F.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=tuple(window_size) == (-1, 0), scale=scale, enable_gqa=enable_gqa
+        )
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -76,9 +91,16 @@ class Fp64PerDocument(torch.nn.Module):
 
     def forward(self, q, k, v, *, attention_masks, scale=None, enable_gqa=False, **unused):
         b, s = q.shape[:2]
-        out = per_document_varlen(*(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)), attention_masks.cu_seq_q,
-                                  attention_masks.cu_seq_q, 0, 0, scale=scale, window_size=(-1, 0),
-                                  enable_gqa=enable_gqa)
+        out = per_document_varlen(
+            *(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)),
+            attention_masks.cu_seq_q,
+            attention_masks.cu_seq_q,
+            0,
+            0,
+            scale=scale,
+            window_size=(-1, 0),
+            enable_gqa=enable_gqa,
+        )
         return out.view(b, s, *out.shape[1:])
 
 
@@ -158,10 +180,10 @@ def max_err(a, b) -> float:
 def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
     """One step per document split in ``splits``; SGD with ``lr`` after each."""
     import torch.distributed as dist
+    from torchtitan.models.common import attention as titan_attention
 
     import cp_compile
     from cp_compile.passes.rewrite import _example
-    from torchtitan.models.common import attention as titan_attention
 
     model = titan_llama("varlen")
     single = copy.deepcopy(model)  # as shipped: fp32 weights, bf16 attention
@@ -203,8 +225,11 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
     grads = {}
     for step, lengths in enumerate(splits):
         batch = packed_batch(seed=1 + step, lengths=lengths)
-        for key, run in (("cp", cp_step), ("single", functools.partial(one_process_step, single)),
-                         ("ref64", functools.partial(one_process_step, ref64))):
+        for key, run in (
+            ("cp", cp_step),
+            ("single", functools.partial(one_process_step, single)),
+            ("ref64", functools.partial(one_process_step, ref64)),
+        ):
             loss, out = run(*batch)
             losses[key].append(loss)
             logits[key].append(out)
@@ -216,12 +241,19 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
     loss_errs = [(max_err(c, r), max_err(s, r)) for c, s, r in zip(losses["cp"], losses["single"], losses["ref64"])]
     logit_errs = [(max_err(c, r), max_err(s, r)) for c, s, r in zip(logits["cp"], logits["single"], logits["ref64"])]
     report = backend.explain()
-    return {"loss": [float(x) for x in losses["cp"]], "single_loss": [float(x) for x in losses["single"]],
-            "loss_errs": loss_errs, "logit_errs": logit_errs, "grads": grads,
-            "report": str(report), "sites": [(s.schedule, s.dtype) for s in report.sites],
-            "local_lengths": [type(_example(r.sites[0].query).shape[0]).__name__ for r in backend.records],
-            "slots": sorted({len(cp_compile.layout.packed_slots(packed_batch(lengths=x)[3].cu_seq_q, 0, 2)["pos"])
-                             for x in splits})}
+    return {
+        "loss": [float(x) for x in losses["cp"]],
+        "single_loss": [float(x) for x in losses["single"]],
+        "loss_errs": loss_errs,
+        "logit_errs": logit_errs,
+        "grads": grads,
+        "report": str(report),
+        "sites": [(s.schedule, s.dtype) for s in report.sites],
+        "local_lengths": [type(_example(r.sites[0].query).shape[0]).__name__ for r in backend.records],
+        "slots": sorted(
+            {len(cp_compile.layout.packed_slots(packed_batch(lengths=x)[3].cu_seq_q, 0, 2)["pos"]) for x in splits}
+        ),
+    }
 
 
 def test_titan_varlen_trains_like_one_process(ranks):
@@ -266,9 +298,10 @@ def test_titan_varlen_random_splits_compile_at_most_twice(ranks):
 
 
 def titan_flex_case():
-    import cp_compile
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
+
+    import cp_compile
 
     model = titan_llama("flex")
     single, ref64 = copy.deepcopy(model), fp64_copy(model)
@@ -305,10 +338,10 @@ def test_titan_flex_forward_matches_one_process(ranks):
 
 def titan_fsdp_sac_fp64_case():
     import torch.distributed as dist
+    from torchtitan.models.common.attention import ScaledDotProductAttention
 
     import cp_compile
     from cp_compile.comm import TAG_DKV, TAG_KV
-    from torchtitan.models.common.attention import ScaledDotProductAttention
 
     model = titan_llama("flex")
     for block in model.layers.values():  # causal over the whole sequence, fp64 on CPU
@@ -329,12 +362,20 @@ def titan_fsdp_sac_fp64_case():
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    errs = {name: max_err(p.grad.full_tensor(), r.grad)
-            for (name, p), r in zip(model.named_parameters(), ref.parameters())}
-    sharded = all(p.to_local().shape[0] * 2 >= p.shape[0] and p.to_local().shape[0] < p.shape[0]
-                  for p in model.parameters())
-    return (max_err(total, ref_loss), errs, backward.by_tag, {TAG_KV: "kv", TAG_DKV: "dkv"}, sharded,
-            len(backend.explain().sites))
+    errs = {
+        name: max_err(p.grad.full_tensor(), r.grad) for (name, p), r in zip(model.named_parameters(), ref.parameters())
+    }
+    sharded = all(
+        p.to_local().shape[0] * 2 >= p.shape[0] and p.to_local().shape[0] < p.shape[0] for p in model.parameters()
+    )
+    return (
+        max_err(total, ref_loss),
+        errs,
+        backward.by_tag,
+        {TAG_KV: "kv", TAG_DKV: "dkv"},
+        sharded,
+        len(backend.explain().sites),
+    )
 
 
 def test_titan_fsdp2_per_block_compile_sac_fp64(ranks):

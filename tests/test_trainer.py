@@ -35,8 +35,9 @@ def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     out = run_example("--steps", "6", "--compile", "aot_eager", "--eval-steps", "3", "--plot", str(plot))
     assert "SFTTrainer under CP (C=2, torchrun): 6 steps" in out
     assert "evaluation loss: 2 steps" in out and "C=2 stopped after step 3, resumed at C=1: 3 steps" in out
-    breaks = {line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in out.splitlines()
-              if "graph breaks" in line}
+    breaks = {
+        line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in out.splitlines() if "graph breaks" in line
+    }
     assert breaks["cp"] == breaks["reference"], out
     assert plot.stat().st_size > 10_000
 
@@ -45,8 +46,24 @@ def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     """transformers' Trainer with DataCollatorWithFlattening, launched by accelerate on 4 processes (2 replicas
     of C=2), SGD with 2 accumulation steps, against the same script on 2 processes without CP; then a run on 2
     processes without CP stopped after step 2 and resumed at C=2 on 4."""
-    out = run_example("--trainer", "trainer", "--launcher", "accelerate", "--dp", "2", "--steps", "4", "--accum",
-                      "2", "--optim", "sgd", "--stop-cp", "1", "--resume-cp", "2")
+    out = run_example(
+        "--trainer",
+        "trainer",
+        "--launcher",
+        "accelerate",
+        "--dp",
+        "2",
+        "--steps",
+        "4",
+        "--accum",
+        "2",
+        "--optim",
+        "sgd",
+        "--stop-cp",
+        "1",
+        "--resume-cp",
+        "2",
+    )
     assert "Trainer under CP (C=2 x 2 replicas, accelerate): 4 steps" in out
     assert "C=1 stopped after step 2, resumed at C=2: 2 steps" in out
 
@@ -64,8 +81,9 @@ def shard_packed_batch():
 
     plan = cp_compile.ContextParallel()
     lengths = [5, 1, 12]
-    examples = [{"input_ids": list(range(10 * i + 1, 10 * i + 1 + n)), "seq_lengths": [n]}
-                for i, n in enumerate(lengths)]
+    examples = [
+        {"input_ids": list(range(10 * i + 1, 10 * i + 1 + n)), "seq_lengths": [n]} for i, n in enumerate(lengths)
+    ]
     batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)
     local = shard_batch(plan, batch)
     cu = batch["cu_seq_lens_q"]
@@ -73,9 +91,13 @@ def shard_packed_batch():
     ids = batch["input_ids"][0]
     expected_labels = torch.cat([ids[1:], torch.tensor([-100])])
     expected_labels[cu[1:].long() - 1] = -100  # no document predicts the next one's first token
-    return (torch.equal(whole["input_ids"][0], ids), torch.equal(whole["labels"][0], expected_labels),
-            torch.equal(whole["position_ids"][0], batch["position_ids"][0]),
-            torch.equal(local["labels"], local["shift_labels"]), sorted(local))
+    return (
+        torch.equal(whole["input_ids"][0], ids),
+        torch.equal(whole["labels"][0], expected_labels),
+        torch.equal(whole["position_ids"][0], batch["position_ids"][0]),
+        torch.equal(local["labels"], local["shift_labels"]),
+        sorted(local),
+    )
 
 
 def refusals():
@@ -85,8 +107,10 @@ def refusals():
     plan = cp_compile.ContextParallel()
     ids = torch.arange(1, 9)[None]
     messages = []
-    for batch in ({"input_ids": ids.repeat(2, 1), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])},
-                  {"input_ids": ids, "pixel_mask": torch.ones(1, 8, 3)}):
+    for batch in (
+        {"input_ids": ids.repeat(2, 1), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])},
+        {"input_ids": ids, "pixel_mask": torch.ones(1, 8, 3)},
+    ):
         try:
             shard_batch(plan, batch)
             messages.append("no error")
@@ -99,8 +123,15 @@ def test_shard_batch_round_trip(ranks):
     for same_ids, same_labels, same_positions, labels_are_shifted, keys in ranks(2, shard_packed_batch):
         assert same_ids and same_labels and same_positions and labels_are_shifted
         # the flash kernels' length hints are dropped (a compiled model would recompile on each value)
-        assert keys == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "labels", "position_ids", "seq_idx",
-                        "shift_labels"]
+        assert keys == [
+            "cu_seq_lens_k",
+            "cu_seq_lens_q",
+            "input_ids",
+            "labels",
+            "position_ids",
+            "seq_idx",
+            "shift_labels",
+        ]
 
 
 def test_shard_batch_refuses_what_cp_cannot_run_exactly(ranks):
@@ -146,8 +177,15 @@ def autocast_errors():
     import cp_compile.hf  # noqa: F401  (registers "cp_compile")
     from cp_compile.hf.trainer import shard_batch
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile")
     reference = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa")
@@ -157,8 +195,7 @@ def autocast_errors():
     ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    local = shard_batch(plan, {"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": cu,
-                               "cu_seq_lens_k": cu})
+    local = shard_batch(plan, {"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
     with torch.no_grad():
         exact = reference.double()(ids, position_ids=positions, use_cache=False).logits
         reference.float()

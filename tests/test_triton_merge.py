@@ -138,7 +138,10 @@ def interpreted():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]'); kernel not tested")
     res = subprocess.run(
         [sys.executable, str(TESTS / "triton_interp_cases.py")],
-        env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=240,
+        env=_env(TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from helpers import DTYPES, make_qkv, max_err, sdpa_with_grads
 
 # (B, Hq, Hkv, S per rank, D, causal, layout). 12 query heads split over C = 1..4;
@@ -62,8 +61,10 @@ def test_hybrid_2x2_fp64_equals_single_device(ranks):
 
 
 def run_low_precision(schedule, world_size, mesh):
-    return {dtype: run_cp(schedule, 1, 6, 2, 96 // world_size, 32, True, "zigzag", dtype, seed=1, mesh=mesh)
-            for dtype in ("float32", "bfloat16")}
+    return {
+        dtype: run_cp(schedule, 1, 6, 2, 96 // world_size, 32, True, "zigzag", dtype, seed=1, mesh=mesh)
+        for dtype in ("float32", "bfloat16")
+    }
 
 
 @pytest.mark.parametrize("schedule,world_size,mesh", [("ulysses", 2, None), ("hybrid", 4, (2, 2))])
@@ -105,12 +106,16 @@ def opcheck_ops():
     heads = ([], "sdpa", -2, name, dist.get_world_size(), True, "zigzag", 0.4, "")  # step WHOLE
     cases = [
         (torch.ops.cp.ulysses_attention.default, (*req(q, k, v), [], name, True, "zigzag", 0.4, True, "sdpa", "")),
-        (torch.ops.cp.ulysses_attention_backward.default,
-         (do, None, qh, kh, vh, out_h, lse_h, [], name, True, "zigzag", 0.4, 2, "sdpa", "")),
+        (
+            torch.ops.cp.ulysses_attention_backward.default,
+            (do, None, qh, kh, vh, out_h, lse_h, [], name, True, "zigzag", 0.4, 2, "sdpa", ""),
+        ),
         (torch.ops.cp.attend.default, (qh, kh, vh, *heads)),
         (torch.ops.cp.attend_backward.default, (out_h, qh, kh, vh, out_h, lse_h, None, *heads)),
-        (torch.ops.cp.hybrid_attention.default,
-         (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", "")),
+        (
+            torch.ops.cp.hybrid_attention.default,
+            (*req(q, k, v), [], name, name, name, False, "zigzag", 0.4, True, "sdpa", ""),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -140,8 +145,9 @@ def compiled_parity(inner, schedule, mesh=None, heads=(4, 2), bandwidth_bound=Fa
 
     def attention(q, k, v):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        b = F.scaled_dot_product_attention(q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1),
-                                           scale=0.3)
+        b = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1), scale=0.3
+        )
         return a * b
 
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -164,13 +170,16 @@ def compiled_parity(inner, schedule, mesh=None, heads=(4, 2), bandwidth_bound=Fa
     }
 
 
-@pytest.mark.parametrize("inner,schedule,world_size,mesh,heads", [
-    ("inductor", "ulysses", 2, None, (4, 2)),
-    # 2 query heads do not split over C=4, so Ulysses is out; on a bandwidth-bound machine the
-    # hybrid sends fewer bytes than the ring and the all-gather (estimates 24.7 vs 41.0 and 36.9 ms),
-    # so auto must pick it
-    ("aot_eager", "auto", 4, (2, 2), (2, 2)),
-])
+@pytest.mark.parametrize(
+    "inner,schedule,world_size,mesh,heads",
+    [
+        ("inductor", "ulysses", 2, None, (4, 2)),
+        # 2 query heads do not split over C=4, so Ulysses is out; on a bandwidth-bound machine the
+        # hybrid sends fewer bytes than the ring and the all-gather (estimates 24.7 vs 41.0 and 36.9 ms),
+        # so auto must pick it
+        ("aot_eager", "auto", 4, (2, 2), (2, 2)),
+    ],
+)
 def test_compiled_fp64_equals_single_device(ranks, inner, schedule, world_size, mesh, heads):
     per_rank = ranks(world_size, compiled_parity, inner, schedule, mesh, heads, schedule == "auto", timeout=600)
     for result in per_rank:
@@ -186,5 +195,6 @@ def test_compiled_fp64_equals_single_device(ranks, inner, schedule, world_size, 
     else:
         assert [c for c, _ in choices] == ["hybrid"] * 2
         assert all(why.startswith("auto: ") and "faster than allgather" in why for _, why in choices)
-        assert all(any("ulysses   not possible: 2 query heads" in row for row in rows)
-                   for rows in per_rank[0]["estimates"])
+        assert all(
+            any("ulysses   not possible: 2 query heads" in row for row in rows) for rows in per_rank[0]["estimates"]
+        )

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-
-from cp_compile import layout
 from helpers import make_qkv, max_err
 from test_flex import mask_case, run_flex_eager
 from test_flex import reference as flex_reference
 from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference, per_document_reference_out
+
+from cp_compile import layout
 
 # ----------------------------------------------------------------------------
 # FlexAttention masks.
@@ -34,8 +34,9 @@ def test_flex_fp64_forward_backward(ranks, world_size):
 def run_flex_head_mask(chunk: int = 3, heads: int = 4, mesh=None):
     """A mask that differs per head: each rank's heads must see their global head index.
     With ``mesh`` (ring, a2a): the hybrid schedule on that 2-D mesh."""
-    import cp_compile
     from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
 
     group, schedule = None, "ulysses"
     if mesh is not None:
@@ -53,8 +54,9 @@ def run_flex_head_mask(chunk: int = 3, heads: int = 4, mesh=None):
     ref = head_mask_reference(q, k, v, do, mask_mod, scale)
     block_mask = plan.shard(create_block_mask(mask_mod, None, heads, seq, seq, device="cpu", BLOCK_SIZE=chunk))
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    out, lse = cp_compile.flex_attention(*leaves, block_mask=block_mask, scale=scale, return_lse=True, group=group,
-                                         schedule=schedule)
+    out, lse = cp_compile.flex_attention(
+        *leaves, block_mask=block_mask, scale=scale, return_lse=True, group=group, schedule=schedule
+    )
     out.backward(plan.shard(do, 2))
     got = [out.detach(), lse] + [t.grad for t in leaves]
     return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, ref)]
@@ -99,9 +101,16 @@ def run_flex_hybrid(cases, chunk: int = 3):
             block_mask = plan.shard(global_mask)
         leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
         with cp_compile.count_traffic() as traffic:
-            out, lse = cp_compile.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, scale=0.3,
-                                                 enable_gqa=hq != hkv, return_lse=True, group=mesh,
-                                                 schedule="hybrid")
+            out, lse = cp_compile.flex_attention(
+                *leaves,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=0.3,
+                enable_gqa=hq != hkv,
+                return_lse=True,
+                group=mesh,
+                schedule="hybrid",
+            )
             out.backward(plan.shard(do, 2))
         got = [out.detach(), lse] + [t.grad for t in leaves]
         results[(case, hq, hkv)] = {
@@ -132,8 +141,7 @@ def _compiled_plan(mesh):
         return cp_compile.ContextParallel(schedule="ulysses")
     from torch.distributed.device_mesh import init_device_mesh
 
-    return cp_compile.ContextParallel(init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")),
-                                      schedule="hybrid")
+    return cp_compile.ContextParallel(init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), schedule="hybrid")
 
 
 def all_to_alls(backend, direction: str) -> list[int]:
@@ -162,8 +170,9 @@ def run_flex_compiled_ulysses(mesh=None):
         return out * 2, lse
 
     backend = plan.backend("aot_eager")
-    out, lse = torch.compile(attend, backend=backend, fullgraph=True)(*(plan.shard(t, 2) for t in (q, k, v)),
-                                                                       plan.shard(block_mask))
+    out, lse = torch.compile(attend, backend=backend, fullgraph=True)(
+        *(plan.shard(t, 2) for t in (q, k, v)), plan.shard(block_mask)
+    )
     return {
         "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
         "graph_breaks": sum(counters["graph_break"].values()),
@@ -220,19 +229,22 @@ def run_packed_ulysses(lengths, hq, hkv, d, mesh=None):
         # gradients arriving at padding rows must not leak anywhere
         local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
         with cp_compile.count_traffic() as traffic:
-            out = cp_compile.varlen_attention(*leaves, cu, group=group, window_size=window, enable_gqa=hq != hkv,
-                                              schedule=schedule)
+            out = cp_compile.varlen_attention(
+                *leaves, cu, group=group, window_size=window, enable_gqa=hq != hkv, schedule=schedule
+            )
             out.backward(local_do)
         got = [out.detach()] + [t.grad for t in leaves]
-        results.append({
-            "window": window,
-            "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
-            "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
-            "nan": any(not torch.isfinite(g).all().item() for g in got),
-            "padding_zero": all((g[pad] == 0).all().item() for g in got),
-            "shifts": dict(traffic.by_tag),
-            "has_padding": bool(pad.any()),
-        })
+        results.append(
+            {
+                "window": window,
+                "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
+                "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
+                "nan": any(not torch.isfinite(g).all().item() for g in got),
+                "padding_zero": all((g[pad] == 0).all().item() for g in got),
+                "shifts": dict(traffic.by_tag),
+                "has_padding": bool(pad.any()),
+            }
+        )
     return results
 
 
@@ -343,10 +355,10 @@ def packed_with_too_few_heads():
 def backward_traffic(mesh=None):
     """All-to-alls (forward, backward) and backward ring transfers of eager flex and packed calls
     with the head-sharding schedule: Ulysses over the whole group, or hybrid on a (ring, a2a) mesh."""
+    from helpers import count_all_to_alls
     from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
-    from helpers import count_all_to_alls
 
     group, schedule = None, "ulysses"
     if mesh is not None:
@@ -361,13 +373,15 @@ def backward_traffic(mesh=None):
     pq, pk, pv, pdo, cu = packed_inputs(LENGTHS, 4, 2, 6)
 
     def flex_loss(q, k, v, with_lse):
-        out, lse = cp_compile.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True,
-                                             group=group, schedule=schedule)
+        out, lse = cp_compile.flex_attention(
+            q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True, group=group, schedule=schedule
+        )
         return (out * plan.shard(do, 2)).sum() + (lse.sum() if with_lse else 0)
 
     def packed_loss(q, k, v, _):
-        out = cp_compile.varlen_attention(q, k, v, cu, group=group, window_size=(3, 0), enable_gqa=True,
-                                          schedule=schedule)
+        out = cp_compile.varlen_attention(
+            q, k, v, cu, group=group, window_size=(3, 0), enable_gqa=True, schedule=schedule
+        )
         return (out * plan.shard(pdo, 0, cu_seqlens=cu)).sum()
 
     cases = {
@@ -382,8 +396,12 @@ def backward_traffic(mesh=None):
             loss = loss_fn(*leaves, with_lse)
         with count_all_to_alls() as backward, cp_compile.count_traffic() as ring:
             loss.backward()
-        results[name] = {"forward": len(forward), "backward": len(backward), "ring": dict(ring.by_tag),
-                         "grads": all(t.grad is not None and torch.isfinite(t.grad).all().item() for t in leaves)}
+        results[name] = {
+            "forward": len(forward),
+            "backward": len(backward),
+            "ring": dict(ring.by_tag),
+            "grads": all(t.grad is not None and torch.isfinite(t.grad).all().item() for t in leaves),
+        }
     return results
 
 
@@ -414,7 +432,9 @@ def opcheck_ulysses_mask_ops():
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER, bhsd as _bhsd, packed_options
+    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+    from cp_compile.kinds.packed import bhsd as _bhsd
+    from cp_compile.kinds.packed import packed_options
 
     plan = cp_compile.ContextParallel()
     name, c = dist.group.WORLD.group_name, plan.world_size
@@ -471,7 +491,9 @@ def opcheck_hybrid_ops():
 
     import cp_compile
     from cp_compile.comm import mesh_groups
-    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER, bhsd as _bhsd, packed_options
+    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+    from cp_compile.kinds.packed import bhsd as _bhsd
+    from cp_compile.kinds.packed import packed_options
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
     plan = cp_compile.ContextParallel(mesh)
@@ -479,8 +501,7 @@ def opcheck_hybrid_ops():
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
     q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
     window = (2, 0)
-    cases = head_sharding_cases(q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", packed_options(*window),
-                                2)
+    cases = head_sharding_cases(q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", packed_options(*window), 2)
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
     step = ([cu], "packed", 1, flat, 2, False, RANK_ORDER, 0.4, packed_options(*window))

@@ -8,9 +8,9 @@
 
 import pytest
 import torch
+from helpers import make_qkv, max_err, sdpa_with_grads
 
 from cp_compile import layout
-from helpers import make_qkv, max_err, sdpa_with_grads
 
 LENGTHS = [13, 1, 0, 3, 22, 5]  # lengths that do not divide by 2C, a zero-length and a one-token document
 # (window, chunk, softcap): what each family's layers ask for
@@ -52,10 +52,14 @@ def reference(q, k, v, do, cu, window, chunk, softcap):
 def packed_inputs(lengths, hq, hkv, d, dv, seed=0):
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    q, k = torch.randn(total, hq, d, generator=g, dtype=torch.float64), torch.randn(total, hkv, d, generator=g,
-                                                                                      dtype=torch.float64)
-    v, do = torch.randn(total, hkv, dv, generator=g, dtype=torch.float64), torch.randn(total, hq, dv, generator=g,
-                                                                                         dtype=torch.float64)
+    q, k = (
+        torch.randn(total, hq, d, generator=g, dtype=torch.float64),
+        torch.randn(total, hkv, d, generator=g, dtype=torch.float64),
+    )
+    v, do = (
+        torch.randn(total, hkv, dv, generator=g, dtype=torch.float64),
+        torch.randn(total, hq, dv, generator=g, dtype=torch.float64),
+    )
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return q, k, v, do, cu
 
@@ -73,13 +77,15 @@ def run_packed_variants(lengths, hq, hkv, d, dv, schedules):
             if schedule == "ulysses" and hq % plan.world_size:
                 continue
             leaves = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
-            out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
-                                              schedule=schedule, chunk=chunk, softcap=softcap)
+            out = cp_compile.varlen_attention(
+                *leaves, cu, window_size=window, enable_gqa=hq != hkv, schedule=schedule, chunk=chunk, softcap=softcap
+            )
             out.backward(plan.shard(do, 0, cu_seqlens=cu))
             got = [out.detach()] + [t.grad for t in leaves]
             real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
-            errors[name, schedule] = max(max_err(g[real], plan.shard(w, 0, cu_seqlens=cu)[real])
-                                         for g, w in zip(got, want))
+            errors[name, schedule] = max(
+                max_err(g[real], plan.shard(w, 0, cu_seqlens=cu)[real]) for g, w in zip(got, want)
+            )
     return errors
 
 
@@ -104,8 +110,11 @@ def run_dense_mla(d, dv, causal, schedule):
     q, k, v, do = make_qkv(2, 4, 2, 8 * plan.world_size, d, dv=dv)
     want = sdpa_with_grads(q, k, v, do, is_causal=causal)
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    attention = {"ring": cp_compile.ring_attention, "allgather": cp_compile.allgather_attention,
-                 "ulysses": cp_compile.ulysses_attention}[schedule]
+    attention = {
+        "ring": cp_compile.ring_attention,
+        "allgather": cp_compile.allgather_attention,
+        "ulysses": cp_compile.ulysses_attention,
+    }[schedule]
     out = attention(*leaves, is_causal=causal, enable_gqa=True)
     out.backward(plan.shard(do, 2))
     got = [out.detach()] + [t.grad for t in leaves]
@@ -126,8 +135,19 @@ def accuracy_args(variant: str):
     """The accuracy command's settings at test size: windows and chunks shorter than the sequence."""
     import argparse
 
-    return argparse.Namespace(seq=192, heads=12, kv_heads=4, head_dim=32, dtype="bf16", causal=True, variant=variant,
-                              window=40, chunk=48, softcap=5.0, schedules=["ring", "allgather", "ulysses"])
+    return argparse.Namespace(
+        seq=192,
+        heads=12,
+        kv_heads=4,
+        head_dim=32,
+        dtype="bf16",
+        causal=True,
+        variant=variant,
+        window=40,
+        chunk=48,
+        softcap=5.0,
+        schedules=["ring", "allgather", "ulysses"],
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -175,8 +195,8 @@ def test_fused_tiles_pad_unequal_head_dims():
 
     q, k, v, do = make_qkv(1, 4, 2, 9, 12, dv=8)
     want = sdpa_with_grads(q, k, v, do, is_causal=True)
-    out, lse = block_attn_impl(q, k, v, "causal", 12 ** -0.5)
-    grads = block_attn_backward_impl(do, q, k, v, out, lse, "causal", 12 ** -0.5, None)
+    out, lse = block_attn_impl(q, k, v, "causal", 12**-0.5)
+    grads = block_attn_backward_impl(do, q, k, v, out, lse, "causal", 12**-0.5, None)
     assert out.shape == q.shape[:3] + (8,) and grads[2].shape == v.shape
     for g, w in zip((out, *grads), want):
         assert max_err(g, w) < 1e-12

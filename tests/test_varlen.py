@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import max_err
 
 from cp_compile import layout
-from helpers import max_err
 
 # Lengths that do not divide by 2C, a length-1 document, documents shorter than
 # 2C (some ranks hold only their padding), a zero-length document.
@@ -44,8 +44,9 @@ def per_document_reference(q, k, v, do, cu, window):
         if a == b:
             continue
         tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
-                                           enable_gqa=tq.shape[1] != tk.shape[1])
+        o = F.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=window_mask(b - a, *window), enable_gqa=tq.shape[1] != tk.shape[1]
+        )
         outs.append(o[0].transpose(0, 1))
     out = torch.cat(outs)
     out.backward(do)
@@ -107,8 +108,8 @@ def _tiles_case(lengths, world_size, window, q_ranks, k_runs_of):
     k_runs, k_all, v_all = k_runs_of(cu, k, v)
     plan = tiles.plan_tiles(q_runs, k_runs, *window)
     ql = slots(q, q_ranks)
-    o, lse = tiles.tiles_attn(ql, k_all, v_all, plan, 8 ** -0.5)
-    grads = tiles.tiles_attn_backward(slots(do, q_ranks), ql, k_all, v_all, o, lse, None, plan, 8 ** -0.5)
+    o, lse = tiles.tiles_attn(ql, k_all, v_all, plan, 8**-0.5)
+    grads = tiles.tiles_attn_backward(slots(do, q_ranks), ql, k_all, v_all, o, lse, None, plan, 8**-0.5)
     assert max_err(o, slots(out, q_ranks)) < 1e-12
     assert max_err(grads[0], slots(dq, q_ranks)) < 1e-12
     return plan, grads, (dk, dv)
@@ -162,7 +163,7 @@ def test_runs_cover_exactly_the_real_slots():
             assert (covered == slots["real"]).all()
         perm = layout.sequence_permutation(cu, c)
         index = torch.cat([layout.packed_slots(cu, r, c)["index"] for r in range(c)])[perm]
-        assert (index[: cu[-1]] == torch.arange(cu[-1])).all() and (index[cu[-1]:] == -1).all()
+        assert (index[: cu[-1]] == torch.arange(cu[-1])).all() and (index[cu[-1] :] == -1).all()
 
 
 # ----------------------------------------------------------------------------
@@ -188,24 +189,28 @@ def run_packed(lengths, hq, hkv, d):
             local_do = plan.shard(do, 0, cu_seqlens=cu) + pad[:, None, None] * torch.randn(len(pad), hq, d)
             computed = []
             real_attn = varlen_ops.tiles_attn  # counts the forward calls with any tile to compute
-            varlen_ops.tiles_attn = lambda q, k, v, tiles, *rest: (computed.extend([1] if tiles else [])
-                                                                  or real_attn(q, k, v, tiles, *rest))
+            varlen_ops.tiles_attn = lambda q, k, v, tiles, *rest: (
+                computed.extend([1] if tiles else []) or real_attn(q, k, v, tiles, *rest)
+            )
             try:
-                out = cp_compile.varlen_attention(*leaves, cu, window_size=window, enable_gqa=hq != hkv,
-                                                  schedule=schedule)
+                out = cp_compile.varlen_attention(
+                    *leaves, cu, window_size=window, enable_gqa=hq != hkv, schedule=schedule
+                )
                 n_forward = len(computed)
                 out.backward(local_do)
             finally:
                 varlen_ops.tiles_attn = real_attn
             got = [out.detach()] + [t.grad for t in leaves]
-            results.append({
-                "case": (schedule, window),
-                "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
-                "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
-                "nan": any(not torch.isfinite(g).all().item() for g in got),
-                "padding_zero": all((g[pad] == 0).all().item() for g in got[:2]),
-                "forward_blocks_computed": n_forward,
-            })
+            results.append(
+                {
+                    "case": (schedule, window),
+                    "errors": [max_err(g, plan.shard(r, 0, cu_seqlens=cu)) for g, r in zip(got, reference)],
+                    "unshard_err": max_err(plan.unshard(out.detach(), 0, cu_seqlens=cu), reference[0]),
+                    "nan": any(not torch.isfinite(g).all().item() for g in got),
+                    "padding_zero": all((g[pad] == 0).all().item() for g in got[:2]),
+                    "forward_blocks_computed": n_forward,
+                }
+            )
     return results
 
 
@@ -291,8 +296,9 @@ def compiled_varlen(inner: str):
 
     def model(q, k, v, cu):
         kk = k.repeat_interleave(4, 1)
-        a, lse = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True,
-                             return_aux=AuxRequest(lse=True))
+        a, lse = varlen_attn(
+            q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True, return_aux=AuxRequest(lse=True)
+        )
         b = varlen_attn(q, kk, v.repeat_interleave(4, 1), cu, cu, max_len, max_len, window_size=(-1, 0))
         return a * b, lse.detach()
 
@@ -314,8 +320,12 @@ def compiled_varlen(inner: str):
     # varlen_attn's lse is [H, T]; padding slots see nothing (-inf)
     real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
     ref_lse = plan.shard(per_document_lse(q, k, cu, (2, 0)), 0, cu_seqlens=cu)
-    lse_ok = (lse.dtype == torch.float32 and lse.shape == (4, len(real))  # fp32, as varlen_attn returns it
-              and bool(torch.isneginf(lse.t()[~real]).all()) and max_err(lse.t()[real], ref_lse[real]) < 1e-5)
+    lse_ok = (
+        lse.dtype == torch.float32
+        and lse.shape == (4, len(real))  # fp32, as varlen_attn returns it
+        and bool(torch.isneginf(lse.t()[~real]).all())
+        and max_err(lse.t()[real], ref_lse[real]) < 1e-5
+    )
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
     decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
     from cp_compile.inspect import site_report
@@ -323,8 +333,10 @@ def compiled_varlen(inner: str):
     reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
     # eager varlen_attention(schedule="auto") decides with the same function; given the facts a compiled
     # site has (shapes and window; the documents are a run-time input), it decides the same
-    eager = [choose_packed(local[0], kv, kv, None, plan.world_size, window, machine)[0]
-             for kv, window in ((local[1].detach(), (2, 0)), (local[1].detach().repeat_interleave(4, 1), (-1, 0)))]
+    eager = [
+        choose_packed(local[0], kv, kv, None, plan.world_size, window, machine)[0]
+        for kv, window in ((local[1].detach(), (2, 0)), (local[1].detach().repeat_interleave(4, 1), (-1, 0)))
+    ]
     return errs, decisions, sum(counters["graph_break"].values()), reports, lse_ok, eager
 
 
@@ -334,8 +346,9 @@ def per_document_reference_out(q, k, v, cu, window):
     for a, b in zip(bounds, bounds[1:]):
         if a < b:
             tq, tk, tv = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=window_mask(b - a, *window),
-                                               enable_gqa=tq.shape[1] != tk.shape[1])
+            o = F.scaled_dot_product_attention(
+                tq, tk, tv, attn_mask=window_mask(b - a, *window), enable_gqa=tq.shape[1] != tk.shape[1]
+            )
             outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -396,14 +409,18 @@ def checkpointed_varlen(mode: str, compiled: bool):
     block(lambda q, k, v: per_document_reference_out(q, k, v, cu, (-1, 0)), *ref).backward(do)
     local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     if compiled:
+
         def single_device(q, k, v):
             return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
 
-        out = torch.compile(lambda *a: run(single_device, *a), backend=plan.backend("aot_eager"),
-                            fullgraph=True)(*local)
+        out = torch.compile(lambda *a: run(single_device, *a), backend=plan.backend("aot_eager"), fullgraph=True)(
+            *local
+        )
     else:
-        out = run(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=True, enable_gqa=True,
-                                                                schedule="ring"), *local)
+        out = run(
+            lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=True, enable_gqa=True, schedule="ring"),
+            *local,
+        )
     with cp_compile.count_traffic() as backward:
         out.backward(plan.shard(do, 0, cu_seqlens=cu))
     err = max(max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref))
@@ -436,8 +453,9 @@ def packed_low_precision(dtype_name: str):
         out = cp_compile.varlen_attention(*leaves, cu, is_causal=True, enable_gqa=True, schedule=schedule)
         out.backward(shard(do.to(dtype)))
         got = [out.detach()] + [t.grad for t in leaves]
-        errors[schedule] = [(str(g.dtype), max_err(g, shard(r)), max_err(shard(s), shard(r)))
-                            for g, s, r in zip(got, single, reference)]
+        errors[schedule] = [
+            (str(g.dtype), max_err(g, shard(r)), max_err(shard(s), shard(r))) for g, s, r in zip(got, single, reference)
+        ]
     return errors
 
 
@@ -475,14 +493,17 @@ def test_packed_expansion_graph(fake_group, schedule):
         return getattr(torch.ops.cp, f"{schedule}_attention")(q, k, v, [cu], *settings, True, *kind)
 
     def bwd(do, q, k, v, out, lse, cu):
-        return getattr(torch.ops.cp, f"{schedule}_attention_backward")(do, q, k, v, out, lse, None, [cu], *settings,
-                                                                       *kind)
+        return getattr(torch.ops.cp, f"{schedule}_attention_backward")(
+            do, q, k, v, out, lse, None, [cu], *settings, *kind
+        )
 
     with FakeTensorMode():
         q, k, v, do = (torch.empty(s) for s in [(12, 4, 8), (12, 2, 8), (12, 2, 8), (12, 4, 8)])
         cu, lse = torch.empty(4, dtype=torch.int32), torch.empty(12, 4)
-        graphs = [make_fx(fwd, tracing_mode="fake")(q, k, v, cu),
-                  make_fx(bwd, tracing_mode="fake")(do, q, k, v, do, lse, cu)]
+        graphs = [
+            make_fx(fwd, tracing_mode="fake")(q, k, v, cu),
+            make_fx(bwd, tracing_mode="fake")(do, q, k, v, do, lse, cu),
+        ]
     (forward,), (backward,) = (expand_cp_ops(gm.graph) for gm in graphs)
     gathers = sum(e.count(fc.all_gather_into_tensor.default) for e in (forward, backward))
     shifts = sum(e.count(torch.ops.cp.ring_shift.default) for e in (forward, backward))
@@ -541,7 +562,7 @@ def test_packed_cost_tiles_count_the_kernels_mask():
             for r in range(c):
                 for j in range(c):
                     pairs = visible_pairs(cu, r, j, c, *window)
-                    assert tiles[r][j] == pairs / local ** 2, (lengths, c, window, r, j)
+                    assert tiles[r][j] == pairs / local**2, (lengths, c, window, r, j)
 
 
 def test_varlen_with_other_key_documents_is_rejected_at_compile_time():

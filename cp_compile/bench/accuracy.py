@@ -38,8 +38,12 @@ VARIANTS = ("plain", "window", "chunk", "softcap", "sinks", "mla")
 def _inputs(args, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     dv = args.head_dim // 2 if args.variant == "mla" else args.head_dim  # latent attention: value narrower
-    shapes = [(1, args.heads, args.seq, args.head_dim), (1, args.kv_heads, args.seq, args.head_dim),
-              (1, args.kv_heads, args.seq, dv), (1, args.heads, args.seq, dv)]
+    shapes = [
+        (1, args.heads, args.seq, args.head_dim),
+        (1, args.kv_heads, args.seq, args.head_dim),
+        (1, args.kv_heads, args.seq, dv),
+        (1, args.heads, args.seq, dv),
+    ]
     tensors = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
     sinks = torch.randn(args.heads, generator=g, dtype=torch.float64).to(dtype)
     return tensors, sinks
@@ -90,10 +94,15 @@ def _cp(plan, args, q, k, v, do, sinks) -> list[torch.Tensor]:
         cu = torch.tensor([0, args.seq], dtype=torch.int32)
         window = (args.window - 1 if args.variant == "window" else -1, 0 if args.causal else -1)
         out, lse = cp_compile.varlen_attention(
-            *rows, cu, window_size=window, enable_gqa=True, schedule=plan.schedule,
+            *rows,
+            cu,
+            window_size=window,
+            enable_gqa=True,
+            schedule=plan.schedule,
             chunk=args.chunk if args.variant == "chunk" else 0,
             softcap=args.softcap if args.variant == "softcap" else 0.0,
-            return_lse=True)
+            return_lse=True,
+        )
         if args.variant == "sinks":
             out = fold_sinks(out, lse, sinks, 1)
         out = out.transpose(0, 1)[None]
@@ -134,16 +143,24 @@ def plot(rows: list[dict], args, path: Path) -> None:
         ax_ratio.plot(sizes, [r[schedule]["ratio"] for r in rows], marker="o", label=schedule)
         ax_fp64.plot(sizes, [max(r[schedule]["fp64"], 1e-18) for r in rows], marker="o", label=schedule)
     ax_ratio.axhline(2.0, color="0.5", linestyle="--", label="gate: 2x one device")
-    ax_ratio.set(title=f"{args.dtype}: CP error / one-device error (against fp64)", xlabel="C (ranks)",
-                 ylabel="ratio (max over out, dq, dk, dv)", ylim=(0, 2.5))
+    ax_ratio.set(
+        title=f"{args.dtype}: CP error / one-device error (against fp64)",
+        xlabel="C (ranks)",
+        ylabel="ratio (max over out, dq, dk, dv)",
+        ylim=(0, 2.5),
+    )
     ax_fp64.axhline(1e-10, color="0.5", linestyle="--", label="gate: 1e-10")
-    ax_fp64.set(title="fp64: CP against one device (0 drawn at 1e-18)", xlabel="C (ranks)", ylabel="max abs error", yscale="log")
+    ax_fp64.set(
+        title="fp64: CP against one device (0 drawn at 1e-18)", xlabel="C (ranks)", ylabel="max abs error", yscale="log"
+    )
     for ax in (ax_ratio, ax_fp64):
         ax.set_xticks(sizes)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{args.variant}, {'causal' if args.causal else 'non-causal'}, S={args.seq}, heads {args.heads}/{args.kv_heads}, "
-                 f"D={args.head_dim}, fwd+bwd")
+    fig.suptitle(
+        f"{args.variant}, {'causal' if args.causal else 'non-causal'}, S={args.seq}, "
+        f"heads {args.heads}/{args.kv_heads}, D={args.head_dim}, fwd+bwd"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -157,9 +174,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--variant", choices=VARIANTS, default="plain",
-                   help="the attention measured: plain, a sliding window (--window), chunks (--chunk), capped scores "
-                        "(--softcap), a sink per head, or value heads half as wide as query/key (mla)")
+    p.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="plain",
+        help="the attention measured: plain, a sliding window (--window), chunks (--chunk), capped scores "
+        "(--softcap), a sink per head, or value heads half as wide as query/key (mla)",
+    )
     p.add_argument("--window", type=int, default=256, help="window of --variant window (transformers' sliding_window)")
     p.add_argument("--chunk", type=int, default=256, help="chunk size of --variant chunk")
     p.add_argument("--softcap", type=float, default=20.0, help="logit cap of --variant softcap")
@@ -177,8 +198,11 @@ def main(args: argparse.Namespace) -> int:
             row = pool.run(errors_rank, args, timeout=3600)[0]
         row["C"] = size
         rows.append(row)
-        print(f"{size:>2} {row['single']:>11.2e} " + " ".join(
-            f"{row[s]['ratio']:>15.2f} {row[s]['fp64']:>15.1e}" for s in args.schedules), flush=True)
+        print(
+            f"{size:>2} {row['single']:>11.2e} "
+            + " ".join(f"{row[s]['ratio']:>15.2f} {row[s]['fp64']:>15.1e}" for s in args.schedules),
+            flush=True,
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))

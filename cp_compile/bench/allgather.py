@@ -17,13 +17,14 @@ OURS_ALLGATHER = "ours allgather"
 def _ours_allgather_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    return fwd_bwd_step(functools.partial(cp_compile.allgather_attention, is_causal=p.causal),
-                        (x.q, x.k, x.v), x.do)
+    return fwd_bwd_step(functools.partial(cp_compile.allgather_attention, is_causal=p.causal), (x.q, x.k, x.v), x.do)
 
 
-register_variant(Variant(
-    name=OURS_ALLGATHER,
-    setup=_ours_allgather_setup,
-    description="all-gather schedule, eager: K/V gathered once per direction, dK/dV reduce-scattered",
-    devices=("cpu", "cuda"),
-))
+register_variant(
+    Variant(
+        name=OURS_ALLGATHER,
+        setup=_ours_allgather_setup,
+        description="all-gather schedule, eager: K/V gathered once per direction, dK/dV reduce-scattered",
+        devices=("cpu", "cuda"),
+    )
+)

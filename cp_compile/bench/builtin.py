@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from .core import OURS, SINGLE, TORCH_A2A, TORCH_AG, Inputs, Problem, Variant, _scale, fwd_bwd_step, register_variant
 
-
 # -- single device -------------------------------------------------------------
 
 
 def _single_setup(p: Problem, x: Inputs):
-    return fwd_bwd_step(functools.partial(F.scaled_dot_product_attention, is_causal=p.causal),
-                        (x.q_full, x.k_full, x.v_full), x.do_full)
+    return fwd_bwd_step(
+        functools.partial(F.scaled_dot_product_attention, is_causal=p.causal), (x.q_full, x.k_full, x.v_full), x.do_full
+    )
 
 
 # -- ours ------------------------------------------------------------------------
@@ -142,8 +142,19 @@ def _torch_ring_setup(p: Problem, x: Inputs, stub: bool = False, *, rotate_metho
                 group, 2, fwd_op, x.q, x.k, x.v, is_causal=p.causal, dropout_p=0.0, scale=scale
             )
             dq, dk, dv = A._templated_ring_attention_backward(
-                group, 2, bwd_op, x.do, "grad_out", x.q, x.k, x.v, out, lse,
-                is_causal=p.causal, dropout_p=0.0, scale=scale,
+                group,
+                2,
+                bwd_op,
+                x.do,
+                "grad_out",
+                x.q,
+                x.k,
+                x.v,
+                out,
+                lse,
+                is_causal=p.causal,
+                dropout_p=0.0,
+                scale=scale,
             )
         return out, dq, dk, dv
 
@@ -175,14 +186,27 @@ def _torch_meter():
         ft_c.permute_tensor, ft_c.all_gather_single = saved
 
 
-register_variant(Variant(OURS, _ours_setup, "cp_compile.ring_attention, eager, zigzag",
-                         traced_setup=_ours_traced_setup, meter=_ours_meter, stub=_stub_our_kernels))
+register_variant(
+    Variant(
+        OURS,
+        _ours_setup,
+        "cp_compile.ring_attention, eager, zigzag",
+        traced_setup=_ours_traced_setup,
+        meter=_ours_meter,
+        stub=_stub_our_kernels,
+    )
+)
 for _method, _name in (("alltoall", TORCH_A2A), ("allgather", TORCH_AG)):
-    register_variant(Variant(
-        _name, functools.partial(_torch_ring_setup, rotate_method=_method),
-        f"torch _templated_ring_attention(+_backward), CPU flash kernel, K/V rotate={_method}",
-        traced_setup=functools.partial(_torch_ring_setup, rotate_method=_method),
-        meter=_torch_meter, devices=("cpu",),
-    ))
-register_variant(Variant(SINGLE, _single_setup, "F.scaled_dot_product_attention, full sequence, rank 0",
-                         single_rank=True))
+    register_variant(
+        Variant(
+            _name,
+            functools.partial(_torch_ring_setup, rotate_method=_method),
+            f"torch _templated_ring_attention(+_backward), CPU flash kernel, K/V rotate={_method}",
+            traced_setup=functools.partial(_torch_ring_setup, rotate_method=_method),
+            meter=_torch_meter,
+            devices=("cpu",),
+        )
+    )
+register_variant(
+    Variant(SINGLE, _single_setup, "F.scaled_dot_product_attention, full sequence, rank 0", single_rank=True)
+)

@@ -10,9 +10,21 @@ from pathlib import Path
 
 import torch
 
-from .core import (DTYPES, OURS, SINGLE, TINY, TORCH_A2A, TORCH_AG, VARIANTS, BenchOptions, LocalPools, Problem,
-                   load_plugins, run_benchmark, torchrun_runner)
-
+from .core import (
+    DTYPES,
+    OURS,
+    SINGLE,
+    TINY,
+    TORCH_A2A,
+    TORCH_AG,
+    VARIANTS,
+    BenchOptions,
+    LocalPools,
+    Problem,
+    load_plugins,
+    run_benchmark,
+    torchrun_runner,
+)
 
 # ----------------------------------------------------------------------------
 # Report: table and figure.
@@ -20,8 +32,10 @@ from .core import (DTYPES, OURS, SINGLE, TINY, TORCH_A2A, TORCH_AG, VARIANTS, Be
 
 
 def table(results: dict) -> str:
-    head = (f"{'config':<22} {'variant':<24} {'time s':>8} {'eff':>5} {'/a2a':>5} {'/ag':>5} "
-            f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7} {'host ms/step':>12}")
+    head = (
+        f"{'config':<22} {'variant':<24} {'time s':>8} {'eff':>5} {'/a2a':>5} {'/ag':>5} "
+        f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7} {'host ms/step':>12}"
+    )
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for cfg in results["configs"]:
@@ -46,10 +60,18 @@ def table(results: dict) -> str:
 
 
 _COLORS = {
-    OURS: "tab:blue", TORCH_A2A: "tab:orange", TORCH_AG: "tab:green", SINGLE: "black", "ours compiled": "tab:purple",
+    OURS: "tab:blue",
+    TORCH_A2A: "tab:orange",
+    TORCH_AG: "tab:green",
+    SINGLE: "black",
+    "ours compiled": "tab:purple",
 }
-_SPAN_STYLE = {"compute": ("tab:blue", "attention"), "merge": ("tab:purple", "merge"),
-               "other": ("0.7", "other ops"), "wait": ("tab:red", "blocked in wait/issue")}
+_SPAN_STYLE = {
+    "compute": ("tab:blue", "attention"),
+    "merge": ("tab:purple", "merge"),
+    "other": ("0.7", "other ops"),
+    "wait": ("tab:red", "blocked in wait/issue"),
+}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -71,13 +93,17 @@ def plot(results: dict, path: Path) -> None:
         ax_t, ax_m = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for name in results["variants"]:
             for si, s in enumerate(seq_lens):
-                pts = [(c["config"]["world_size"], c["variants"][name]) for c in configs
-                       if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]]
+                pts = [
+                    (c["config"]["world_size"], c["variants"][name])
+                    for c in configs
+                    if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]
+                ]
                 pts = [(w, e) for w, e in sorted(pts, key=lambda t: t[0]) if e.get("time_s") is not None]
                 if not pts:
                     continue
-                style = dict(color=colors[name], marker=markers[si % len(markers)],
-                             linestyle="--" if name == SINGLE else "-")
+                style = dict(
+                    color=colors[name], marker=markers[si % len(markers)], linestyle="--" if name == SINGLE else "-"
+                )
                 label = f"{name}, S={s}"
                 ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
                 if name != SINGLE:
@@ -91,9 +117,11 @@ def plot(results: dict, path: Path) -> None:
             ax.legend(fontsize=6)
     if timeline:
         _plot_timeline(fig.add_subplot(grid[2, :]), results)
-    fig.suptitle(f"cp_compile bench: B={configs[0]['config']['batch']} H={configs[0]['config']['heads']} "
-                 f"D={configs[0]['config']['head_dim']} {configs[0]['config']['dtype']}, "
-                 f"{results['meta']['device']}, {results['meta']['threads_per_rank']} thread/rank")
+    fig.suptitle(
+        f"cp_compile bench: B={configs[0]['config']['batch']} H={configs[0]['config']['heads']} "
+        f"D={configs[0]['config']['head_dim']} {configs[0]['config']['dtype']}, "
+        f"{results['meta']['device']}, {results['meta']['threads_per_rank']} thread/rank"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -124,22 +152,30 @@ def _plot_timeline(ax, results: dict) -> None:
                 issued[e["id"]] = t0
             kind = "wait" if e["kind"] in ("wait", "comm") else e["kind"]
             color, label = _SPAN_STYLE[kind]
-            ax.broken_barh([(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color,
-                           label=None if kind in used else label)
+            ax.broken_barh(
+                [(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color, label=None if kind in used else label
+            )
             used.add(kind)
         ends: dict[int, float] = {}
         for e in events:
             if e["kind"] == "wait" and e.get("id", -1) in issued:
                 ends[e["id"]] = max(ends.get(e["id"], 0.0), e["t1"] - origin)
         spans = [(issued[i], end - issued[i]) for i, end in ends.items()]
-        ax.broken_barh(spans, (y + 0.2, 0.15), color="tab:orange", alpha=0.6,
-                       label=None if "inflight" in used else "transfer in flight (issue to wait done)")
+        ax.broken_barh(
+            spans,
+            (y + 0.2, 0.15),
+            color="tab:orange",
+            alpha=0.6,
+            label=None if "inflight" in used else "transfer in flight (issue to wait done)",
+        )
         used.add("inflight")
     ax.set_yticks(range(len(found)), [f"rank {r}" for r in reversed(range(len(found)))])
     c = tl_cfg
-    ax.set(xlabel="seconds (instrumented re-run; fwd then bwd)",
-           title=f"ours eager, per-rank timeline: {'causal' if c['causal'] else 'non-causal'} "
-                 f"C={c['world_size']} S={c['seq_len']}")
+    ax.set(
+        xlabel="seconds (instrumented re-run; fwd then bwd)",
+        title=f"ours eager, per-rank timeline: {'causal' if c['causal'] else 'non-causal'} "
+        f"C={c['world_size']} S={c['seq_len']}",
+    )
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=4)
 
 
@@ -155,7 +191,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchOptions()
     p.add_argument("--world-sizes", "-C", type=_ints, default=d.world_sizes, help="comma list (default 1,2,4)")
-    p.add_argument("--seq-lens", "-S", type=_ints, default=d.seq_lens, help="global tokens, comma list (default 2048,4096,8192)")
+    p.add_argument(
+        "--seq-lens", "-S", type=_ints, default=d.seq_lens, help="global tokens, comma list (default 2048,4096,8192)"
+    )
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--head-dim", type=int, default=d.head_dim)
@@ -163,28 +201,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask", choices=["both", "causal", "full"], default="both")
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--variants", default=None, help="comma list of variant names (default: all registered)")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import a module that registers more variants (repeatable)")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module that registers more variants (repeatable)",
+    )
     p.add_argument("--no-trace", dest="trace", action="store_false", help="skip the comm-overlap re-runs")
-    p.add_argument("--trace-repeats", type=int, default=d.trace_repeats,
-                   help="instrumented (real, comm-only) run pairs per variant; medians are reported")
-    p.add_argument("--min-sample-ms", type=float, default=d.min_sample_ms,
-                   help="a timing sample averages back-to-back steps until it lasts this long (default 50)")
+    p.add_argument(
+        "--trace-repeats",
+        type=int,
+        default=d.trace_repeats,
+        help="instrumented (real, comm-only) run pairs per variant; medians are reported",
+    )
+    p.add_argument(
+        "--min-sample-ms",
+        type=float,
+        default=d.min_sample_ms,
+        help="a timing sample averages back-to-back steps until it lasts this long (default 50)",
+    )
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke configuration")
-    p.add_argument("--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it")
+    p.add_argument(
+        "--out", type=Path, default=Path("bench_out/results.json"), help="JSON path; the PNG goes next to it"
+    )
     p.add_argument("--list", action="store_true", help="list registered variants and exit")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda (without torchrun): the ring's decomposition on one GPU, C virtual ranks "
-                        "(cp_compile.bench.virtual); under torchrun: the launched ranks' device")
-    p.add_argument("--virtual", action="store_true",
-                   help="C virtual ranks on one device (implied by --device cuda outside torchrun)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda (without torchrun): the ring's decomposition on one GPU, C virtual ranks "
+        "(cp_compile.bench.virtual); under torchrun: the launched ranks' device",
+    )
+    p.add_argument(
+        "--virtual",
+        action="store_true",
+        help="C virtual ranks on one device (implied by --device cuda outside torchrun)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOptions:
     opts = BenchOptions(
-        world_sizes=args.world_sizes, seq_lens=args.seq_lens, batch=args.batch, heads=args.heads,
-        head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, trace=args.trace,
-        trace_repeats=args.trace_repeats, min_sample_ms=args.min_sample_ms,
+        world_sizes=args.world_sizes,
+        seq_lens=args.seq_lens,
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        trace=args.trace,
+        trace_repeats=args.trace_repeats,
+        min_sample_ms=args.min_sample_ms,
         causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
         variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
         device=device,
@@ -227,7 +295,9 @@ def _main_virtual(args: argparse.Namespace) -> int:
         return 2
     device = torch.device(args.device)
     defaults = BenchOptions()
-    given = {a for a in ("world_sizes", "seq_lens", "heads", "head_dim", "dtype") if getattr(args, a) != getattr(defaults, a)}
+    given = {
+        a for a in ("world_sizes", "seq_lens", "heads", "head_dim", "dtype") if getattr(args, a) != getattr(defaults, a)
+    }
     cfg = {a: getattr(args, a) for a in ("world_sizes", "seq_lens", "batch", "heads", "head_dim", "dtype")}
     if device.type == "cuda" and not args.tiny:  # the GPU defaults unless set on the command line
         cfg.update({a: val for a, val in virtual.CUDA_DEFAULTS.items() if a not in given})
@@ -259,8 +329,7 @@ def main(args: argparse.Namespace) -> int:
         import cp_compile  # noqa: F401
 
         opts = options_from_args(args, "cuda" if cuda else "cpu")
-        opts = dataclasses.replace(opts, world_sizes=(dist.get_world_size(),),
-                                   trace=opts.trace and not cuda)
+        opts = dataclasses.replace(opts, world_sizes=(dist.get_world_size(),), trace=opts.trace and not cuda)
         main_rank = dist.get_rank() == 0
         results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
         if main_rank:

@@ -28,11 +28,13 @@ def _ours_compiled_setup(p: Problem, x: Inputs):
     return fwd_bwd_step(compiled, (x.q, x.k, x.v), x.do)
 
 
-register_variant(Variant(
-    name=OURS_COMPILED,
-    setup=_ours_compiled_setup,
-    description="the user's SDPA compiled with plan.backend('inductor'): the same ring, expanded in the graph",
-    meter=_ours_meter,
-    warmup=3,
-    stub=_stub_our_kernels,  # the compiled graph calls the same block ops, so the same stand-ins apply
-))
+register_variant(
+    Variant(
+        name=OURS_COMPILED,
+        setup=_ours_compiled_setup,
+        description="the user's SDPA compiled with plan.backend('inductor'): the same ring, expanded in the graph",
+        meter=_ours_meter,
+        warmup=3,
+        stub=_stub_our_kernels,  # the compiled graph calls the same block ops, so the same stand-ins apply
+    )
+)

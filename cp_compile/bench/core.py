@@ -77,8 +77,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -96,7 +98,10 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
 PLUGIN_MODULES: list[str] = [
-    "cp_compile.bench.compiled", "cp_compile.bench.allgather", "cp_compile.bench.schedules", "cp_compile.bench.packed",
+    "cp_compile.bench.compiled",
+    "cp_compile.bench.allgather",
+    "cp_compile.bench.schedules",
+    "cp_compile.bench.packed",
 ]
 
 # name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
@@ -161,10 +166,10 @@ class Variant:
     description: str = ""
     single_rank: bool = False  # True: rank 0 runs the full sequence, others wait
     traced_setup: Optional[Callable[[Problem, Inputs, bool], Callable[[], tuple]]] = None
-    meter: Optional[Callable[[], ContextManager]] = None
+    meter: Optional[Callable[[], AbstractContextManager]] = None
     devices: tuple[str, ...] = ("cpu", "cuda")
     warmup: int = 2
-    stub: Optional[Callable[[], ContextManager]] = None
+    stub: Optional[Callable[[], AbstractContextManager]] = None
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -352,7 +357,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_summary(tracers: list["OpTracer"]) -> dict:
+def _median_summary(tracers: list[OpTracer]) -> dict:
     """Per-field median over repeated traced runs."""
     rows = [t.summary() for t in tracers]
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -368,8 +373,9 @@ def _timed_sample(step: Callable, n: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _steps_per_sample(variants: list[Variant], steps: dict, mine, device: torch.device,
-                      min_sample_s: float, most: int = 64) -> dict[str, int]:
+def _steps_per_sample(
+    variants: list[Variant], steps: dict, mine, device: torch.device, min_sample_s: float, most: int = 64
+) -> dict[str, int]:
     """Steps per timing sample for each variant, the same on every rank.
 
     Each variant is timed once more here (after its warm-up); the slowest rank's
@@ -386,24 +392,32 @@ def _steps_per_sample(variants: list[Variant], steps: dict, mine, device: torch.
     return {v.name: max(1, min(most, math.ceil(min_sample_s / max(t, 1e-6)))) for v, t in zip(variants, once.tolist())}
 
 
-def _interleaved_samples(variants: list[Variant], steps: dict, mine, device: torch.device, repeats: int,
-                         per_sample: dict[str, int]) -> dict[str, list[float]]:
+def _interleaved_samples(
+    variants: list[Variant], steps: dict, mine, device: torch.device, repeats: int, per_sample: dict[str, int]
+) -> dict[str, list[float]]:
     """One sample of every variant per repeat, in an order that rotates from repeat to repeat
     (slow drift of a shared machine hits all alike); ranks start each sample together."""
     import torch.distributed as dist
 
     samples: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(repeats if variants else 0):
-        for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
             dist.barrier()
             if mine(v):
                 samples[v.name].append(_timed_sample(steps[v.name], per_sample[v.name], device))
     return samples
 
 
-def bench_rank(p: Problem, variants: list[Variant], repeats: int, device_type: str = "cpu",
-               trace: bool = True, keep_timeline: tuple[str, ...] = (), trace_repeats: int = 1,
-               min_sample_s: float = 0.0) -> dict:
+def bench_rank(
+    p: Problem,
+    variants: list[Variant],
+    repeats: int,
+    device_type: str = "cpu",
+    trace: bool = True,
+    keep_timeline: tuple[str, ...] = (),
+    trace_repeats: int = 1,
+    min_sample_s: float = 0.0,
+) -> dict:
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
@@ -555,14 +569,17 @@ def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
         per_rank = [row["variants"][v.name] for row in rows]
         first = per_rank[0]
         entry: dict[str, Any] = {
-            "valid": first["valid"], "max_rel_err": first["max_rel_err"], "description": v.description,
+            "valid": first["valid"],
+            "max_rel_err": first["max_rel_err"],
+            "description": v.description,
         }
         ranks_with_times = [r for r in per_rank if r.get("times_s")]
         if first["valid"] and ranks_with_times:
             n = min(len(r["times_s"]) for r in ranks_with_times)
             per_repeat = [max(r["times_s"][i] for r in ranks_with_times) for i in range(n)]
             entry.update(
-                time_s=_median(per_repeat), times_s=per_repeat,
+                time_s=_median(per_repeat),
+                times_s=per_repeat,
                 per_rank_time_s=[_median(r["times_s"]) for r in ranks_with_times],
                 peak_bytes=max(r["peak_bytes"] for r in ranks_with_times),
                 q_bytes=ranks_with_times[0]["q_bytes"],
@@ -584,7 +601,8 @@ def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
             hidden = [1.0 - e / s if s > 0 and p.world_size > 1 else None for e, s in zip(exposed, standalone)]
             known = [h for h in hidden if h is not None]
             entry.update(
-                comm_exposed_s=statistics.mean(exposed), comm_standalone_s=statistics.mean(standalone),
+                comm_exposed_s=statistics.mean(exposed),
+                comm_standalone_s=statistics.mean(standalone),
                 comm_hidden_fraction=statistics.mean(known) if known else None,
                 comm_hidden_per_rank=hidden,
                 traced_compute_s=statistics.mean(t["run"]["compute_s"] for t in traces),
@@ -664,7 +682,9 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
     variants = [VARIANTS[n] for n in names if n not in skipped]
     problems = [
         Problem(opts.batch, opts.heads, opts.head_dim, s, c, causal, opts.dtype)
-        for causal in opts.causal for c in opts.world_sizes for s in opts.seq_lens
+        for causal in opts.causal
+        for c in opts.world_sizes
+        for s in opts.seq_lens
     ]
     for p in problems:
         chunks = 2 * p.world_size
@@ -672,15 +692,27 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
             raise ValueError(f"S={p.seq_len} does not split into 2C={chunks} zigzag chunks")
     causal_problems = [p for p in problems if p.causal] or problems
     timeline_problem = max(causal_problems, key=lambda p: (p.world_size, p.seq_len))
-    log(f"benchmarking {len(problems)} configurations x {len(variants)} variants "
+    log(
+        f"benchmarking {len(problems)} configurations x {len(variants)} variants "
         f"({', '.join(v.name for v in variants)}); B={opts.batch} H={opts.heads} D={opts.head_dim} "
-        f"{opts.dtype}, {opts.repeats} repeats, device {opts.device}")
+        f"{opts.dtype}, {opts.repeats} repeats, device {opts.device}"
+    )
     configs = []
     start = time.perf_counter()
     for i, p in enumerate(problems, 1):
         keep = (OURS,) if p == timeline_problem else ()
-        rows = runner(p.world_size, bench_rank, p, variants, opts.repeats, opts.device, opts.trace, keep,
-                      opts.trace_repeats, opts.min_sample_ms / 1e3)
+        rows = runner(
+            p.world_size,
+            bench_rank,
+            p,
+            variants,
+            opts.repeats,
+            opts.device,
+            opts.trace,
+            keep,
+            opts.trace_repeats,
+            opts.min_sample_ms / 1e3,
+        )
         res = summarise(p, variants, rows)
         extras = {name: hook(p, res, runner) for name, hook in CONFIG_HOOKS.items()}
         configs.append({"config": dataclasses.asdict(p), "flops": p.flops, "variants": res, "extras": extras})
@@ -690,11 +722,16 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
                 log(f"    {name}: {extra['line']}")
     return {
         "meta": {
-            "torch": torch.__version__, "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
-            "device": opts.device, "threads_per_rank": opts.threads_per_rank,
-            "options": dataclasses.asdict(opts), "skipped_variants": skipped,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(),
+            "device": opts.device,
+            "threads_per_rank": opts.threads_per_rank,
+            "options": dataclasses.asdict(opts),
+            "skipped_variants": skipped,
             "timeline_config": dataclasses.asdict(timeline_problem),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - start,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "wall_s": time.perf_counter() - start,
             "definitions": _definitions(),
         },
         "variants": {v.name: v.description for v in variants},
@@ -705,12 +742,14 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
 def _definitions() -> dict:
     return {
         "time_s": "median over repeats of the slowest rank's fwd+bwd wall time per step (a sample averages "
-                  "steps_per_sample back-to-back steps); variants interleaved per repeat",
+        "steps_per_sample back-to-back steps); variants interleaved per repeat",
         "host_s_per_step": "fwd+bwd time with zero-cost attention kernels / 2C ring steps, slowest rank",
         "parallel_efficiency": "single-device time / (C * time)",
         "time_ratio_vs": "time / that torch ring variant's time (< 1: faster)",
-        "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, / bytes of one local q",
+        "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, "
+        "/ bytes of one local q",
         "bytes_per_rank": "payload bytes arriving at one rank from others in one fwd+bwd",
-        "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); mean over ranks",
+        "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); "
+        "mean over ranks",
         "gflops_per_rank": "12*B*H*S^2*D (x0.5 causal) / C / time",
     }

@@ -34,7 +34,9 @@ def _compiled_setup(dynamic: bool, p: Problem, x: Inputs):
     window = (-1, 0) if p.causal else (-1, -1)
     compiled = torch.compile(
         lambda q, k, v, cu: varlen_attn(q, k, v, cu, cu, p.seq_len, p.seq_len, window_size=window),
-        backend=plan.backend("inductor"), fullgraph=True)
+        backend=plan.backend("inductor"),
+        fullgraph=True,
+    )
 
     def attention(q, k, v):
         if dynamic:  # the step's leaves are new tensors each setup: mark them as plan.shard marks shards
@@ -47,10 +49,13 @@ def _compiled_setup(dynamic: bool, p: Problem, x: Inputs):
 
 
 for _name, _dynamic in ((OURS_PACKED_STATIC, False), (OURS_PACKED_DYNAMIC, True)):
-    register_variant(Variant(
-        name=_name,
-        setup=functools.partial(_compiled_setup, _dynamic),  # picklable: sent to the ranks
-        description=f"varlen_attn compiled with plan.backend('inductor'), sizes {'dynamic' if _dynamic else 'static'}",
-        meter=_ours_meter,
-        warmup=3,
-    ))
+    register_variant(
+        Variant(
+            name=_name,
+            setup=functools.partial(_compiled_setup, _dynamic),  # picklable: sent to the ranks
+            description="varlen_attn compiled with plan.backend('inductor'), sizes "
+            + ("dynamic" if _dynamic else "static"),
+            meter=_ours_meter,
+            warmup=3,
+        )
+    )

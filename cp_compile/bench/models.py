@@ -48,8 +48,9 @@ import io
 import json
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 SEQ, PROMPT, NEW = 64, 37, 12  # SEQ: training tokens at C=2 (see seq_len)
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 128, 64, 4, 2, 16, 128
@@ -66,68 +67,165 @@ FAMILY_TIMEOUT_S = 240.0  # the whole family on every rank; beyond it the pool i
 # for everything else.
 SIZES = {
     # width, depth, heads
-    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "embedding_size": HIDDEN, "emb_dim": HIDDEN,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
-    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "multi_query_group_num": KV_HEADS,
-    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "attention_head_dim": HEAD_DIM, "d_head": HEAD_DIM,
-    "rotary_dim": HEAD_DIM // 2, "dim_head": HEAD_DIM, "swa_num_attention_heads": HEADS,
-    "swa_num_key_value_heads": KV_HEADS, "swa_head_dim": HEAD_DIM, "hidden_size_global": HIDDEN,
+    "hidden_size": HIDDEN,
+    "n_embd": HIDDEN,
+    "d_model": HIDDEN,
+    "embedding_size": HIDDEN,
+    "emb_dim": HIDDEN,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "n_layers": 2,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "num_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "num_kv_heads": KV_HEADS,
+    "multi_query_group_num": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "kv_channels": HEAD_DIM,
+    "attention_head_dim": HEAD_DIM,
+    "d_head": HEAD_DIM,
+    "rotary_dim": HEAD_DIM // 2,
+    "dim_head": HEAD_DIM,
+    "swa_num_attention_heads": HEADS,
+    "swa_num_key_value_heads": KV_HEADS,
+    "swa_head_dim": HEAD_DIM,
+    "hidden_size_global": HIDDEN,
     # feed-forward
-    "intermediate_size": FFN, "n_inner": FFN, "ffn_dim": FFN, "d_ff": FFN, "ffn_hidden_size": FFN,
-    "dense_intermediate_size": FFN, "intermediate_size_mlp": FFN, "feed_forward_size": FFN, "d_inner": FFN,
+    "intermediate_size": FFN,
+    "n_inner": FFN,
+    "ffn_dim": FFN,
+    "d_ff": FFN,
+    "ffn_hidden_size": FFN,
+    "dense_intermediate_size": FFN,
+    "intermediate_size_mlp": FFN,
+    "feed_forward_size": FFN,
+    "d_inner": FFN,
     "dim_ff": FFN,
     # mixtures of experts: 4 experts of 32, 2 per token, one shared expert where the family has them
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,
-    "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32,
-    "shared_experts_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
-    "expert_ffn_hidden_size": 32, "zero_expert_num": 2,
-    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
-    "first_k_dense_replace": 1, "num_dense_layers": 1,  # layer 0 dense, layer 1 a MoE
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,  # layer 0 dense, layer 1 a MoE
     # multi-head latent attention: query/key head 16 + 8 (rope) = 24, value head 16
-    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
     # sparse attention indexers (DSA): small, and a top-k below the sequence length
-    "index_n_heads": 2, "index_head_dim": 16, "index_topk": WINDOW,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": WINDOW,
     # linear attention / gated delta net / state-space layers
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_num_heads": 4, "linear_head_dim": 16,
-    "mamba_d_state": 16, "state_size": 16, "ssm_state_size": 16, "mamba_n_heads": 8, "mamba_num_heads": 8,
-    "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_headdim": 16, "mamba_n_groups": 1, "mamba_ngroups": 1,
-    "n_groups": 1, "mamba_chunk_size": 16, "chunk_size": 16, "time_step_rank": 8, "mamba_dt_rank": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "mamba_d_state": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "mamba_n_heads": 8,
+    "mamba_num_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_headdim": 16,
+    "mamba_n_groups": 1,
+    "mamba_ngroups": 1,
+    "n_groups": 1,
+    "mamba_chunk_size": 16,
+    "chunk_size": 16,
+    "time_step_rank": 8,
+    "mamba_dt_rank": 8,
     # positions and windows
-    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256,
-    "sliding_window": WINDOW, "attention_chunk_size": WINDOW, "sliding_window_size": WINDOW,
-    "attention_window_size": WINDOW, "local_attention_window_len": WINDOW, "window_size": WINDOW,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "n_ctx": 256,
+    "sliding_window": WINDOW,
+    "attention_chunk_size": WINDOW,
+    "sliding_window_size": WINDOW,
+    "attention_window_size": WINDOW,
+    "local_attention_window_len": WINDOW,
+    "window_size": WINDOW,
     # multi-token prediction heads are not part of the causal LM's forward
     "num_nextn_predict_layers": 0,
     # vocabularies (hashed n-gram and per-layer input embeddings too)
-    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB,
-    "encoder_hash_byte_group_vocab": 256, "ngram_vocab_size_base": 256, "hidden_size_per_layer_input": 16,
-    "ple_embed_dim": 32, "hc_lowrank": 16, "laurel_rank": 8,
+    "vocab_size": VOCAB,
+    "unpadded_vocab_size": VOCAB,
+    "vocab_size_per_layer_input": VOCAB,
+    "encoder_hash_byte_group_vocab": 256,
+    "ngram_vocab_size_base": 256,
+    "hidden_size_per_layer_input": 16,
+    "ple_embed_dim": 32,
+    "hc_lowrank": 16,
+    "laurel_rank": 8,
 }
 # Fields that, left at None by a family's defaults, its model code cannot do without; and a sliding window
 # where the config has one but leaves it off (Mixtral, Phi-3, PhiMoE, Starcoder2, ...): on, so that it is tested.
-WHEN_NONE = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "num_experts_per_tok": 2,
-             "sliding_window": WINDOW}
+WHEN_NONE = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "num_experts_per_tok": 2, "sliding_window": WINDOW}
 
 # Families that are not decoder-only text LMs (besides every encoder-decoder config and every
 # ...ForConditionalGeneration class, which are found from transformers itself).
-ENCODER = ("an encoder (bidirectional attention; its causal-LM head needs is_decoder=True and serves encoder-decoder "
-           "setups), not a decoder-only LM")
+ENCODER = (
+    "an encoder (bidirectional attention; its causal-LM head needs is_decoder=True and serves encoder-decoder "
+    "setups), not a decoder-only LM"
+)
 MULTIMODAL = "multimodal (images/audio and text); not a text decoder LM"
 SKIP = {
-    **{name: ENCODER for name in (
-        "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
-        "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
-        "xmod", "xlm")},
+    **{
+        name: ENCODER
+        for name in (
+            "bert",
+            "bert-generation",
+            "big_bird",
+            "camembert",
+            "data2vec-text",
+            "electra",
+            "ernie",
+            "megatron-bert",
+            "rembert",
+            "roberta",
+            "roberta-prelayernorm",
+            "roc_bert",
+            "roformer",
+            "xlm-roberta",
+            "xlm-roberta-xl",
+            "xmod",
+            "xlm",
+        )
+    },
     "trocr": "the text decoder of an image-to-text encoder-decoder (cross-attends to image features)",
     "musicgen": "an audio-codebook decoder of a text-to-music encoder-decoder; not a text LM",
     "musicgen_melody": "an audio-codebook decoder of a text-to-music encoder-decoder; not a text LM",
     **{name: MULTIMODAL for name in ("fuyu", "git", "phi4_multimodal")},
-    **{name: "a speculative-decoding drafter: runs on its target model's embeddings and K/V (shared_kv_states), "
-             "not a standalone LM" for name in ("gemma4_assistant", "gemma4_unified_assistant")},
+    **{
+        name: "a speculative-decoding drafter: runs on its target model's embeddings and K/V (shared_kv_states), "
+        "not a standalone LM"
+        for name in ("gemma4_assistant", "gemma4_unified_assistant")
+    },
 }
 
 # Per-family overrides, on top of SIZES (keep this short; say why).
@@ -145,13 +243,15 @@ OVERRIDES: dict[str, dict] = {
     # rope_theta its attention config lacks, an indexer with no sizes, an assistant validated against itself
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    "dbrx": dict(attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(ffn_hidden_size=FFN, moe_num_experts=4, moe_top_k=2)),
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=WINDOW,
-                           indexer_compress_ratio=4),
+    "dbrx": dict(
+        attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=FFN, moe_num_experts=4, moe_top_k=2),
+    ),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=WINDOW, indexer_compress_ratio=4
+    ),
     # Dots3: its sliding-window layers are plain attention with the MLA layers' query/key head size
-    **{name: dict(head_dim=SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"])
-       for name in ("dots3_note_text",)},
+    **{name: dict(head_dim=SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"]) for name in ("dots3_note_text",)},
     # Zamba shares one transformer block between its hybrid layers (tied weights): two of them
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
     # GPT-Neo: one global and one local (window) layer
@@ -160,17 +260,29 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": dict(num_heads=8, head_dim=16),
     # Gemma3n: per-layer FFN sizes and sparsity; its last layers reuse earlier layers' K/V
     # (num_kv_shared_layers), so two of each type, the last two sharing
-    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                         num_kv_shared_layers=2, intermediate_size=[FFN] * 4,
-                         activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]),
+    "gemma3n_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        intermediate_size=[FFN] * 4,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    ),
     # Gemma4: full-attention layers have twice the sliding layers' head dim (a per-layer config)
-    **{name: dict(per_layer_config={"01": {"head_dim": 2 * HEAD_DIM}})
-       for name in ("gemma4_text", "gemma4_unified_text")},
+    **{
+        name: dict(per_layer_config={"01": {"head_dim": 2 * HEAD_DIM}})
+        for name in ("gemma4_text", "gemma4_unified_text")
+    },
     # HRM: one layer per stack (the family repeats stacks over cycles)
     "hrm_text": dict(num_layers_per_stack=1),
     # Reformer's LM head runs only as a decoder; axial position embeddings must tile the sequence
-    "reformer": dict(is_decoder=True, attn_layers=["local", "lsh"], axial_pos_embds_dim=[32, 32],
-                     axial_pos_shape=[8, 8], local_attn_chunk_length=WINDOW, lsh_attn_chunk_length=WINDOW),
+    "reformer": dict(
+        is_decoder=True,
+        attn_layers=["local", "lsh"],
+        axial_pos_embds_dim=[32, 32],
+        axial_pos_shape=[8, 8],
+        local_attn_chunk_length=WINDOW,
+        lsh_attn_chunk_length=WINDOW,
+    ),
 }
 
 
@@ -234,8 +346,14 @@ def _skip_reason(name: str) -> Optional[str]:
     return None
 
 
-WINDOWS = ("sliding_window", "attention_chunk_size", "sliding_window_size", "attention_window_size",
-           "local_attention_window_len", "window_size")
+WINDOWS = (
+    "sliding_window",
+    "attention_chunk_size",
+    "sliding_window_size",
+    "attention_window_size",
+    "local_attention_window_len",
+    "window_size",
+)
 
 
 def _get(config, key: str):
@@ -270,7 +388,7 @@ def _shrunk(default) -> dict[str, Any]:
         if key in stored and stored[key] is None:
             kwargs[key] = value
     if stored.get("use_sliding_window") is False:  # Qwen2-style: windows only with use_sliding_window=True,
-        kwargs["use_sliding_window"] = True        # on the layers from max_window_layers on: layer 0 full, layer 1 not
+        kwargs["use_sliding_window"] = True  # on the layers from max_window_layers on: layer 0 full, layer 1 not
         if "max_window_layers" in stored:
             kwargs["max_window_layers"] = 1
     if stored.get("mlp_only_layers"):  # dense layers among MoE ones: layer 0 dense, the rest MoE
@@ -280,8 +398,10 @@ def _shrunk(default) -> dict[str, Any]:
     if isinstance(stored.get("qk_rope_head_dim"), int):  # MLA: head_dim is the rope part, qk_head_dim the sum
         if "num_key_value_heads" in stored:  # and keys have as many heads as queries
             kwargs["num_key_value_heads"] = HEADS
-        for key, value in (("head_dim", SIZES["qk_rope_head_dim"]),
-                           ("qk_head_dim", SIZES["qk_rope_head_dim"] + SIZES["qk_nope_head_dim"])):
+        for key, value in (
+            ("head_dim", SIZES["qk_rope_head_dim"]),
+            ("qk_head_dim", SIZES["qk_rope_head_dim"] + SIZES["qk_nope_head_dim"]),
+        ):
             if isinstance(stored.get(key), int):
                 kwargs[key] = value
     for key, value in stored.items():
@@ -316,10 +436,13 @@ def tiny_config(name: str):
     late = {key: WINDOW for key in WINDOWS if isinstance(_get(config, key), int) and _get(config, key) > WINDOW}
     # every kind of MLP (dense, MoE) the family has, in its order, the last one repeated
     mlp_kinds, layers = _get(default, "mlp_layer_types"), _get(config, "num_hidden_layers")
-    if isinstance(mlp_kinds, (list, tuple)) and isinstance(layers, int) and \
-            not set(mlp_kinds) <= set(_get(config, "mlp_layer_types") or ()):
+    if (
+        isinstance(mlp_kinds, (list, tuple))
+        and isinstance(layers, int)
+        and not set(mlp_kinds) <= set(_get(config, "mlp_layer_types") or ())
+    ):
         first = _first_of_each(mlp_kinds)
-        late["mlp_layer_types"] = (first + first[-1:] * layers)[:max(layers, len(first))]
+        late["mlp_layer_types"] = (first + first[-1:] * layers)[: max(layers, len(first))]
         late["num_hidden_layers"] = max(layers, len(first))
     if late:
         kwargs.update(late)
@@ -346,6 +469,7 @@ ID_RANGE = VOCAB - 3  # token ids of the batches and prompts: below the special 
 
 # --- one family, on every rank ------------------------------------------------------------------------------
 
+
 def seq_len(world_size: int) -> int:
     """Training tokens: SEQ, rounded up to a multiple of 2C (the zigzag layout's chunks)."""
     return -(-SEQ // (2 * world_size)) * 2 * world_size
@@ -353,7 +477,7 @@ def seq_len(world_size: int) -> int:
 
 def _first_line(e: BaseException, limit: int = 160) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _where(filename: str, lineno: int) -> str:
@@ -361,7 +485,7 @@ def _where(filename: str, lineno: int) -> str:
     parts = Path(filename).parts
     for root in ("cp_compile", "transformers", "torch", "huggingface_hub"):
         if root in parts:
-            return f"{'/'.join(parts[len(parts) - 1 - parts[::-1].index(root):])}:{lineno}"
+            return f"{'/'.join(parts[len(parts) - 1 - parts[::-1].index(root) :])}:{lineno}"
     return f"{Path(filename).name}:{lineno}"
 
 
@@ -506,13 +630,18 @@ def _train(model, reference, group) -> dict:
     floor = GRAD_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
     worst, worst_name, offset = 0.0, None, 1
     for name, p in params:
-        summed = total[offset:offset + p.numel()].view_as(p)
+        summed = total[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
         err = _rel(summed, ref_grads[name], floor)
         if err > worst or worst_name is None:
             worst, worst_name = err, name
-    metrics = {"loss": _rel(total[0], ref_loss.detach()), "logits": _rel(out.logits, plan.shard(ref_out.logits, 1)),
-               "grads": worst, "worst_grad": worst_name, "attention_calls": calls[0]}
+    metrics = {
+        "loss": _rel(total[0], ref_loss.detach()),
+        "logits": _rel(out.logits, plan.shard(ref_out.logits, 1)),
+        "grads": worst,
+        "worst_grad": worst_name,
+        "attention_calls": calls[0],
+    }
     return {"status": "exact" if max(metrics["loss"], metrics["logits"], worst) <= TOL else "wrong", **metrics}
 
 
@@ -546,8 +675,13 @@ def _generate(model, reference, group) -> dict:
     if first is None and len(mine) != len(theirs):
         first = min(len(mine), len(theirs))
     same = first is None
-    return {"status": "exact" if same and logits <= TOL else "wrong", "logits": logits, "first_diff": first,
-            "tokens": len(theirs), "differ": sum(a != b for a, b in zip(mine, theirs)) + abs(len(mine) - len(theirs))}
+    return {
+        "status": "exact" if same and logits <= TOL else "wrong",
+        "logits": logits,
+        "first_diff": first,
+        "tokens": len(theirs),
+        "differ": sum(a != b for a, b in zip(mine, theirs)) + abs(len(mine) - len(theirs)),
+    }
 
 
 def family_on_rank(name: str, group_timeout: float = GROUP_TIMEOUT_S) -> dict:
@@ -584,8 +718,12 @@ def _family(name: str, groups) -> dict:
     row: dict[str, Any] = {"family": name}
     try:
         config, cls, note = tiny_config(name)
-        row.update(model=cls.__name__, config=type(config).__name__, note=note,
-                   layer_types=sorted(set(_layer_kinds(config) or [])) or None)
+        row.update(
+            model=cls.__name__,
+            config=type(config).__name__,
+            note=note,
+            layer_types=sorted(set(_layer_kinds(config) or [])) or None,
+        )
         reference, row["reference"] = _reference_model(cls, config)
     except Exception as e:  # noqa: BLE001
         failed = _reference_failed(e)
@@ -598,8 +736,10 @@ def _family(name: str, groups) -> dict:
         status, detail = outcome(e)
         if isinstance(e, KeyError) and e.args == ("cp_compile",):  # a table of the model's own attention classes
             status = "not-loadable"
-            detail = (f"transformers cannot build {cls.__name__} with attn_implementation='cp_compile': the model "
-                      f"looks its attention classes up by name ({detail}); cp_compile never runs")
+            detail = (
+                f"transformers cannot build {cls.__name__} with attn_implementation='cp_compile': the model "
+                f"looks its attention classes up by name ({detail}); cp_compile never runs"
+            )
         return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
     row["parameters"] = sum(p.numel() for p in model.parameters())
     row["takes_position_ids"] = "position_ids" in inspect.signature(type(model).forward).parameters
@@ -622,15 +762,23 @@ def _between_phases(group) -> None:
 
 # --- the sweep, on the caller's side ------------------------------------------------------------------------
 
-SEVERITY = ("wrong", "failed", "reference-failed", "not-loadable", "refused", "exact")  # the worst rank's status is the family's
+SEVERITY = (
+    "wrong",
+    "failed",
+    "reference-failed",
+    "not-loadable",
+    "refused",
+    "exact",
+)  # the worst rank's status is the family's
 
 
 def _merge_phase(per_rank: list[dict]) -> dict:
     statuses = [r["status"] for r in per_rank]
     worst = min(statuses, key=SEVERITY.index)
     if len(set(statuses)) > 1:  # ranks disagree: say what each saw
-        detail = "; ".join(f"rank {i} {r['status']}: {r.get('detail') or describe_phase(r)}"
-                           for i, r in enumerate(per_rank))
+        detail = "; ".join(
+            f"rank {i} {r['status']}: {r.get('detail') or describe_phase(r)}" for i, r in enumerate(per_rank)
+        )
         return {"status": worst, "detail": detail, "ranks": per_rank}
     merged = dict(per_rank[0])
     for key in ("loss", "logits", "grads"):  # the largest difference over the ranks
@@ -648,16 +796,20 @@ def describe_phase(phase: dict) -> str:
         return phase["detail"]
     if "grads" in phase:  # train
         worst = max(phase["loss"], phase["logits"], phase["grads"])
-        text = (f"max rel diff {worst:.1e} (loss {phase['loss']:.1e}, logits {phase['logits']:.1e}, "
-                f"grads {phase['grads']:.1e}")
+        text = (
+            f"max rel diff {worst:.1e} (loss {phase['loss']:.1e}, logits {phase['logits']:.1e}, "
+            f"grads {phase['grads']:.1e}"
+        )
         if phase["status"] != "wrong":
             return text + ")"
         hint = "" if phase.get("attention_calls") else "; never called the attention interface"
         return text + f" in {phase['worst_grad']}{hint})"
     if phase.get("first_diff") is None:
         return f"{phase['tokens']} tokens same, logits {phase['logits']:.1e}"
-    return (f"{phase['differ']} of {phase['tokens']} tokens differ from token {phase['first_diff']}, "
-            f"logits {phase['logits']:.1e}")
+    return (
+        f"{phase['differ']} of {phase['tokens']} tokens differ from token {phase['first_diff']}, "
+        f"logits {phase['logits']:.1e}"
+    )
 
 
 def run_family(run: Callable, name: str, timeout: float = FAMILY_TIMEOUT_S) -> dict:
@@ -683,8 +835,9 @@ def run_family(run: Callable, name: str, timeout: float = FAMILY_TIMEOUT_S) -> d
     return row
 
 
-def sweep(names: list[str], run: Callable, timeout: float = FAMILY_TIMEOUT_S,
-          on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+def sweep(
+    names: list[str], run: Callable, timeout: float = FAMILY_TIMEOUT_S, on_row: Optional[Callable[[dict], None]] = None
+) -> list[dict]:
     """Every family in ``names`` (skipped ones with their reason), each run on the ranks behind ``run``."""
     rows = []
     for name in names:
@@ -721,8 +874,10 @@ def table_header() -> str:
 
 
 def table_row(row: dict) -> str:
-    return (f"{row['family']:<{COLUMNS[0]}} {_status(row, 'train'):<{COLUMNS[1]}} "
-            f"{_status(row, 'generate'):<{COLUMNS[2]}} {detail(row)}")
+    return (
+        f"{row['family']:<{COLUMNS[0]}} {_status(row, 'train'):<{COLUMNS[1]}} "
+        f"{_status(row, 'generate'):<{COLUMNS[2]}} {detail(row)}"
+    )
 
 
 def summary(rows: list[dict]) -> str:
@@ -736,25 +891,35 @@ def summary(rows: list[dict]) -> str:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     """The table as a Markdown section (what docs/guides/models.md embeds)."""
+
     def cell(text: str) -> str:  # Markdown-safe: no table breaks, no HTML, no emphasis from code names
         text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
         for char in "\\`*_[]|":
             text = text.replace(char, "\\" + char)
         return text
 
-    lines = [f"<!-- generated by `{meta['command']}` on {meta['date']}: transformers {meta['transformers']}, "
-             f"torch {meta['torch']}, C={meta['world_size']}, {meta['seconds']:.0f} s -->", "",
-             f"*{summary(rows)}.*", "",
-             "| Family | Train | Generate | Detail |", "|---|---|---|---|"]
+    lines = [
+        f"<!-- generated by `{meta['command']}` on {meta['date']}: transformers {meta['transformers']}, "
+        f"torch {meta['torch']}, C={meta['world_size']}, {meta['seconds']:.0f} s -->",
+        "",
+        f"*{summary(rows)}.*",
+        "",
+        "| Family | Train | Generate | Detail |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | "
-                     f"{cell(detail(row))} |")
+        lines.append(
+            f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {cell(detail(row))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--families", default=None,
-                   help="comma list of model types (as in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES); default: all")
+    p.add_argument(
+        "--families",
+        default=None,
+        help="comma list of model types (as in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES); default: all",
+    )
     p.add_argument("--world-size", "-C", type=int, default=2, help="CP ranks (default 2)")
     p.add_argument("--timeout", type=float, default=FAMILY_TIMEOUT_S, help="seconds per family on the ranks")
     p.add_argument("--out", type=Path, default=None, help="JSON with every row and its measurements")
@@ -773,12 +938,15 @@ def main(args: argparse.Namespace) -> int:
     names = [n for n in args.families.split(",") if n] if args.families else list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"not causal-LM families of transformers {transformers.__version__}: {', '.join(unknown)}",
-              file=sys.stderr)
+        print(
+            f"not causal-LM families of transformers {transformers.__version__}: {', '.join(unknown)}", file=sys.stderr
+        )
         return 2
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, C={args.world_size} gloo ranks; "
-          f"train: {seq_len(args.world_size)} tokens, generate: {NEW} tokens after {PROMPT}; "
-          f"exact within {TOL:g} relative")
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, C={args.world_size} gloo ranks; "
+        f"train: {seq_len(args.world_size)} tokens, generate: {NEW} tokens after {PROMPT}; "
+        f"exact within {TOL:g} relative"
+    )
     print(table_header(), flush=True)
     start = time.perf_counter()
     with RankPool(args.world_size) as pool:
@@ -786,16 +954,31 @@ def main(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     print(summary(rows))
     print(f"{seconds:.0f} s")
-    command = "python -m cp_compile models" + (f" -C {args.world_size}" if args.world_size != 2 else "") + \
-        (f" --families {args.families}" if args.families else "")
-    meta = {"command": command, "date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-            "torch": torch.__version__, "world_size": args.world_size, "seconds": seconds,
-            "seq": seq_len(args.world_size), "prompt": PROMPT, "new_tokens": NEW, "tolerance": TOL}
+    command = (
+        "python -m cp_compile models"
+        + (f" -C {args.world_size}" if args.world_size != 2 else "")
+        + (f" --families {args.families}" if args.families else "")
+    )
+    meta = {
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "world_size": args.world_size,
+        "seconds": seconds,
+        "seq": seq_len(args.world_size),
+        "prompt": PROMPT,
+        "new_tokens": NEW,
+        "tolerance": TOL,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(rows, meta))
-    return 1 if any(not r.get("skipped") and "wrong" in (r["train"]["status"], r["generate"]["status"])
-                    for r in rows) else 0
+    return (
+        1
+        if any(not r.get("skipped") and "wrong" in (r["train"]["status"], r["generate"]["status"]) for r in rows)
+        else 0
+    )

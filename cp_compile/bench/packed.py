@@ -41,13 +41,14 @@ def _ours_packed_setup(p: Problem, x: Inputs):
     import cp_compile
 
     cu = documents(p, x)
-    return packed_step(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=p.causal, schedule="ring"),
-                       x)
+    return packed_step(lambda q, k, v: cp_compile.varlen_attention(q, k, v, cu, is_causal=p.causal, schedule="ring"), x)
 
 
-register_variant(Variant(
-    name=OURS_PACKED,
-    setup=_ours_packed_setup,
-    description="cp_compile.varlen_attention on the ring, each batch row one packed document",
-    devices=("cpu", "cuda"),
-))
+register_variant(
+    Variant(
+        name=OURS_PACKED,
+        setup=_ours_packed_setup,
+        description="cp_compile.varlen_attention on the ring, each batch row one packed document",
+        devices=("cpu", "cuda"),
+    )
+)

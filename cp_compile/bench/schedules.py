@@ -45,17 +45,24 @@ def _mesh(world_size: int):
 
 def _hybrid_setup(p: Problem, x: Inputs):
     import cp_compile
+
     from ..comm import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
-    return fwd_bwd_step(lambda q, k, v: cp_compile.hybrid_attention(q, k, v, groups, is_causal=p.causal),
-                        (x.q, x.k, x.v), x.do)
+    return fwd_bwd_step(
+        lambda q, k, v: cp_compile.hybrid_attention(q, k, v, groups, is_causal=p.causal), (x.q, x.k, x.v), x.do
+    )
 
 
-register_variant(Variant(OURS_ULYSSES, _ulysses_setup, "cp_compile.ulysses_attention, eager, zigzag",
-                         devices=("cpu",)))
-register_variant(Variant(OURS_HYBRID, _hybrid_setup,
-                         "cp_compile.hybrid_attention, eager, mesh (C/2 ring, 2 all-to-all)", devices=("cpu",)))
+register_variant(Variant(OURS_ULYSSES, _ulysses_setup, "cp_compile.ulysses_attention, eager, zigzag", devices=("cpu",)))
+register_variant(
+    Variant(
+        OURS_HYBRID,
+        _hybrid_setup,
+        "cp_compile.hybrid_attention, eager, mesh (C/2 ring, 2 all-to-all)",
+        devices=("cpu",),
+    )
+)
 
 
 def _calibrated():
@@ -75,9 +82,20 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
         from ..passes.cost import default_machine
 
         machine = default_machine("cpu")
-    w = Workload(p.batch, p.heads, p.heads, p.local_len, p.head_dim, p.head_dim, getattr(torch, p.dtype),
-                 p.world_size, (p.seq_len + 1) / (2 * p.seq_len) if p.causal else 1.0, p.causal, True,
-                 hybrid_mesh_shape(p.world_size))
+    w = Workload(
+        p.batch,
+        p.heads,
+        p.heads,
+        p.local_len,
+        p.head_dim,
+        p.head_dim,
+        getattr(torch, p.dtype),
+        p.world_size,
+        (p.seq_len + 1) / (2 * p.seq_len) if p.causal else 1.0,
+        p.causal,
+        True,
+        hybrid_mesh_shape(p.world_size),
+    )
     measured = {s: res[v]["time_s"] for s, v in MEASURED.items() if res.get(v, {}).get("time_s") is not None}
     if not measured:  # --variants left out every schedule: nothing to compare the pick with
         return {"line": "no schedule variant measured"}
@@ -86,12 +104,23 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
     best = min(measured, key=measured.get)
     ratio = measured[chosen] / measured[best] if chosen in measured else None
     estimated = {e.schedule: e.time_s for e in estimates if e.feasible}
-    line = (f"auto picks {chosen}; best measured {best}"
-            + (f"; auto's time / best = {ratio:.2f}" if ratio is not None else "")
-            + "; estimated " + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in estimated.items())
-            + "; measured " + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in measured.items()))
-    return {"chosen": chosen, "best_measured": best, "time_ratio": ratio, "estimated_s": estimated,
-            "measured_s": measured, "machine": str(machine), "line": line}
+    line = (
+        f"auto picks {chosen}; best measured {best}"
+        + (f"; auto's time / best = {ratio:.2f}" if ratio is not None else "")
+        + "; estimated "
+        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in estimated.items())
+        + "; measured "
+        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in measured.items())
+    )
+    return {
+        "chosen": chosen,
+        "best_measured": best,
+        "time_ratio": ratio,
+        "estimated_s": estimated,
+        "measured_s": measured,
+        "machine": str(machine),
+        "line": line,
+    }
 
 
 _machines: dict = {}

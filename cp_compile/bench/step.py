@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,9 +36,15 @@ from ..launch import RankPool
 def _model(args, attn: str):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.lengths))
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.lengths),
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
 
@@ -95,7 +101,7 @@ def one_process(args) -> dict:
         ms, costs = _timed(args, step, length)
         loss = step().item()
         # the floor's compute: this process's step on one rank's share of the tokens
-        ids, labels = ids[:, :length // args.world_size], labels[:, :length // args.world_size]
+        ids, labels = ids[:, : length // args.world_size], labels[:, : length // args.world_size]
         runs[length] = dict(ms=ms, costs=costs, loss=loss, share_ms=_timed(args, step, length)[0])
     return runs
 
@@ -141,8 +147,14 @@ def cp_ranks(args, schedule: str) -> dict:
 
         def step():
             with plan:
-                loss = compiled(local_ids, position_ids=positions, use_cache=False, labels=local_labels,
-                                shift_labels=local_labels, num_items_in_batch=items).loss
+                loss = compiled(
+                    local_ids,
+                    position_ids=positions,
+                    use_cache=False,
+                    labels=local_labels,
+                    shift_labels=local_labels,
+                    num_items_in_batch=items,
+                ).loss
             loss.backward()
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.flatten() for g in grads])
@@ -156,8 +168,12 @@ def cp_ranks(args, schedule: str) -> dict:
         dist.all_reduce(total)  # the shares summed: the one-process loss (no optimizer step changes the weights)
         ms, costs = _timed(args, step, length, dist.barrier)
         replay = _replay(collectives_issued(step), sum(p.numel() for p in model.parameters()))
-        runs[length] = dict(ms=ms, costs=costs, loss=total.item(),
-                            collectives_ms=None if replay is None else _timed(args, replay, length, dist.barrier)[0])
+        runs[length] = dict(
+            ms=ms,
+            costs=costs,
+            loss=total.item(),
+            collectives_ms=None if replay is None else _timed(args, replay, length, dist.barrier)[0],
+        )
     # what each attention site runs and why (auto: the cost model's pick), over every graph compiled
     runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
     return runs
@@ -171,11 +187,23 @@ def _rows(args, one: dict, per_schedule: dict) -> list[dict]:
             cp = max((runs[length] for runs in per_rank), key=lambda run: run["ms"])  # the slowest rank
             replayed = [runs[length]["collectives_ms"] for runs in per_rank]
             floor = None if None in replayed else ref["share_ms"] + max(replayed)
-            rows.append(dict(C=args.world_size, schedule=schedule, length=length, cp_ms=cp["ms"], one_ms=ref["ms"],
-                             ratio=cp["ms"] / ref["ms"], floor_ms=floor, share_ms=ref["share_ms"],
-                             collectives_ms=None if floor is None else max(replayed),
-                             loss_rel_err=abs(cp["loss"] - ref["loss"]) / abs(ref["loss"]), costs=cp["costs"],
-                             one_costs=ref["costs"], sites=per_rank[0]["sites"]))
+            rows.append(
+                dict(
+                    C=args.world_size,
+                    schedule=schedule,
+                    length=length,
+                    cp_ms=cp["ms"],
+                    one_ms=ref["ms"],
+                    ratio=cp["ms"] / ref["ms"],
+                    floor_ms=floor,
+                    share_ms=ref["share_ms"],
+                    collectives_ms=None if floor is None else max(replayed),
+                    loss_rel_err=abs(cp["loss"] - ref["loss"]) / abs(ref["loss"]),
+                    costs=cp["costs"],
+                    one_costs=ref["costs"],
+                    sites=per_rank[0]["sites"],
+                )
+            )
     return rows
 
 
@@ -185,22 +213,31 @@ def _table(rows: list[dict]) -> str:
     def fmt(x, spec):
         return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
 
-    lines = [f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7} {'floor ms':>9} "
-             f"{'CP/floor':>8} {'floor/one':>9} {'loss diff':>9}"]
+    lines = [
+        f"{'C':>2} {'schedule':>10} {'tokens':>7} {'CP ms':>9} {'one ms':>9} {'CP/one':>7} {'floor ms':>9} "
+        f"{'CP/floor':>8} {'floor/one':>9} {'loss diff':>9}"
+    ]
     for r in rows:
         floor = r["floor_ms"]
-        lines.append(f"{r['C']:>2} {r['schedule']:>10} {r['length']:>7} {r['cp_ms']:>9.1f} {r['one_ms']:>9.1f} "
-                     f"{r['ratio']:>7.2f} {fmt(floor, '9.1f')} {fmt(floor and r['cp_ms'] / floor, '8.2f')} "
-                     f"{fmt(floor and floor / r['one_ms'], '9.2f')} {r['loss_rel_err']:>9.1e}")
+        lines.append(
+            f"{r['C']:>2} {r['schedule']:>10} {r['length']:>7} {r['cp_ms']:>9.1f} {r['one_ms']:>9.1f} "
+            f"{r['ratio']:>7.2f} {fmt(floor, '9.1f')} {fmt(floor and r['cp_ms'] / floor, '8.2f')} "
+            f"{fmt(floor and floor / r['one_ms'], '9.2f')} {r['loss_rel_err']:>9.1e}"
+        )
     for schedule, sites in dict.fromkeys((r["schedule"], tuple(r["sites"])) for r in rows):
         lines += [f"{schedule}: {site}" for site in sites]
     lines.append("floor = one process on 1/C of the tokens + the CP step's collectives back to back:")
-    lines += [f"  {r['schedule']} {r['length']}: {r['share_ms']:.2f} + {r['collectives_ms']:.2f} ms"
-              for r in rows if r["floor_ms"] is not None]
+    lines += [
+        f"  {r['schedule']} {r['length']}: {r['share_ms']:.2f} + {r['collectives_ms']:.2f} ms"
+        for r in rows
+        if r["floor_ms"] is not None
+    ]
     lines.append("per step, from a profile (CP: the slowest rank):")
     for r in rows:
-        lines.append(f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
-                     f"{format_breakdown(r['one_costs'])}")
+        lines.append(
+            f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
+            f"{format_breakdown(r['one_costs'])}"
+        )
     return "\n".join(lines)
 
 
@@ -217,12 +254,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
         mine = [r for r in rows if r["schedule"] == schedule]
         label = f"CP, C={mine[0]['C']} ({schedule})"
-        line, = ax.plot([r["length"] for r in mine], [r["cp_ms"] for r in mine], "-o", label=label)
+        (line,) = ax.plot([r["length"] for r in mine], [r["cp_ms"] for r in mine], "-o", label=label)
         at = crossover([r["length"] for r in mine], [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine])
         if at is not None:
             ax.axvline(at, color=line.get_color(), linestyle=":", alpha=0.7)
-            ax.annotate(f"CP pays from ~{at:,.0f}", (at, 0.55), xycoords=("data", "axes fraction"), fontsize=8,
-                        color=line.get_color(), rotation=90, va="bottom", ha="right")
+            ax.annotate(
+                f"CP pays from ~{at:,.0f}",
+                (at, 0.55),
+                xycoords=("data", "axes fraction"),
+                fontsize=8,
+                color=line.get_color(),
+                rotation=90,
+                va="bottom",
+                ha="right",
+            )
     ax.set(xscale="log", yscale="log", xlabel="sequence tokens", ylabel="ms per training step", title=title)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
@@ -234,8 +279,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", "-C", type=int, default=2)
     p.add_argument("--lengths", "-L", type=comma_ints, default=[256, 2048], help="sequence lengths, comma list")
-    p.add_argument("--schedules", type=lambda s: s.split(","), default=["auto"],
-                   help="the plan's schedule, comma list (auto, ring, allgather, ...)")
+    p.add_argument(
+        "--schedules",
+        type=lambda s: s.split(","),
+        default=["auto"],
+        help="the plan's schedule, comma list (auto, ring, allgather, ...)",
+    )
     p.add_argument("--calibrate", action="store_true", help="the plan measures the machine (calibrate=True)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -258,9 +307,20 @@ def main(args: argparse.Namespace) -> int:
         for schedule in args.schedules:
             per_schedule[schedule] = pool.run(cp_ranks, args, schedule, timeout=3600)
     rows = _rows(args, one, per_schedule)
-    report(rows, f"llama, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, fp32, "
-                 f"compiled ({args.inner}); forward + loss + backward (+ one gradient all-reduce under CP); one "
-                 "process = 1 thread, each CP rank 1 thread (gloo)", _table(rows), args.out,
-           args.plot and (lambda: plot(rows, args.plot, f"training step under CP (llama, hidden {args.hidden}, "
-                                                        f"{args.layers} layers, {args.inner})")))
+    report(
+        rows,
+        f"llama, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, fp32, "
+        f"compiled ({args.inner}); forward + loss + backward (+ one gradient all-reduce under CP); one "
+        "process = 1 thread, each CP rank 1 thread (gloo)",
+        _table(rows),
+        args.out,
+        args.plot
+        and (
+            lambda: plot(
+                rows,
+                args.plot,
+                f"training step under CP (llama, hidden {args.hidden}, {args.layers} layers, {args.inner})",
+            )
+        ),
+    )
     return 0 if all(r["loss_rel_err"] < args.tol for r in rows) else 1

@@ -35,24 +35,25 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import layout
-from ..memory import PeakMemory
 from ..comm import TAG_KV
 from ..kinds.sdpa import ring_section, section_attn, section_attn_backward
+from ..memory import PeakMemory
 from ..schedules.ring import ring_pass_backward, ring_pass_forward
 from .builtin import _stub_our_kernels
 from .core import DTYPES, Problem
 
-CUDA_DEFAULTS = dict(world_sizes=(2, 4, 8), seq_lens=(8192, 32768, 131072), batch=1, heads=32, head_dim=128,
-                     dtype="bfloat16")
+CUDA_DEFAULTS = dict(
+    world_sizes=(2, 4, 8), seq_lens=(8192, 32768, 131072), batch=1, heads=32, head_dim=128, dtype="bfloat16"
+)
 
 
 class _Clock:
@@ -100,18 +101,32 @@ class _VirtualHops:
         return received
 
 
-def rank_forward(q: Tensor, kv: list[tuple[Tensor, Tensor]], rank: int, causal: bool,
-                 scale: float) -> tuple[Tensor, Tensor]:
+def rank_forward(
+    q: Tensor, kv: list[tuple[Tensor, Tensor]], rank: int, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
     """Virtual rank ``rank``'s ring forward (``schedules.ring.ring_pass_forward``): each step's
     section against the K/V that arrives at that step, merged into the fp32 accumulator."""
     sections = _sections(len(kv), rank, causal)
-    out, lse = ring_pass_forward(q, *kv[rank], lambda step, k, v: section_attn(q, k, v, sections[step], scale),
-                                 world_size=len(kv), hops=_VirtualHops(kv, rank))
+    out, lse = ring_pass_forward(
+        q,
+        *kv[rank],
+        lambda step, k, v: section_attn(q, k, v, sections[step], scale),
+        world_size=len(kv),
+        hops=_VirtualHops(kv, rank),
+    )
     return out.to(q.dtype), lse
 
 
-def rank_backward(do: Tensor, q: Tensor, kv: list[tuple[Tensor, Tensor]], out: Tensor, lse: Tensor, rank: int,
-                  causal: bool, scale: float) -> tuple[Tensor, list[Tensor]]:
+def rank_backward(
+    do: Tensor,
+    q: Tensor,
+    kv: list[tuple[Tensor, Tensor]],
+    out: Tensor,
+    lse: Tensor,
+    rank: int,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, list[Tensor]]:
     """Virtual rank ``rank``'s ring backward (``schedules.ring.ring_pass_backward``): steps after
     the first in head halves, dQ and the travelling dK/dV accumulated in fp32. Returns dq and the
     last dK/dV accumulator (which, on a real ring, holds other ranks' contributions too)."""
@@ -120,13 +135,21 @@ def rank_backward(do: Tensor, q: Tensor, kv: list[tuple[Tensor, Tensor]], out: T
     def attend_backward(step, k, v, do, q, out, lse, dlse):
         return section_attn_backward(do, q, k, v, out, lse, dlse, sections[step], scale)
 
-    dq, dk, dv = ring_pass_backward(q, *kv[rank], attend_backward, world_size=len(kv), hops=_VirtualHops(kv, rank),
-                                    q_side=(do, q, out, lse, None), split_heads=True)
+    dq, dk, dv = ring_pass_backward(
+        q,
+        *kv[rank],
+        attend_backward,
+        world_size=len(kv),
+        hops=_VirtualHops(kv, rank),
+        q_side=(do, q, out, lse, None),
+        split_heads=True,
+    )
     return dq, [dk, dv]
 
 
-def rank_step(q: Tensor, kv: list[tuple[Tensor, Tensor]], do: Tensor, rank: int, causal: bool,
-              scale: float) -> Callable[[], None]:
+def rank_step(
+    q: Tensor, kv: list[tuple[Tensor, Tensor]], do: Tensor, rank: int, causal: bool, scale: float
+) -> Callable[[], None]:
     """Virtual rank ``rank``'s ring fwd+bwd compute, in the order the ring runs it, without transfers."""
 
     def step():
@@ -223,8 +246,10 @@ def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2)
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'config':<24} {'single/C ms':>11} {'rank ms':>9} {'eff':>5} {'TF/s/rank':>9} {'single TF/s':>11} "
-            f"{'peak GiB':>8} {'peak q':>6} {'dev ms/step':>11} {'host ms/step':>12}")
+    head = (
+        f"{'config':<24} {'single/C ms':>11} {'rank ms':>9} {'eff':>5} {'TF/s/rank':>9} {'single TF/s':>11} "
+        f"{'peak GiB':>8} {'peak q':>6} {'dev ms/step':>11} {'host ms/step':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         p = Problem(**r["config"])
@@ -236,25 +261,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(device: torch.device, world_sizes, seq_lens, causal, batch: int, heads: int, head_dim: int, dtype: str,
-        repeats: int, out: Path, log: Callable[[str], None] = print) -> list[dict]:
+def run(
+    device: torch.device,
+    world_sizes,
+    seq_lens,
+    causal,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    dtype: str,
+    repeats: int,
+    out: Path,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     rows = []
-    problems = [Problem(batch, heads, head_dim, s, c, m, dtype)
-                for m in causal for c in world_sizes for s in seq_lens]
+    problems = [Problem(batch, heads, head_dim, s, c, m, dtype) for m in causal for c in world_sizes for s in seq_lens]
     bad = [p.label() for p in problems if p.seq_len % (2 * p.world_size)]
     if bad:
         raise ValueError(f"S must split into 2C zigzag chunks: {bad}")
-    log(f"ring decomposition on one {device.type} device: {len(problems)} configurations, B={batch} H={heads} "
-        f"D={head_dim} {dtype}, {repeats} repeats (median)")
+    log(
+        f"ring decomposition on one {device.type} device: {len(problems)} configurations, B={batch} H={heads} "
+        f"D={head_dim} {dtype}, {repeats} repeats (median)"
+    )
     for i, p in enumerate(problems, 1):
         row = measure(p, device, repeats)
         rows.append(row)
-        log(f"[{i}/{len(problems)}] {p.label():<22} efficiency {row['efficiency']:.2f}, "
+        log(
+            f"[{i}/{len(problems)}] {p.label():<22} efficiency {row['efficiency']:.2f}, "
             f"{row['tflops_per_rank']:.1f} TFLOP/s per rank, host {row['host_ms_per_step']:.3f} ms/step "
-            f"vs device {row['device_ms_per_step']:.2f} ms/step")
+            f"vs device {row['device_ms_per_step']:.2f} ms/step"
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    meta = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "configs": rows}, indent=1))
     return rows

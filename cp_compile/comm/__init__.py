@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
 from ..torch_compat import PythonCallbackWork, register_work, resolve_process_group
 
 
@@ -255,11 +256,15 @@ def check_agreement(rows: list[list[int]], what: str) -> None:
         return
     detail = "; ".join(f"rank {r}: {_fmt(row)}" for r, row in enumerate(rows))
     if any(row[17] != first[17] for row in rows):
-        detail += ("; the ranks also passed different options (compiled: or a later attention site of the graph "
-                   "differs, which this first agreement of the graph covers)")
+        detail += (
+            "; the ranks also passed different options (compiled: or a later attention site of the graph "
+            "differs, which this first agreement of the graph covers)"
+        )
     if any(row[16] != first[16] for row in rows):
         detail += "; the ranks hold tensors on different device types"
-    raise ValueError(f"{what}: ranks disagree on their inputs ({detail}). Every rank must pass the same shapes, dtype and options.")
+    raise ValueError(
+        f"{what}: ranks disagree on their inputs ({detail}). Every rank must pass the same shapes, dtype and options."
+    )
 
 
 @torch.library.custom_op("cp::agree", mutates_args=())

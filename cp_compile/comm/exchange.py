@@ -16,8 +16,8 @@ slicing and ``cat`` only (no index tensors), so it traces into any graph.
 
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 from ..layout import check_layout
 

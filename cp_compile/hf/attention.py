@@ -60,6 +60,8 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..eager import softmax_scale
 from ..kernels.merge import fold_sinks
@@ -70,9 +72,6 @@ from ..schedules.cached import cached_options
 from .cache import CACHE_STEP
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
-
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 NAME = "cp_compile"
 
@@ -145,8 +144,12 @@ def mask(*args, **kwargs):
             "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
             "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
         )
-    return describe(kwargs.get("mask_function") or causal_mask_function, config, kwargs.get("local_size"),
-                    bool(kwargs.get("use_vmap", False)))
+    return describe(
+        kwargs.get("mask_function") or causal_mask_function,
+        config,
+        kwargs.get("local_size"),
+        bool(kwargs.get("use_vmap", False)),
+    )
 
 
 def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[Tensor]:
@@ -155,8 +158,9 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[T
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         if cu_k is not None and cu_k is not cu and not _compiling() and not torch.equal(cu_k.cpu(), cu.cpu()):
-            raise UnsupportedAttention("cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over "
-                                       "the same documents")
+            raise UnsupportedAttention(
+                "cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over the same documents"
+            )
         return cu
     cu = plan.documents
     if cu is None:
@@ -186,8 +190,9 @@ class _Variant(NamedTuple):
         return bool(self.spec.chunk or self.softcap or self.sinks is not None)
 
 
-def _variant(module, query: Tensor, key: Tensor, attention_mask, dropout: float, is_causal: Optional[bool],
-             kwargs: dict) -> _Variant:
+def _variant(
+    module, query: Tensor, key: Tensor, attention_mask, dropout: float, is_causal: Optional[bool], kwargs: dict
+) -> _Variant:
     where = f"attn_implementation={NAME!r} under context parallelism ({type(module).__name__})"
     if attention_mask is None:  # a model that builds no mask: causal as the call or the module says, as SDPA does
         spec = MaskSpec(bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)))
@@ -226,8 +231,9 @@ def _fold_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor], head_dim: int
     return out if sinks is None else fold_sinks(out, lse, sinks, head_dim)
 
 
-def _cached(module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant, scaling: Optional[float],
-            step: tuple) -> Tensor:
+def _cached(
+    module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant, scaling: Optional[float], step: tuple
+) -> Tensor:
     """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt).
 
     The keys and values are the attention's own arguments: this rank's cache slots as the model made
@@ -238,11 +244,14 @@ def _cached(module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant
     if not _compiling():
         layer.unattended = False
     if not variant.spec.causal:
-        raise UnsupportedAttention(f"attn_implementation={NAME!r}: a KV cache under context parallelism needs "
-                                   "causal attention")
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r}: a KV cache under context parallelism needs causal attention"
+        )
     if not _compiling() and variant.spec.window != layer.window:
-        raise UnsupportedAttention(f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
-                                   f"its ShardedCache layer was made for {layer.window} (from the model's config)")
+        raise UnsupportedAttention(
+            f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
+            f"its ShardedCache layer was made for {layer.window} (from the model's config)"
+        )
     options = cached_options(variant.spec.chunk or 0, variant.softcap)
     out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options)
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
@@ -273,8 +282,17 @@ def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
-              scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
+def attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
     plan = active_plan()
     if not _compiling():
@@ -282,8 +300,9 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     if plan is None:
         if not _compiling():
             check_outside_plan(module, kwargs.get("position_ids"))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     count_call()
     check_layer_types(module.config)
     query, key, value = _autocast(query, key, value)
@@ -293,7 +312,8 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
             f"attn_implementation={NAME!r} under context parallelism: a forward without gradients that fills a KV "
             "cache not sharded over the ranks (model.generate?). Generate with cp_compile.hf.generate(model, "
             "input_ids, ...), which shards the prompt and the cache; for a forward that needs no cache, pass "
-            "use_cache=False")
+            "use_cache=False"
+        )
     if step is not None and step[1] is not None:
         variant = _variant(module, query, query, attention_mask, dropout, is_causal, kwargs)
         return _cached(module, query, key, value, variant, scaling, step), None
@@ -305,14 +325,17 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
     whole = window is None or window >= local * plan.world_size  # the window sees everything
     if cu is None and whole and not variant.needs_kind:
         if _compiling():  # rewritten by plan.backend()
-            out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=causal,
-                                                                   scale=scaling, enable_gqa=gqa)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa
+            )
         else:
             out = plan.attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if (window is not None or variant.spec.chunk) and not causal:
-        raise UnsupportedAttention(f"attn_implementation={NAME!r} under context parallelism: a bidirectional "
-                                   "sliding window or chunk is not supported")
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r} under context parallelism: a bidirectional "
+            "sliding window or chunk is not supported"
+        )
     if cu is None:  # rows as documents: per-document zigzag of equal rows is the zigzag layout
         if plan.load_balance != "zigzag":
             raise UnsupportedAttention(
@@ -321,8 +344,9 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
             )
         cu = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * (local * plan.world_size)
     elif batch != 1:
-        raise UnsupportedAttention(f"attn_implementation={NAME!r}: packed documents need one row (batch 1); "
-                                   f"got batch {batch}")
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r}: packed documents need one row (batch 1); got batch {batch}"
+        )
     left = -1 if window is None or whole else int(window) - 1  # transformers: key visible when q - k < window
     window_size = (left, 0 if causal else -1)
     q, k, v = (t.transpose(1, 2).reshape(batch * local, t.shape[1], t.shape[3]) for t in (query, key, value))
@@ -330,15 +354,25 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
         from ..eager import varlen_attention
 
         group = (plan.group_name, *plan.mesh_groups) if plan.mesh_groups else plan.group_name
-        out, lse = varlen_attention(q, k, v, cu, group, window_size=window_size,
-                                    scale=scaling, enable_gqa=gqa, schedule=plan.schedule,
-                                    chunk=variant.spec.chunk or 0, softcap=variant.softcap, return_lse=True)
+        out, lse = varlen_attention(
+            q,
+            k,
+            v,
+            cu,
+            group,
+            window_size=window_size,
+            scale=scaling,
+            enable_gqa=gqa,
+            schedule=plan.schedule,
+            chunk=variant.spec.chunk or 0,
+            softcap=variant.softcap,
+            return_lse=True,
+        )
         out = _fold_sinks(out, lse, variant.sinks, 1)
     else:  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)
         from torch.nn.attention.varlen import varlen_attn
 
         # max_length_q is a kernel hint the CP ops do not need; reading it would guard on its value
         max_len = local * plan.world_size
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size,
-                          enable_gqa=gqa)
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size, enable_gqa=gqa)
     return out.view(batch, local, *out.shape[1:]), None

@@ -25,14 +25,13 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..kernels.block import EMPTY_POSITION
 from ..kv_cache import Agreement, CacheShard
 from ..passes.rewrite import UnsupportedAttention
 from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
-
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 # Key of the attention kwargs under which ``update`` leaves (layer, its kv_cache.Step, or None in a sharded prefill).
 CACHE_STEP = "cp_compile_cache_step"
@@ -41,6 +40,7 @@ CACHE_STEP = "cp_compile_cache_step"
 def _unsupported(what: str):
     def refuse(*args, **kwargs):
         raise UnsupportedAttention(f"ShardedCache: {what} is not supported (the cache is sharded over the CP ranks)")
+
     return refuse
 
 
@@ -64,10 +64,13 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         if kwargs is None:
             raise UnsupportedAttention(
                 "ShardedCache: this model calls cache.update without its attention kwargs "
-                "(cache.update(k, v, layer_idx, kwargs=kwargs), as Llama, Qwen2 and Mistral do); it cannot be sharded")
+                "(cache.update(k, v, layer_idx, kwargs=kwargs), as Llama, Qwen2 and Mistral do); it cannot be sharded"
+            )
         if not torch.compiler.is_compiling() and active_plan() is None:
-            raise UnsupportedAttention("ShardedCache is used outside `with plan:`: attention would see this rank's "
-                                       "share of the cache alone; run the model inside the plan")
+            raise UnsupportedAttention(
+                "ShardedCache is used outside `with plan:`: attention would see this rank's "
+                "share of the cache alone; run the model inside the plan"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending_prefill is not None:
@@ -120,8 +123,10 @@ class ShardedCache(Cache):
         layers = []
         for index, (kind, extra) in enumerate(zip(layer_types, layer_kwargs)):
             if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
-                raise UnsupportedAttention(f"ShardedCache: layer {index} is {kind!r}; only full, sliding-window and "
-                                           "chunked attention layers can be sharded")
+                raise UnsupportedAttention(
+                    f"ShardedCache: layer {index} is {kind!r}; only full, sliding-window and "
+                    "chunked attention layers can be sharded"
+                )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if kind == "sliding_attention" else None
             layers.append(ShardedLayer(plan, max_cache_len, window))
@@ -145,8 +150,9 @@ class ShardedCache(Cache):
         if missed:
             raise LocalAttentionError(
                 f"layers {missed} of the ShardedCache handed their keys and values to attention that is not "
-                f"attn_implementation=\"cp_compile\" (attention code of the model's own?): it attended to this "
-                "rank's share of the cache alone")
+                f'attn_implementation="cp_compile" (attention code of the model\'s own?): it attended to this '
+                "rank's share of the cache alone"
+            )
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0

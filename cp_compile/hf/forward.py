@@ -59,8 +59,9 @@ def _transformers_model(module):
 
 def _has_compiled_part(module) -> bool:
     """Attention inside a compiled module runs without calling the functions above at run time."""
-    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in module.modules())
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+    )
 
 
 def start_model_call(module, args: tuple) -> None:
@@ -94,8 +95,9 @@ def model_call_checks():
     compiled model at every step."""
     if not _HOOKS:
         _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(start_model_call))
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(end_model_call, with_kwargs=True,
-                                                                          always_call=True))
+        _HOOKS.append(
+            torch.nn.modules.module.register_module_forward_hook(end_model_call, with_kwargs=True, always_call=True)
+        )
         # torch warns at every call of a compiled module while global hooks exist that they fire for its
         # wrapper too: these two check a compiled model from its wrapper's call on purpose
         warnings.filterwarnings("ignore", message=_COMPILED_WITH_HOOKS)
@@ -112,7 +114,8 @@ def check_outside_plan(module, position_ids) -> None:
     if made is not None:
         raise UnsupportedAttention(
             f"{type(module).__name__} was called outside `with plan:` with position_ids that a ContextParallel plan "
-            "made: it would attend within this rank's shard alone. Call the model inside `with plan:`")
+            "made: it would attend within this rank's shard alone. Call the model inside `with plan:`"
+        )
 
 
 def _inputs(args: tuple, kwargs: dict):
@@ -128,7 +131,8 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int) -> Non
         raise UnsupportedAttention(
             f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
             "attention interface (its own attention code, or a recurrent model with none), so every rank "
-            "processed only its shard of the sequence; this model cannot run under context parallelism")
+            "processed only its shard of the sequence; this model cannot run under context parallelism"
+        )
     inputs = _inputs(args, kwargs)
     made = made_by(inputs)
     if made is None or made[0] is not plan or made[1] != "shard":
@@ -143,14 +147,19 @@ def _check_positions(model, plan, positions) -> None:
         raise UnsupportedAttention(
             f"{where}: no position_ids; transformers would number this rank's shard from 0, so RoPE would see "
             "local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
-            "plan.positions(cu_seqlens=cu)[None])")
+            "plan.positions(cu_seqlens=cu)[None])"
+        )
     made = made_by(positions)
     if (made is not None and made[0] is plan) or plan.world_size == 1:
         return
     local = positions.shape[-1]
     if plan.load_balance == "contiguous":  # rank 0's own positions are 0..L-1: compare with the layout's
-        wrong = plan.documents is None and not bool((positions == layout_positions(
-            local * plan.world_size, plan.rank, plan.world_size, "contiguous", positions.device)).all())
+        wrong = plan.documents is None and not bool(
+            (
+                positions
+                == layout_positions(local * plan.world_size, plan.rank, plan.world_size, "contiguous", positions.device)
+            ).all()
+        )
         verdict = torch.tensor([int(wrong)])
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=plan.group)
         wrong = bool(verdict.item())
@@ -160,7 +169,8 @@ def _check_positions(model, plan, positions) -> None:
         raise UnsupportedAttention(
             f"{where}: position_ids number this rank's shard from 0, as if it were the whole sequence, so RoPE "
             "would see local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
-            "plan.positions(cu_seqlens=cu)[None])")
+            "plan.positions(cu_seqlens=cu)[None])"
+        )
 
 
 def _check_labels(model, kwargs: dict) -> None:
@@ -170,12 +180,14 @@ def _check_labels(model, kwargs: dict) -> None:
             f"{where}: labels= without shift_labels=; transformers' loss shifts labels inside this rank's shard "
             "(pairing the shard's last token with the wrong label) and means over its tokens. Shift the labels on "
             "the global sequence (-100 at each document's end), shard them with plan.shard, and pass them as "
-            "labels= and shift_labels=, with num_items_in_batch= the global count of labels that are not -100")
+            "labels= and shift_labels=, with num_items_in_batch= the global count of labels that are not -100"
+        )
     if kwargs.get("shift_labels") is not None and kwargs.get("num_items_in_batch") is None:
         raise UnsupportedAttention(
             f"{where}: shift_labels= without num_items_in_batch=; the loss would be the mean over this rank's "
             "tokens. Pass num_items_in_batch= the global count of labels that are not -100 (then each rank's loss "
-            "is its share of the global mean: sum them, or all-reduce the gradients)")
+            "is its share of the global mean: sum them, or all-reduce the gradients)"
+        )
 
 
 __all__ = ["check_outside_plan", "count_call", "model_call_checks"]

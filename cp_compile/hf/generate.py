@@ -16,7 +16,6 @@ import copy
 
 import torch
 from torch import Tensor
-
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..comm.gather import gather_dim0
@@ -31,10 +30,14 @@ from .cache import ShardedCache
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
 _REFUSED = {
-    "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
-    "assistant_model": "assisted decoding", "prompt_lookup_num_tokens": "prompt lookup decoding",
-    "assistant_early_exit": "self-speculative decoding", "penalty_alpha": "contrastive search",
-    "dola_layers": "DoLa decoding", "max_time": "a wall-clock limit",
+    "num_beams": "beam search",
+    "num_return_sequences": "several sequences per prompt",
+    "assistant_model": "assisted decoding",
+    "prompt_lookup_num_tokens": "prompt lookup decoding",
+    "assistant_early_exit": "self-speculative decoding",
+    "penalty_alpha": "contrastive search",
+    "dola_layers": "DoLa decoding",
+    "max_time": "a wall-clock limit",
 }
 
 
@@ -46,18 +49,24 @@ def _generation_config(model, generate_kwargs: dict):
 
 def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
     if model.config._attn_implementation != NAME:
-        raise ValueError(f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "
-                         f"(it has {model.config._attn_implementation!r})")
+        raise ValueError(
+            f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "
+            f"(it has {model.config._attn_implementation!r})"
+        )
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise UnsupportedAttention(f"cp_compile.hf.generate takes one prompt, input_ids [1, P]; got "
-                                   f"{tuple(input_ids.shape)} (a batch of prompts is not supported)")
+        raise UnsupportedAttention(
+            f"cp_compile.hf.generate takes one prompt, input_ids [1, P]; got "
+            f"{tuple(input_ids.shape)} (a batch of prompts is not supported)"
+        )
     for name, what in _REFUSED.items():
         value = generate_kwargs.get(name, getattr(config, name, None))
         if value not in (None, 1, 0):
             raise UnsupportedAttention(f"cp_compile.hf.generate: {what} ({name}={value!r}) is not supported")
     if generate_kwargs.get("use_cache", config.use_cache) is False:
-        raise UnsupportedAttention("cp_compile.hf.generate: use_cache=False is not supported (generation under CP "
-                                   "attends to the sharded KV cache)")
+        raise UnsupportedAttention(
+            "cp_compile.hf.generate: use_cache=False is not supported (generation under CP "
+            "attends to the sharded KV cache)"
+        )
     mask = generate_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise UnsupportedAttention("cp_compile.hf.generate: a padded prompt (zeros in attention_mask) is not supported")
@@ -81,8 +90,15 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
     with cache.sharded_prefill(positions, tokens), torch.no_grad():
-        model(input_ids=local_ids, position_ids=slots["pos"].to(input_ids.device)[None], cache=cache,
-              use_cache=True, logits_to_keep=1, cu_seq_lens_q=documents, cu_seq_lens_k=documents)
+        model(
+            input_ids=local_ids,
+            position_ids=slots["pos"].to(input_ids.device)[None],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            cu_seq_lens_q=documents,
+            cu_seq_lens_k=documents,
+        )
 
 
 def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
@@ -91,8 +107,10 @@ def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
     weights = torch.arange(1, ids.numel() + 1, device=ids.device) % 1_000_003
     mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), (ids * weights).sum()])
     if not bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all()):
-        raise ValueError("cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
-                         "prompt, the same on every rank")
+        raise ValueError(
+            "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
+            "prompt, the same on every rank"
+        )
 
 
 class SameTokensOnEveryRank(StoppingCriteria):
@@ -134,19 +152,24 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     if cache is None:
         cache = ShardedCache(model.config, longest, plan)
     elif cache.get_max_length() < longest:
-        raise ValueError(f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
-                         f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}")
+        raise ValueError(
+            f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
+            f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}"
+        )
     _check_same_prompt(plan, input_ids)
     if input_ids.shape[1] > 1 and cache.get_seq_length() == 0:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
-    criteria = StoppingCriteriaList([*(generate_kwargs.pop("stopping_criteria", None) or []),
-                                     SameTokensOnEveryRank(cache)])
+    criteria = StoppingCriteriaList(
+        [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
+    )
     # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
     # mode, which sees every torch call, would cost as much host time per step as the step's own Python
     with set_aside():
         result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
     if cache.agreement.finish():
-        raise RuntimeError("cp_compile.hf.generate: the ranks generated different tokens or stopped at different "
-                           "steps; sampling needs the same seed on every rank (torch.manual_seed(s) on each before "
-                           "generate), and a stopping rule must decide the same on every rank")
+        raise RuntimeError(
+            "cp_compile.hf.generate: the ranks generated different tokens or stopped at different "
+            "steps; sampling needs the same seed on every rank (torch.manual_seed(s) on each before "
+            "generate), and a stopping rule must decide the same on every rank"
+        )
     return result

@@ -22,8 +22,9 @@ transformers' own mask builders produce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from transformers import masking_utils as _mu
@@ -117,8 +118,10 @@ def _walk(fn: Callable, model: str, facts: dict) -> None:
     elif code is _CHUNK:
         cells = _cells(fn)
         if bool(cells["left_padding"].any()):
-            raise UnsupportedAttention(f"{model}: chunked attention with left padding is not supported under "
-                                       "context parallelism; pack the documents into one row instead")
+            raise UnsupportedAttention(
+                f"{model}: chunked attention with left padding is not supported under "
+                "context parallelism; pack the documents into one row instead"
+            )
         facts["chunk"] = int(cells["chunk_size"])
     elif code in (_PADDING, _PACKED):
         pass  # padding is refused by ``mask`` unless all ones; documents come from cu_seq_lens / the plan
@@ -146,13 +149,15 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
         facts: dict = {}
         _walk(mask_function, model, facts)
         if facts.get("causal") is False and ("window" in facts or "chunk" in facts):
-            raise UnsupportedAttention(f"{model}: a bidirectional window or chunk is not supported under context "
-                                       "parallelism")
+            raise UnsupportedAttention(
+                f"{model}: a bidirectional window or chunk is not supported under context parallelism"
+            )
         return MaskSpec(facts.get("causal", False), facts.get("window"), facts.get("chunk"), model)
     code = getattr(mask_function, "__code__", None)
     if use_vmap or code not in (_CAUSAL, _BIDIRECTIONAL, _AND, _REMAP):
-        raise _unsupported(mask_function, model, " (combined with a mask function of the model's own)"
-                           if use_vmap else "")
+        raise _unsupported(
+            mask_function, model, " (combined with a mask function of the model's own)" if use_vmap else ""
+        )
     if code is _BIDIRECTIONAL:
         return MaskSpec(False, model=model)
     if local_size is None:

@@ -90,12 +90,18 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
     if mask is not None and not bool(mask.all()):
         raise UnsupportedAttention(
             "a batch with padding (attention_mask with zeros) under context parallelism: pack the examples "
-            "(SFTConfig(packing=True) or padding_free=True, or DataCollatorWithFlattening) so that no row is padded")
+            "(SFTConfig(packing=True) or padding_free=True, or DataCollatorWithFlattening) so that no row is padded"
+        )
     for key, value in batch.items():
-        if (key not in _PER_TOKEN + _WHOLE + _HINTS + ("labels", "shift_labels", "position_ids", "attention_mask")
-                and isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, total)):
-            raise UnsupportedAttention(f"batch entry {key!r} looks per token, and context parallelism does not "
-                                       "know how to shard it")
+        if (
+            key not in _PER_TOKEN + _WHOLE + _HINTS + ("labels", "shift_labels", "position_ids", "attention_mask")
+            and isinstance(value, Tensor)
+            and value.dim() >= 2
+            and tuple(value.shape[:2]) == (rows, total)
+        ):
+            raise UnsupportedAttention(
+                f"batch entry {key!r} looks per token, and context parallelism does not know how to shard it"
+            )
     cu = documents(batch)
     if cu is not None:
         shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
@@ -114,7 +120,7 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
         local["labels"] = local["shift_labels"] = shard(targets - IGNORE_INDEX) + IGNORE_INDEX
     # the slot count and the document count change with almost every packed batch: dynamic from the first
     # compile on, for every tensor that carries them (a view or a new tensor does not inherit the mark)
-    for key, value in local.items():
+    for value in local.values():
         if isinstance(value, Tensor) and value.dim():
             torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
     return local
@@ -152,8 +158,10 @@ class ContextParallelMixin:
         if trainer_args is None:
             raise TypeError("ContextParallelMixin needs the trainer's args= (TrainingArguments or SFTConfig)")
         if not dist.is_initialized():
-            raise RuntimeError("ContextParallelMixin needs torch.distributed initialised: launch with torchrun or "
-                               "accelerate launch (TrainingArguments initialises the process group)")
+            raise RuntimeError(
+                "ContextParallelMixin needs torch.distributed initialised: launch with torchrun or "
+                "accelerate launch (TrainingArguments initialises the process group)"
+            )
         if plan is None:
             plan = ContextParallel(dist.new_group(list(range(dist.get_world_size()))))
         self.plan = plan
@@ -161,8 +169,10 @@ class ContextParallelMixin:
         self._compile_backend = None
         if trainer_args.torch_compile:
             if trainer_args.torch_compile_mode is not None:
-                raise ValueError("torch_compile_mode is not supported under context parallelism: the model is "
-                                 "compiled with the plan's backend, which takes no mode")
+                raise ValueError(
+                    "torch_compile_mode is not supported under context parallelism: the model is "
+                    "compiled with the plan's backend, which takes no mode"
+                )
             self._compile_backend = trainer_args.torch_compile_backend or "inductor"
             # the trainer's accelerator would compile the wrapped model with a backend of its own
             trainer_args = copy.copy(trainer_args)
@@ -201,7 +211,8 @@ class ContextParallelMixin:
             raise UnsupportedAttention(
                 f"context parallelism needs a map-style dataset with a batch sampler accelerate shards; got "
                 f"{type(loader).__name__} with {type(sampler).__name__} (iterable datasets and dispatched batches "
-                "are not supported)")
+                "are not supported)"
+            )
         sampler.num_processes, sampler.process_index = self._replicas, self._replica
         return loader
 
@@ -216,20 +227,24 @@ class ContextParallelMixin:
             raise UnsupportedAttention(
                 "the trainer did not count the batch's labels (num_items_in_batch), so each rank's loss would be a "
                 "mean over its own tokens: under context parallelism the model must accept loss kwargs "
-                "(transformers' causal LMs do) or the trainer be given a compute_loss_func")
+                "(transformers' causal LMs do) or the trainer be given a compute_loss_func"
+            )
         local = shard_batch(self.plan, inputs)
         # also in the model's own arguments: trainers that compute the loss from the model's outputs (TRL's
         # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.forward)
         local["num_items_in_batch"] = num_items_in_batch
         with self.plan:
-            return super().compute_loss(model, local, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""
         if not prediction_loss_only:
-            raise UnsupportedAttention("under context parallelism evaluation computes the loss only: each rank "
-                                       "holds a shard of the logits (no compute_metrics)")
+            raise UnsupportedAttention(
+                "under context parallelism evaluation computes the loss only: each rank "
+                "holds a shard of the logits (no compute_metrics)"
+            )
         inputs = self._prepare_inputs(inputs)
         local = shard_batch(self.plan, inputs)
         local["num_items_in_batch"] = count_targets(inputs)
@@ -266,7 +281,8 @@ def _replica_of(plan: ContextParallel) -> tuple[int, int]:
         raise ValueError(
             f"the plan's group {ranks} is not a block of {size} consecutive ranks: build data parallelism beside CP "
             "as init_device_mesh(device, (world // C, C), mesh_dim_names=('dp', 'cp')) and pass "
-            "ContextParallel(mesh['cp'])")
+            "ContextParallel(mesh['cp'])"
+        )
     return first // size, world // size
 
 

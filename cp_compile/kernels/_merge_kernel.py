@@ -27,13 +27,30 @@ from torch import Tensor
 
 @triton.jit
 def _merge_rows_kernel(
-    acc_out_ptr, acc_lse_ptr, out_ptr, lse_ptr,
-    rows, row_start, heads, head_dim,
-    sa_b, sa_h, sa_s, sa_d,
-    sl_b, sl_h, sl_s,
-    so_b, so_h, so_s, so_d,
-    sp_b, sp_h, sp_s,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc_out_ptr,
+    acc_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    rows,
+    row_start,
+    heads,
+    head_dim,
+    sa_b,
+    sa_h,
+    sa_s,
+    sa_d,
+    sl_b,
+    sl_h,
+    sl_s,
+    so_b,
+    so_h,
+    so_s,
+    so_d,
+    sp_b,
+    sp_h,
+    sp_s,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # row blocks on axis 0 (up to 2**31 - 1 programs), (batch, head) on axis 1 (up to 65535)
     pid_m = tl.program_id(0).to(tl.int64)
@@ -43,7 +60,7 @@ def _merge_rows_kernel(
 
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # row of the partial
     row_ok = r < rows
-    acc_r = r + row_start                                       # row of the accumulator
+    acc_r = r + row_start  # row of the accumulator
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     col_ok = d < head_dim
 
@@ -87,8 +104,18 @@ def launch(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start
     device = torch.cuda.device(acc_out.device) if acc_out.is_cuda else contextlib.nullcontext()
     with device:  # launch on the tensors' GPU, not the current one
         _merge_rows_kernel[grid](
-            acc_out, acc_lse, out, lse,
-            rows, row_start, h, d,
-            *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(),
-            BLOCK_M=block_m, BLOCK_D=block_d,
+            acc_out,
+            acc_lse,
+            out,
+            lse,
+            rows,
+            row_start,
+            h,
+            d,
+            *acc_out.stride(),
+            *acc_lse.stride(),
+            *out.stride(),
+            *lse.stride(),
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
         )

@@ -188,16 +188,40 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             # cumulative lengths: undefined (None), as the dense forward returns them; a defined
             # tensor would mean packed sequences to the kernel
             return aten._scaled_dot_product_flash_attention_backward(
-                dout.contiguous(), q, k, v, out, lse.float(), None, None, lq, lk, 0.0, causal,
-                seed, seed, scale=scale,
+                dout.contiguous(),
+                q,
+                k,
+                v,
+                out,
+                lse.float(),
+                None,
+                None,
+                lq,
+                lk,
+                0.0,
+                causal,
+                seed,
+                seed,
+                scale=scale,
             )
         kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         # the layout the efficient forward returns (and its backward reads): rows padded to 32
         lse32 = torch.nn.functional.pad(lse.float(), (0, -lse.shape[-1] % 32)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q, kr, vr, None, out, lse32, seed, seed, 0.0,
-            [True, True, True, False], causal, scale=scale,
+            dout.contiguous(),
+            q,
+            kr,
+            vr,
+            None,
+            out,
+            lse32,
+            seed,
+            seed,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
         )
         return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
     return _math_bwd(dout, q, k, v, out, lse, _causal(q, k, causal), scale)
@@ -263,8 +287,15 @@ def block_attn_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) ->
 
 
 def block_attn_backward_parts(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    mask: str, scale: float, dlse: Optional[Tensor],
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: str,
+    scale: float,
+    dlse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the block, unrounded: as the tile kernel returns them (fp32 from the CPU kernel for
     low-precision input), accumulated over the block's tiles in the accumulator dtype. For callers that
@@ -292,8 +323,15 @@ def block_attn_backward_parts(
 
 
 def block_attn_backward_impl(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    mask: str, scale: float, dlse: Optional[Tensor],
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: str,
+    scale: float,
+    dlse: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtypes (``block_attn_backward_parts``, cast once)."""
     dq, dk, dv = block_attn_backward_parts(dout, q, k, v, out, lse, mask, scale, dlse)
@@ -327,8 +365,9 @@ def math_attn_impl(q, k, v, visible: Optional[Tensor], scale: float, softcap: fl
     return _math_fwd(q, k, v, visible, scale, softcap)
 
 
-def math_attn_backward_impl(dout, q, k, v, out, lse, visible: Optional[Tensor], scale: float,
-                            dlse: Optional[Tensor], softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+def math_attn_backward_impl(
+    dout, q, k, v, out, lse, visible: Optional[Tensor], scale: float, dlse: Optional[Tensor], softcap: float = 0.0
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of a math tile, in the accumulator dtype."""
     return _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse, softcap)
 
@@ -365,8 +404,15 @@ def _(q, k, v, mask, scale):
 
 @torch.library.custom_op("cp::block_attn_backward", mutates_args=())
 def block_attn_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    mask: str, scale: float, dlse: Optional[Tensor] = None,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: str,
+    scale: float,
+    dlse: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = block_attn_backward_impl(dout, q, k, v, out, lse, mask, scale, dlse)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -414,8 +460,18 @@ def positions_visible(q_pos: Tensor, k_pos: Tensor, left: int, chunk: int = 0) -
     return visible
 
 
-def positions_attn(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, left: int, scale: float,
-                   rows_per_block: int = 1024, chunk: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+def positions_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    left: int,
+    scale: float,
+    rows_per_block: int = 1024,
+    chunk: int = 0,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
     """Queries at global positions ``q_pos`` against keys at ``k_pos`` (any order, empty slots at
     ``EMPTY_POSITION``): (out, lse) in the accumulator dtype; a row that sees no key gets out 0,
     lse -inf (a rank's share of a cache may hold nothing a query may see).
@@ -462,8 +518,9 @@ def _bias(visible: Tensor, dtype: torch.dtype) -> Tensor:
 def _fused_masked(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``q`` against ``k, v`` where ``visible [Lq, Lk]``; a row that sees nothing gets out 0 and lse
     -inf (the kernel returns lse 0 for it)."""
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=_bias(visible, q.dtype),
-                                                                scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_bias(visible, q.dtype), scale=scale
+    )
     return out, lse.masked_fill(~visible.any(-1), float("-inf"))
 
 
@@ -483,12 +540,22 @@ def fused_masked_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: f
     return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
 
 
-def fused_masked_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                               visible: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def fused_masked_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, visible: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``fused_masked_attn``'s block, given the final ``out`` and ``lse``."""
     hkv = k.shape[1]
     bias = _bias(visible.repeat(q.shape[1] // hkv, 1), q.dtype)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _fold_groups(dout, hkv).contiguous(), _fold_groups(q, hkv), k, v, _fold_groups(out, hkv),
-        lse.reshape(lse.shape[0], hkv, -1), 0.0, False, attn_mask=bias, scale=scale)
+        _fold_groups(dout, hkv).contiguous(),
+        _fold_groups(q, hkv),
+        k,
+        v,
+        _fold_groups(out, hkv),
+        lse.reshape(lse.shape[0], hkv, -1),
+        0.0,
+        False,
+        attn_mask=bias,
+        scale=scale,
+    )
     return dq.reshape(q.shape), dk, dv

@@ -26,14 +26,19 @@ Padding rows are in no run: out = 0, lse = -inf, zero gradients.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..layout import Segment
 from .block import (
-    block_attn_backward_parts, block_attn_impl, math_attn_backward_impl, math_attn_impl, tile_visible,
+    block_attn_backward_parts,
+    block_attn_impl,
+    math_attn_backward_impl,
+    math_attn_impl,
+    tile_visible,
 )
 from .merge import acc_dtype, merge_into_
 
@@ -124,8 +129,9 @@ def _visible(t: Tile, device):
     return tile_visible(t.kind, t.q_len, t.k_len, t.offset, t.window, device)
 
 
-def tiles_attn(q: Tensor, k: Tensor, v: Tensor, tiles: Sequence[Tile], scale: float,
-               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+def tiles_attn(
+    q: Tensor, k: Tensor, v: Tensor, tiles: Sequence[Tile], scale: float, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """(out [Tq, Hq, Dv] in q's dtype, lse [Tq, Hq] fp32/fp64); ``softcap > 0`` caps the scores."""
     dt = acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)

@@ -62,7 +62,8 @@ def triton_available() -> bool:
 def check_merge_args(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start: int) -> None:
     if acc_out.dim() != 4 or acc_lse.dim() != 3:
         raise ValueError(
-            f"merge_: acc_out must be [B, H, S, D] and acc_lse [B, H, S]; got {tuple(acc_out.shape)}, {tuple(acc_lse.shape)}"
+            "merge_: acc_out must be [B, H, S, D] and acc_lse [B, H, S]; "
+            f"got {tuple(acc_out.shape)}, {tuple(acc_lse.shape)}"
         )
     b, h, s, d = acc_out.shape
     if tuple(acc_lse.shape) != (b, h, s):
@@ -99,8 +100,9 @@ def _kernel():
     return _merge_kernel
 
 
-def merge_triton_(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start: int = 0,
-                  block_rows: int = 32) -> None:
+def merge_triton_(
+    acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, row_start: int = 0, block_rows: int = 32
+) -> None:
     """Launch the Triton kernel on these tensors (CUDA, or CPU under TRITON_INTERPRET=1)."""
     check_merge_args(acc_out, acc_lse, out, lse, row_start)
     if acc_out.dtype != torch.float32:
@@ -129,8 +131,11 @@ def _(acc_out, acc_lse, out, lse, row_start=0):
 @functools.cache
 def _warn_no_triton() -> None:
     # correct either way; said once so that a missing install is not mistaken for the kernel's speed
-    warnings.warn("cp::merge_ on CUDA: triton is not installed, so the merge runs as several torch kernels "
-                  "instead of one Triton kernel (pip install -e '.[triton]')", stacklevel=3)
+    warnings.warn(
+        "cp::merge_ on CUDA: triton is not installed, so the merge runs as several torch kernels "
+        "instead of one Triton kernel (pip install -e '.[triton]')",
+        stacklevel=3,
+    )
 
 
 @merge_.register_fake

@@ -173,8 +173,18 @@ def kind_entry(name: str) -> Kind:
 
 @torch.library.custom_op("cp::attend", mutates_args=())
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor], kind: str, step: int, group_name: str, a2a_size: int,
-    is_causal: bool, layout: str, scale: float, options: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    extra: list[Tensor],
+    kind: str,
+    step: int,
+    group_name: str,
+    a2a_size: int,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    options: str,
 ) -> tuple[Tensor, Tensor]:
     """The queries of this rank's unit against the keys ``step`` names: (out, lse)."""
     call = Call(group_name, is_causal, layout, scale, options)
@@ -190,17 +200,31 @@ def _(q, k, v, extra, kind, step, group_name, a2a_size, is_causal, layout, scale
 
 @torch.library.custom_op("cp::attend_backward", mutates_args=())
 def attend_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-    extra: list[Tensor], kind: str, step: int, group_name: str, a2a_size: int, is_causal: bool, layout: str,
-    scale: float, options: str,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dlse: Optional[Tensor],
+    extra: list[Tensor],
+    kind: str,
+    step: int,
+    group_name: str,
+    a2a_size: int,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one ``cp::attend`` tile, each its exact share given the final out and lse.
 
     At ``WHOLE`` (Ulysses) they leave in the inputs' dtype: the exchange back then moves no more
     bytes than the forward's, and no accumulator-dtype copy outlives the op."""
     call = Call(group_name, is_causal, layout, scale, options)
-    grads = kind_entry(kind).attend_backward(dout, q, k, v, out, lse, dlse, list(extra),
-                                             units_at(group_name, a2a_size, step), call)
+    grads = kind_entry(kind).attend_backward(
+        dout, q, k, v, out, lse, dlse, list(extra), units_at(group_name, a2a_size, step), call
+    )
     if step == WHOLE:
         return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
     return tuple(g.contiguous() for g in grads)
@@ -220,4 +244,3 @@ def listing_name(node) -> str:
     name = {GATHERED: "gathered attend", WHOLE: "heads_attend"}.get(step, "attend")
     name += "_backward" if backward else ""
     return name if step < 0 else f"{name} step={step}"
-

@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -38,7 +39,6 @@ from ..kernels.merge import acc_dtype, pivot
 from ..layout.blockmask import HEADER, MAGIC, layout_chunk, layout_perm, shard_info
 from ..torch_compat import flex_index_helpers
 from .base import Call, Kind, Units, register_kind
-
 
 # ----------------------------------------------------------------------------
 # The mods a key names.
@@ -55,7 +55,7 @@ class Mods:
 MODS: dict[str, Mods] = {}
 # Eager keys hold the ids of the user's mods, so the objects are kept alive while their key is
 # registered; only the most recent ones are, so fresh masks per batch do not pile up.
-_EAGER_KEYS: "OrderedDict[str, tuple]" = OrderedDict()
+_EAGER_KEYS: OrderedDict[str, tuple] = OrderedDict()
 MAX_EAGER_KEYS = 1024
 
 
@@ -124,8 +124,9 @@ class MaskCall:
         return self.mods.mask is not None
 
 
-def _resolve(q: Tensor, buffers: list, key: str, world_size: int, layout: str, mask_b: int, mask_h: int,
-             scale: float) -> MaskCall:
+def _resolve(
+    q: Tensor, buffers: list, key: str, world_size: int, layout: str, mask_b: int, mask_h: int, scale: float
+) -> MaskCall:
     mods = _mods(key)
     local = q.shape[2]
     if mods.mask is not None:
@@ -135,7 +136,7 @@ def _resolve(q: Tensor, buffers: list, key: str, world_size: int, layout: str, m
                 "block_mask: not a mask sharded for this group and length; build the BlockMask for the global "
                 "sequence and pass it through ContextParallel.shard(block_mask)"
             )
-        perm, chunk = table[HEADER + local:], int(table[1])
+        perm, chunk = table[HEADER + local :], int(table[1])
     else:
         perm = layout_perm(local * world_size, world_size, layout).to(q.device)
         chunk = layout_chunk(local * world_size, world_size, layout)
@@ -144,8 +145,12 @@ def _resolve(q: Tensor, buffers: list, key: str, world_size: int, layout: str, m
 
 def _bhqk(b: int, h: int, q: Tensor, k: Tensor) -> tuple[Tensor, ...]:
     dev = q.device
-    return (torch.arange(b, device=dev).view(-1, 1, 1, 1), torch.arange(h, device=dev).view(1, -1, 1, 1),
-            q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))
+    return (
+        torch.arange(b, device=dev).view(-1, 1, 1, 1),
+        torch.arange(h, device=dev).view(1, -1, 1, 1),
+        q.view(1, 1, -1, 1),
+        k.view(1, 1, 1, -1),
+    )
 
 
 def _evaluate(fn: Callable, prefix: tuple, b: int, h: int, q: Tensor, k: Tensor) -> Tensor:
@@ -184,7 +189,7 @@ def _scores(call: MaskCall, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, ma
     raw = torch.matmul(q.to(dt), kk.transpose(-1, -2)) * call.scale
     pullback = None
     if call.mods.score is not None:
-        bufs = call.buffers[call.mods.n_mask_buffers:]
+        bufs = call.buffers[call.mods.n_mask_buffers :]
         score, q_pos, k_pos = call.mods.score, call.perm[rows], call.perm[cols]
 
         def modded(x):
@@ -227,7 +232,7 @@ def _pieces(call: MaskCall, q_len: int, rows: Tensor, cols: Tensor, direction: s
         if visible.numel() == 0:
             continue
         keys = (visible.unsqueeze(1) * c + torch.arange(c, device=rows.device)).flatten()
-        yield slice(a * c, (a + 1) * c), keys, mask[:, :, a * c:(a + 1) * c][..., keys]
+        yield slice(a * c, (a + 1) * c), keys, mask[:, :, a * c : (a + 1) * c][..., keys]
 
 
 def tile_forward(call: MaskCall, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
@@ -298,8 +303,9 @@ def _mask_call(q: Tensor, buffers: list, units: Units, call: Call) -> MaskCall:
     """The tile description for this rank's unit and heads."""
     key, mask_b, mask_h = _settings(call)
     # _resolve validates the index table against the local length: a unit's tokens / its ranks
-    tile = _resolve(q.narrow(2, 0, q.shape[2] // units.a2a), buffers, key, units.world_size, call.layout,
-                    mask_b, mask_h, call.scale)
+    tile = _resolve(
+        q.narrow(2, 0, q.shape[2] // units.a2a), buffers, key, units.world_size, call.layout, mask_b, mask_h, call.scale
+    )
     if units.a2a == 1:
         return tile
     heads = q.shape[1]
@@ -343,8 +349,9 @@ class Flex(Kind):
 
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
         if q.shape[1] != k.shape[1] and not enable_gqa:
-            raise ValueError(f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for "
-                             "grouped-query attention")
+            raise ValueError(
+                f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
+            )
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
 

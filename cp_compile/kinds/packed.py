@@ -42,7 +42,12 @@ from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..kernels.block import dense_like
 from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from ..layout import (
-    Segment, check_cu_seqlens, packed_local_len, packed_segments, sequence_permutation, sequence_segments,
+    Segment,
+    check_cu_seqlens,
+    packed_local_len,
+    packed_segments,
+    sequence_permutation,
+    sequence_segments,
 )
 from .base import Call, Kind, Units, parse_options, register_kind
 
@@ -231,8 +236,9 @@ class Packed(Kind):
         check_packed_args(q, k, v, enable_gqa)
 
     def gather(self, t, extra, call: Call, world_size: int) -> Tensor:
-        return torch.ops.cp.packed_sequence_order(gather_dim0(t, call.group_name, world_size), extra[0], world_size,
-                                                  False)
+        return torch.ops.cp.packed_sequence_order(
+            gather_dim0(t, call.group_name, world_size), extra[0], world_size, False
+        )
 
     def scatter(self, t, extra, call: Call, world_size: int) -> Tensor:
         in_rank_order = torch.ops.cp.packed_sequence_order(t, extra[0], world_size, True)

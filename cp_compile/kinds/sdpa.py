@@ -29,8 +29,15 @@ import torch
 from torch import Tensor
 
 from ..kernels.block import (
-    _lse_grad, _tile_bwd, block_attn_backward_impl, block_attn_impl, check_block_args, dense_like,
-    fused_masked_attn, fused_masked_attn_backward, fused_masked_ready,
+    _lse_grad,
+    _tile_bwd,
+    block_attn_backward_impl,
+    block_attn_impl,
+    check_block_args,
+    dense_like,
+    fused_masked_attn,
+    fused_masked_attn_backward,
+    fused_masked_ready,
 )
 from ..kernels.merge import acc_dtype
 from ..layout import check_layout
@@ -85,7 +92,14 @@ def section_attn_backward(dout, q, k, v, out, lse, dlse, section: str, scale: fl
     if section == Q_SECOND_HALF:
         _, rows = _halves(q.shape[2])
         dq_half, dk, dv = block_attn_backward_impl(
-            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows].contiguous(), "none", scale,
+            dout[:, :, rows],
+            q[:, :, rows],
+            k,
+            v,
+            out[:, :, rows],
+            lse[:, :, rows].contiguous(),
+            "none",
+            scale,
             None if dlse is None else dlse[:, :, rows],
         )
         return torch.cat([dq_half.new_zeros(dq_half.shape), dq_half], dim=2), dk, dv
@@ -188,8 +202,9 @@ def gathered_attn_backward(dout, q, k, v, out, lse, dlse, units: Units, call: Ca
     return dq.to(q.dtype), dk, dv
 
 
-def check_sdpa_args(q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str,
-                    enable_gqa: bool) -> None:
+def check_sdpa_args(
+    q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str, enable_gqa: bool
+) -> None:
     """Local checks; identical inputs on every rank give identical verdicts."""
     check_layout(layout)
     check_block_args(q, k, v, "none")

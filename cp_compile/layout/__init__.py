@@ -159,7 +159,12 @@ def _packed_segments(cu: tuple[int, ...], ranks: tuple[int, ...], world_size: in
                 real = max(0, min(chunk, n - c * chunk))
                 if real:
                     last = runs[-1] if runs else None
-                    if last and last.doc == doc and last.row + last.length == row and last.pos + last.length == c * chunk:
+                    if (
+                        last
+                        and last.doc == doc
+                        and last.row + last.length == row
+                        and last.pos + last.length == c * chunk
+                    ):
                         runs[-1] = last._replace(length=last.length + real)
                     else:
                         runs.append(Segment(row, doc, c * chunk, real))

@@ -60,7 +60,7 @@ def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> tuple[tu
     bq, bkv = block_mask.BLOCK_SIZE
     perm = perm.to("cpu")
     local = perm.numel() // world_size
-    mine = [perm[r * local:(r + 1) * local] for r in range(world_size)]
+    mine = [perm[r * local : (r + 1) * local] for r in range(world_size)]
     q_blocks = torch.stack([torch.bincount(p // bq, minlength=n_q) for p in mine])  # tokens per block and rank
     kv_blocks = torch.stack([torch.bincount(p // bkv, minlength=n_kv) for p in mine])
     pairs = q_blocks @ dense.sum((0, 1)) @ kv_blocks.t()
@@ -72,9 +72,7 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
     """This rank's BlockMask for a global ``block_mask`` under the layout given by ``perm``."""
     q_len, kv_len = block_mask.seq_lengths
     if q_len != kv_len:
-        raise ValueError(
-            f"block_mask: CP shards self-attention, but the mask is {q_len} queries x {kv_len} keys"
-        )
+        raise ValueError(f"block_mask: CP shards self-attention, but the mask is {q_len} queries x {kv_len} keys")
     if perm.numel() != q_len:
         raise ValueError(f"block_mask covers {q_len} tokens but the layout covers {perm.numel()}")
     if getattr(block_mask.mask_mod, "cp_shard", None) is not None:
@@ -83,7 +81,7 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
     device = block_mask.kv_num_blocks.device
     perm = perm.to(device=device, dtype=torch.int64)
     header = torch.tensor([MAGIC, chunk], dtype=torch.int64, device=device)
-    table = torch.cat([header, perm[rank * local:(rank + 1) * local], perm])
+    table = torch.cat([header, perm[rank * local : (rank + 1) * local], perm])
     global_mod = block_mask.mask_mod
 
     def local_mod(b, h, q_idx, kv_idx):
@@ -129,7 +127,7 @@ class BalancedLayout:
 
     def positions(self, rank: int) -> Tensor:
         local = self.perm.numel() // self.world_size
-        return self.perm[rank * local:(rank + 1) * local]
+        return self.perm[rank * local : (rank + 1) * local]
 
 
 def balance_blocks(block_mask: BlockMask, world_size: int) -> BalancedLayout:

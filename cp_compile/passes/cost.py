@@ -40,13 +40,13 @@ raise the same error instead of hanging.)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ..schedules import SCHEDULES  # ties go to the earlier name
-
 
 # ----------------------------------------------------------------------------
 # Machine profiles.
@@ -74,8 +74,10 @@ class Machine:
         return messages * self.latency + nbytes / self.bandwidth
 
     def __str__(self) -> str:
-        return (f"{self.device} ({self.source}): {self.flops / 1e9:.3g} GFLOP/s, "
-                f"{self.bandwidth / 1e9:.3g} GB/s, {self.latency * 1e6:.3g} us latency")
+        return (
+            f"{self.device} ({self.source}): {self.flops / 1e9:.3g} GFLOP/s, "
+            f"{self.bandwidth / 1e9:.3g} GB/s, {self.latency * 1e6:.3g} us latency"
+        )
 
 
 MACHINES = {
@@ -151,7 +153,7 @@ class Workload:
 
     def tile_flops(self) -> float:
         """Forward FLOPs of one fully visible (local x local) tile."""
-        return 2.0 * self.batch * self.q_heads * self.local_len ** 2 * (self.head_dim + self.v_dim)
+        return 2.0 * self.batch * self.q_heads * self.local_len**2 * (self.head_dim + self.v_dim)
 
     def ring_step_work(self) -> list[float]:
         """Per ring step, the visible fraction of the busiest rank's tile (step i: rank r sees rank r-i's K/V)."""
@@ -165,9 +167,14 @@ class Workload:
     def group_tiles(self, groups: int) -> tuple[tuple[float, ...], ...]:
         """Tiles between groups of ``world_size / groups`` consecutive ranks (the hybrid's ring members)."""
         size = self.world_size // groups
-        return tuple(tuple(sum(self.tiles[r][j] for r in range(g * size, (g + 1) * size)
-                               for j in range(h * size, (h + 1) * size)) / size ** 2
-                           for h in range(groups)) for g in range(groups))
+        return tuple(
+            tuple(
+                sum(self.tiles[r][j] for r in range(g * size, (g + 1) * size) for j in range(h * size, (h + 1) * size))
+                / size**2
+                for h in range(groups)
+            )
+            for g in range(groups)
+        )
 
 
 @dataclass
@@ -186,9 +193,11 @@ class Estimate:
         if not self.feasible:
             return f"{self.schedule:<9} not possible: {self.reason}"
         note = f" [{'; '.join(self.notes)}]" if self.notes else ""
-        return (f"{self.schedule:<9} {self.time_s * 1e3:9.3f} ms (compute {self.compute_s * 1e3:.3f}, exposed comm "
-                f"{self.exposed_comm_s * 1e3:.3f}), sends {fmt_bytes(self.bytes_sent)}, holds "
-                f"{fmt_bytes(self.memory_bytes)}{note}")
+        return (
+            f"{self.schedule:<9} {self.time_s * 1e3:9.3f} ms (compute {self.compute_s * 1e3:.3f}, exposed comm "
+            f"{self.exposed_comm_s * 1e3:.3f}), sends {fmt_bytes(self.bytes_sent)}, holds "
+            f"{fmt_bytes(self.memory_bytes)}{note}"
+        )
 
 
 def fmt_bytes(n: float) -> str:
@@ -260,8 +269,9 @@ def estimate_ring(w: Workload, m: Machine) -> Estimate:
     if w.tiles is not None:
         why = "masked ring: each step as long as its busiest rank's visible work, K/V transfer overlapped with it"
         if empty:
-            notes.append(f"{empty} of {c} ring steps have no visible work on any rank: nothing to hide the next "
-                         "transfer under")
+            notes.append(
+                f"{empty} of {c} ring steps have no visible work on any rank: nothing to hide the next transfer under"
+            )
     elif w.causal:
         why = "causal zigzag ring: equal work per rank and step, K/V transfer overlapped with compute"
     else:
@@ -284,8 +294,16 @@ def estimate_allgather(w: Workload, m: Machine) -> Estimate:
         t3, s3 = _exchange(m, c * w.kv_bytes(itemsize=w.acc_itemsize), c)  # dK/dV reduce-scattered
         exposed, sent = exposed + t2 + t3, sent + s2 + s3
     memory = kv_all + (c * w.kv_bytes(itemsize=w.acc_itemsize) if w.backward else 0)
-    return Estimate("allgather", True, "K/V gathered once per pass; no merge; memory grows with C",
-                    fwd + bwd + exposed, fwd + bwd, exposed, sent, memory)
+    return Estimate(
+        "allgather",
+        True,
+        "K/V gathered once per pass; no merge; memory grows with C",
+        fwd + bwd + exposed,
+        fwd + bwd,
+        exposed,
+        sent,
+        memory,
+    )
 
 
 def _a2a_part(w: Workload, m: Machine, group: int) -> tuple[Optional[str], float, float, float, list[str]]:
@@ -314,8 +332,17 @@ def estimate_ulysses(w: Workload, m: Machine) -> Estimate:
     if err:
         return Estimate("ulysses", False, err)
     fwd, bwd = _compute(w, m, kernel_calls=1)
-    return Estimate("ulysses", True, "all-to-all to head sharding, one full-sequence kernel, all-to-all back",
-                    fwd + bwd + comm, fwd + bwd, comm, sent, memory, notes)
+    return Estimate(
+        "ulysses",
+        True,
+        "all-to-all to head sharding, one full-sequence kernel, all-to-all back",
+        fwd + bwd + comm,
+        fwd + bwd,
+        comm,
+        sent,
+        memory,
+        notes,
+    )
 
 
 def estimate_hybrid(w: Workload, m: Machine) -> Estimate:
@@ -329,13 +356,27 @@ def estimate_hybrid(w: Workload, m: Machine) -> Estimate:
 
     # the ring then runs over ``rings`` ranks on head-sharded blocks as large as the local ones
     kv_heads = w.kv_heads * replicate_kv_heads(w.kv_heads, w.q_heads, group)
-    inner = replace(w, world_size=rings, local_len=w.local_len * group, q_heads=w.q_heads // group,
-                    kv_heads=kv_heads // group, mesh=(),
-                    tiles=None if w.tiles is None else w.group_tiles(rings))
+    inner = replace(
+        w,
+        world_size=rings,
+        local_len=w.local_len * group,
+        q_heads=w.q_heads // group,
+        kv_heads=kv_heads // group,
+        mesh=(),
+        tiles=None if w.tiles is None else w.group_tiles(rings),
+    )
     ring = estimate_ring(inner, m)
-    return Estimate("hybrid", True, f"all-to-all over {group} ranks, then a ring over {rings}",
-                    ring.time_s + comm, ring.compute_s, ring.exposed_comm_s + comm, ring.bytes_sent + sent,
-                    ring.memory_bytes + memory, notes)
+    return Estimate(
+        "hybrid",
+        True,
+        f"all-to-all over {group} ranks, then a ring over {rings}",
+        ring.time_s + comm,
+        ring.compute_s,
+        ring.exposed_comm_s + comm,
+        ring.bytes_sent + sent,
+        ring.memory_bytes + memory,
+        notes,
+    )
 
 
 ESTIMATORS: dict[str, Callable[[Workload, Machine], Estimate]] = {
@@ -370,14 +411,28 @@ def workload(site, options) -> Workload:
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     c = resolve_group(options.group_name).size()
     example = site.query.meta.get("example_value", site.query.meta.get("val"))
-    backward = any(getattr(n.meta.get("example_value", n.meta.get("val")), "requires_grad", False)
-                   for n in (site.args["query"], site.args["key"], site.args["value"]))
-    return Workload(
-        batch=q[0], q_heads=q[1], kv_heads=k[1], local_len=q[2], head_dim=q[3], v_dim=v[3],
-        dtype=site.dtype(), world_size=c, visible=visible_fraction(site, q[2] * c),
-        causal=bool(site.args.get("is_causal")), backward=backward,
-        mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
-    ) if example is not None else None
+    backward = any(
+        getattr(n.meta.get("example_value", n.meta.get("val")), "requires_grad", False)
+        for n in (site.args["query"], site.args["key"], site.args["value"])
+    )
+    return (
+        Workload(
+            batch=q[0],
+            q_heads=q[1],
+            kv_heads=k[1],
+            local_len=q[2],
+            head_dim=q[3],
+            v_dim=v[3],
+            dtype=site.dtype(),
+            world_size=c,
+            visible=visible_fraction(site, q[2] * c),
+            causal=bool(site.args.get("is_causal")),
+            backward=backward,
+            mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
+        )
+        if example is not None
+        else None
+    )
 
 
 def estimate_all(w: Workload, machine: Machine, available=None) -> list[Estimate]:
@@ -391,9 +446,11 @@ def estimate_all(w: Workload, machine: Machine, available=None) -> list[Estimate
             continue
         est = ESTIMATORS[name](w, machine)
         if est.feasible and machine.memory_limit is not None and est.memory_bytes > machine.memory_limit:
-            est = replace(est, feasible=False,
-                          reason=f"holds {fmt_bytes(est.memory_bytes)}, over the limit "
-                                 f"{fmt_bytes(machine.memory_limit)}")
+            est = replace(
+                est,
+                feasible=False,
+                reason=f"holds {fmt_bytes(est.memory_bytes)}, over the limit {fmt_bytes(machine.memory_limit)}",
+            )
         rows.append(est)
     return rows
 
@@ -410,8 +467,9 @@ def machine_for(options, device: str) -> Machine:
     return getattr(options, "machine", None) or default_machine(device)
 
 
-def decide(w: Optional[Workload], machine: Machine, schedule: str, available=None, where: str = "",
-           facts: str = "") -> tuple[str, str, list[Estimate]]:
+def decide(
+    w: Optional[Workload], machine: Machine, schedule: str, available=None, where: str = "", facts: str = ""
+) -> tuple[str, str, list[Estimate]]:
     """(schedule, reason, estimates): the fastest feasible candidate for ``w``, or the forced ``schedule``.
 
     ``facts`` (what the workload was built from, e.g. a mask's visible fraction) ends the reason.

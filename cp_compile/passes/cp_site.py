@@ -25,9 +25,20 @@ def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
         return None
     q, k, v, extra, *rest = node.args
     is_causal, layout, scale, enable_gqa, kind, options = rest[-6:]
-    return {"query": q, "key": k, "value": v, "extra": extra, "groups": tuple(rest[:-6]), "is_causal": is_causal,
-            "layout": layout, "scale": scale, "enable_gqa": enable_gqa, "kind": kind, "options": options,
-            "schedule": target.__name__.split(".")[0].removesuffix("_attention")}
+    return {
+        "query": q,
+        "key": k,
+        "value": v,
+        "extra": extra,
+        "groups": tuple(rest[:-6]),
+        "is_causal": is_causal,
+        "layout": layout,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+        "kind": kind,
+        "options": options,
+        "schedule": target.__name__.split(".")[0].removesuffix("_attention"),
+    }
 
 
 def _check_cp(site: AttentionSite) -> None:
@@ -40,8 +51,15 @@ def _record_cp(site: AttentionSite, options: CPOptions) -> None:
     causal = bool(args["is_causal"])
     if args["kind"] == "packed":  # the packed kind is causal through its window
         causal = parse_packed_options(args["options"]).right == 0
-    site.decision.update({"schedule": args["schedule"], "why": f"called as a CP op ({detail})", "is_causal": causal,
-                          "scale": args["scale"], "enable_gqa": args["enable_gqa"]})
+    site.decision.update(
+        {
+            "schedule": args["schedule"],
+            "why": f"called as a CP op ({detail})",
+            "is_causal": causal,
+            "scale": args["scale"],
+            "enable_gqa": args["enable_gqa"],
+        }
+    )
 
 
 CP_KIND = SiteKind("cp", _match_cp, _check_cp, _record_cp)

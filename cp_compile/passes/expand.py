@@ -101,8 +101,13 @@ def _described(node: fx.Node) -> str:
 
 def _symbols(node: fx.Node) -> set:
     """The graph's size symbols in the q/k/v sizes a ``cp::agree`` compares."""
-    return {symbol for t in node.args[:3] for size in t.meta["val"].shape if isinstance(size, torch.SymInt)
-            for symbol in size.node.expr.free_symbols}
+    return {
+        symbol
+        for t in node.args[:3]
+        for size in t.meta["val"].shape
+        if isinstance(size, torch.SymInt)
+        for symbol in size.node.expr.free_symbols
+    }
 
 
 def fold_agreements(graph: fx.Graph) -> None:

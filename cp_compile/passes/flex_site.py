@@ -23,12 +23,28 @@ from ..kinds.flex import Mods, flex_options, register_mods
 from ..layout.blockmask import HEADER
 from .masked import choose_schedule
 from .site import (
-    AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, constant, insert_schedule, traced_value,
+    AttentionSite,
+    CPOptions,
+    SiteKind,
+    UnsupportedAttention,
+    _example,
+    constant,
+    insert_schedule,
+    traced_value,
 )
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
-_NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options", "score_mod_buffers",
-          "mask_mod_buffers")
+_NAMES = (
+    "query",
+    "key",
+    "value",
+    "score_mod",
+    "block_mask",
+    "scale",
+    "kernel_options",
+    "score_mod_buffers",
+    "mask_mod_buffers",
+)
 
 
 def _match_flex(node: fx.Node) -> Optional[dict[str, Any]]:
@@ -108,9 +124,21 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     schedule, why = choose_schedule(site, options)
     scale = float(constant(args["scale"]))
     enable_gqa = site.shape("query")[1] != site.shape("key")[1]
-    _, out, lse = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"],
-                                  mask_buffers + score_buffers, is_causal=False, layout=options.layout, scale=scale,
-                                  enable_gqa=enable_gqa, kind="flex", kind_options=flex_options(key, mask_b, mask_h))
+    _, out, lse = insert_schedule(
+        site,
+        options,
+        schedule,
+        args["query"],
+        args["key"],
+        args["value"],
+        mask_buffers + score_buffers,
+        is_causal=False,
+        layout=options.layout,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        kind="flex",
+        kind_options=flex_options(key, mask_b, mask_h),
+    )
     graph = site.owner.graph
     with graph.inserting_before(site.node):
         lse2 = graph.call_function(torch.mul, (lse, 1.0 / math.log(2.0)))  # the HOP's lse is base 2
@@ -132,4 +160,3 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
 
 
 FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex)
-

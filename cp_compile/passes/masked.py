@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..layout import check_cu_seqlens, packed_local_len
 from ..comm import resolve_group
+from ..layout import check_cu_seqlens, packed_local_len
 from .cost import Estimate, Machine, Workload, check_schedule, decide, default_machine, machine_for, workload
 from .site import _example
 
@@ -55,8 +55,10 @@ class MaskFacts:
     def describe(self) -> str:
         c = len(self.tiles)
         busy = sum(1 for r in range(c) for j in range(c) if r != j and self.tiles[r][j] > 0)
-        return (f"mask: {self.source}; {self.visible:.1%} of scores visible, {busy} of {c * (c - 1)} remote tiles "
-                "have visible pairs")
+        return (
+            f"mask: {self.source}; {self.visible:.1%} of scores visible, {busy} of {c * (c - 1)} remote tiles "
+            "have visible pairs"
+        )
 
 
 def full_tiles(world_size: int) -> Tiles:
@@ -140,7 +142,7 @@ def _packed_tiles(cu: tuple, world_size: int, left: int, right: int) -> Tiles:
     fold = torch.zeros(two_c, c, dtype=torch.int64)
     fold[torch.arange(two_c), owner] = 1
     counts = (fold.t() @ chunk_sums.view(two_c, two_c) @ fold).tolist()
-    return tuple(tuple(x / local ** 2 for x in row) for row in counts)
+    return tuple(tuple(x / local**2 for x in row) for row in counts)
 
 
 def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int, int]) -> MaskFacts:
@@ -158,8 +160,10 @@ def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int,
     else:
         total = local_len * world_size
         cu = [0, total]
-        source = (f"{shape}; the documents are a run-time input (one graph for every split): costed as one "
-                  f"document of {total} tokens, the most any split can see")
+        source = (
+            f"{shape}; the documents are a run-time input (one graph for every split): costed as one "
+            f"document of {total} tokens, the most any split can see"
+        )
     return MaskFacts(packed_tiles(cu, world_size, left, right), source)
 
 
@@ -173,8 +177,11 @@ def flex_facts(info, has_mask: bool, local_len: int, world_size: int) -> MaskFac
     if not has_mask:
         return MaskFacts(full_tiles(world_size), "no block_mask: every pair visible")
     if info is None or info.world_size != world_size or len(info.tiles) != world_size:
-        return MaskFacts(full_tiles(world_size), f"no BlockMask sharded by plan.shard for local length {local_len} at "
-                                                 f"C={world_size}: every pair counted as visible")
+        return MaskFacts(
+            full_tiles(world_size),
+            f"no BlockMask sharded by plan.shard for local length {local_len} at "
+            f"C={world_size}: every pair counted as visible",
+        )
     return MaskFacts(info.tiles, "global BlockMask's block counts (plan.shard)")
 
 
@@ -183,23 +190,62 @@ def flex_facts(info, has_mask: bool, local_len: int, world_size: int) -> MaskFac
 # ----------------------------------------------------------------------------
 
 
-def masked_workload(kind: str, q_shape, k_shape, v_shape, dtype: torch.dtype, world_size: int, facts: MaskFacts,
-                    *, causal: bool, backward: bool, mesh: tuple = ()) -> Workload:
+def masked_workload(
+    kind: str,
+    q_shape,
+    k_shape,
+    v_shape,
+    dtype: torch.dtype,
+    world_size: int,
+    facts: MaskFacts,
+    *,
+    causal: bool,
+    backward: bool,
+    mesh: tuple = (),
+) -> Workload:
     """Packed shapes are [T, H, D], flex shapes [B, H, S, D] (local)."""
     if kind == "varlen":
         batch, (local, q_heads, head_dim), kv_heads, v_dim = 1, q_shape, k_shape[1], v_shape[-1]
     else:
         (batch, q_heads, local, head_dim), kv_heads, v_dim = q_shape, k_shape[1], v_shape[-1]
-    return Workload(batch, q_heads, kv_heads, local, head_dim, v_dim, dtype, world_size, facts.visible, causal,
-                    backward, tuple(mesh), tiles=facts.tiles, head_halves=kind == "varlen")
+    return Workload(
+        batch,
+        q_heads,
+        kv_heads,
+        local,
+        head_dim,
+        v_dim,
+        dtype,
+        world_size,
+        facts.visible,
+        causal,
+        backward,
+        tuple(mesh),
+        tiles=facts.tiles,
+        head_halves=kind == "varlen",
+    )
 
 
-def choose_masked(kind: str, q_shape, k_shape, v_shape, dtype: torch.dtype, world_size: int, facts: MaskFacts, *,
-                  causal: bool, backward: bool, machine: Machine, mesh: tuple = (), schedule: str = "auto",
-                  where: str = "") -> tuple[str, str, list[Estimate]]:
+def choose_masked(
+    kind: str,
+    q_shape,
+    k_shape,
+    v_shape,
+    dtype: torch.dtype,
+    world_size: int,
+    facts: MaskFacts,
+    *,
+    causal: bool,
+    backward: bool,
+    machine: Machine,
+    mesh: tuple = (),
+    schedule: str = "auto",
+    where: str = "",
+) -> tuple[str, str, list[Estimate]]:
     """(schedule, reason, estimates) of a packed (``kind="varlen"``) or flex site."""
-    w = masked_workload(kind, q_shape, k_shape, v_shape, dtype, world_size, facts, causal=causal,
-                        backward=backward, mesh=mesh)
+    w = masked_workload(
+        kind, q_shape, k_shape, v_shape, dtype, world_size, facts, causal=causal, backward=backward, mesh=mesh
+    )
     return decide(w, machine, schedule, None, where, facts.describe())
 
 
@@ -207,24 +253,46 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def choose_packed(q, k, v, cu_seqlens, world_size: int, window: tuple[int, int], machine: Optional[Machine] = None,
-                  mesh: tuple = ()) -> tuple[str, str, list[Estimate]]:
+def choose_packed(
+    q, k, v, cu_seqlens, world_size: int, window: tuple[int, int], machine: Optional[Machine] = None, mesh: tuple = ()
+) -> tuple[str, str, list[Estimate]]:
     """Eager ``varlen_attention(schedule="auto")``: [T, H, D] q, k, v and the global ``cu_seqlens``."""
     facts = packed_facts(cu_seqlens, q.shape[0], world_size, window)
-    return choose_masked("varlen", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, world_size, facts,
-                         causal=window[1] == 0, backward=_needs_grad(q, k, v),
-                         machine=machine or default_machine(q.device.type), mesh=mesh)
+    return choose_masked(
+        "varlen",
+        tuple(q.shape),
+        tuple(k.shape),
+        tuple(v.shape),
+        q.dtype,
+        world_size,
+        facts,
+        causal=window[1] == 0,
+        backward=_needs_grad(q, k, v),
+        machine=machine or default_machine(q.device.type),
+        mesh=mesh,
+    )
 
 
-def choose_flex(q, k, v, block_mask, world_size: int, machine: Optional[Machine] = None,
-                mesh: tuple = ()) -> tuple[str, str, list[Estimate]]:
+def choose_flex(
+    q, k, v, block_mask, world_size: int, machine: Optional[Machine] = None, mesh: tuple = ()
+) -> tuple[str, str, list[Estimate]]:
     """Eager ``flex_attention(schedule="auto")``: [B, H, S, D] q, k, v and the sharded BlockMask (or None)."""
     from ..layout.blockmask import shard_info
 
     facts = flex_facts(shard_info(block_mask), block_mask is not None, q.shape[2], world_size)
-    return choose_masked("flex", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, world_size, facts,
-                         causal=False, backward=_needs_grad(q, k, v),
-                         machine=machine or default_machine(q.device.type), mesh=mesh)
+    return choose_masked(
+        "flex",
+        tuple(q.shape),
+        tuple(k.shape),
+        tuple(v.shape),
+        q.dtype,
+        world_size,
+        facts,
+        causal=False,
+        backward=_needs_grad(q, k, v),
+        machine=machine or default_machine(q.device.type),
+        mesh=mesh,
+    )
 
 
 def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
@@ -243,9 +311,21 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
         has_mask = bool(site.args["mask_mod_buffers"])
         facts = flex_facts(last_shard_info(q[2], c) if has_mask else None, has_mask, q[2], c)
         causal = False
-    return choose_masked(site.kind, q, k, v, site.dtype(), c, facts, causal=causal, backward=backward,
-                         machine=machine, mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
-                         schedule=options.schedule, where=site.source)
+    return choose_masked(
+        site.kind,
+        q,
+        k,
+        v,
+        site.dtype(),
+        c,
+        facts,
+        causal=causal,
+        backward=backward,
+        machine=machine,
+        mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
+        schedule=options.schedule,
+        where=site.source,
+    )
 
 
 def choose_schedule(site, options) -> tuple[str, str]:

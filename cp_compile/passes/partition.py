@@ -60,15 +60,19 @@ def recomputed_cp_ops(backward: fx.GraphModule) -> list[fx.Node]:
     return [n for n in backward.graph.nodes if n.op == "call_function" and n.target in CP_FORWARD_OPS]
 
 
-def partition_saving_cp(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
-                        static_lifetime_input_indices=None, **kwargs):
+def partition_saving_cp(
+    joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, static_lifetime_input_indices=None, **kwargs
+):
     """Min-cut partition, then, if it recomputes a CP op, the same split with the CP outputs saved."""
     from ..torch_compat import partitioners
 
     P = partitioners()
     fw, bw = P.min_cut_rematerialization_partition(
-        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static_lifetime_input_indices, **kwargs,
+        joint,
+        joint_inputs,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+        **kwargs,
     )
     if not recomputed_cp_ops(bw):
         return fw, bw
@@ -86,7 +90,11 @@ def partition_saving_cp(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs:
     tensors = [n for n in saved if not P.is_sym_node(n) and not P.is_opaque_node(n)]
     node_info = P.classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
     fw, bw = P._extract_fwd_bwd_modules(
-        joint, tensors, saved_sym_nodes=sym, saved_opaque_nodes=opaque, num_fwd_outputs=num_fwd_outputs,
+        joint,
+        tensors,
+        saved_sym_nodes=sym,
+        saved_opaque_nodes=opaque,
+        num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
     )
     bw = P.reordering_to_mimic_autograd_engine(bw)

@@ -26,7 +26,13 @@ from .cp_site import CP_KIND
 from .flex_site import FLEX_KIND
 from .sdpa_site import SDPA_KIND
 from .site import (  # noqa: F401  (re-exported: the pass's vocabulary)
-    AttentionSite, CPOptions, SiteKind, UnsupportedAttention, _example, _graph_modules, replace_node,
+    AttentionSite,
+    CPOptions,
+    SiteKind,
+    UnsupportedAttention,
+    _example,
+    _graph_modules,
+    replace_node,
 )
 from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_KIND
@@ -69,4 +75,3 @@ def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionS
         module.graph.lint()
         module.recompile()
     return sites
-

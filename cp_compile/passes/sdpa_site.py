@@ -34,9 +34,11 @@ def _check_sdpa(site: AttentionSite) -> None:
     if args["attn_mask"] is not None:
         hint = "use is_causal=True, or FlexAttention for custom masks"
         if "transformers" in (site.node.meta.get("stack_trace") or ""):  # a mask built by Hugging Face
-            hint = ('for a Hugging Face transformers model, `import cp_compile.hf` and load or switch it with '
-                    'attn_implementation="cp_compile" (model.set_attn_implementation("cp_compile")), and run it '
-                    'inside `with plan:`')
+            hint = (
+                "for a Hugging Face transformers model, `import cp_compile.hf` and load or switch it with "
+                'attn_implementation="cp_compile" (model.set_attn_implementation("cp_compile")), and run it '
+                "inside `with plan:`"
+            )
         raise UnsupportedAttention(
             f"scaled_dot_product_attention(attn_mask=...) {where}: an explicit attn_mask tensor is not supported "
             f"under context parallelism (each rank holds only its shard of the sequence); {hint}"
@@ -49,7 +51,9 @@ def _check_sdpa(site: AttentionSite) -> None:
         )
     for name in ("is_causal", "scale", "enable_gqa"):
         if isinstance(args[name], fx.Node):
-            raise UnsupportedAttention(f"scaled_dot_product_attention({name}=<traced value>) {where}: must be a constant")
+            raise UnsupportedAttention(
+                f"scaled_dot_product_attention({name}=<traced value>) {where}: must be a constant"
+            )
     q_shape, k_shape = site.shape("query"), site.shape("key")
     if q_shape is None or k_shape is None:
         raise UnsupportedAttention(f"scaled_dot_product_attention {where}: no example shapes in the graph")
@@ -65,15 +69,33 @@ def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
     schedule, why = choose_schedule(site, options)
-    _, out = insert_schedule(site, options, schedule, args["query"], args["key"], args["value"], [],
-                             is_causal=bool(args["is_causal"]), layout=options.layout, scale=scale,
-                             enable_gqa=bool(args["enable_gqa"]), kind="sdpa", kind_options="", outputs_used=1)
+    _, out = insert_schedule(
+        site,
+        options,
+        schedule,
+        args["query"],
+        args["key"],
+        args["value"],
+        [],
+        is_causal=bool(args["is_causal"]),
+        layout=options.layout,
+        scale=scale,
+        enable_gqa=bool(args["enable_gqa"]),
+        kind="sdpa",
+        kind_options="",
+        outputs_used=1,
+    )
     site.node.replace_all_uses_with(out)
     site.owner.graph.erase_node(site.node)
-    site.decision.update({  # keeps the cost model's estimates
-        "schedule": schedule, "why": why, "is_causal": bool(args["is_causal"]), "scale": scale,
-        "enable_gqa": bool(args["enable_gqa"]),
-    })
+    site.decision.update(
+        {  # keeps the cost model's estimates
+            "schedule": schedule,
+            "why": why,
+            "is_causal": bool(args["is_causal"]),
+            "scale": scale,
+            "enable_gqa": bool(args["enable_gqa"]),
+        }
+    )
 
 
 def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -83,8 +84,10 @@ class AttentionSite:
         return "top-level graph" if self.owner_path == "" else f"inside {self.owner_path}"
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
-                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # torch, cp_compile
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)  # torch, cp_compile
 
 
 def _in_library(frame_line: str) -> bool:
@@ -140,16 +143,34 @@ def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int =
     return [op] + outs
 
 
-def insert_schedule(site: AttentionSite, options: CPOptions, schedule: str, q, k, v, extra: list, *, is_causal: bool,
-                    layout: str, scale: float, enable_gqa: bool, kind: str, kind_options: str,
-                    outputs_used: int = 2) -> list[fx.Node]:
+def insert_schedule(
+    site: AttentionSite,
+    options: CPOptions,
+    schedule: str,
+    q,
+    k,
+    v,
+    extra: list,
+    *,
+    is_causal: bool,
+    layout: str,
+    scale: float,
+    enable_gqa: bool,
+    kind: str,
+    kind_options: str,
+    outputs_used: int = 2,
+) -> list[fx.Node]:
     """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out(, lse)]."""
     try:
         target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
     except ValueError as e:
         raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
-    return replace_node(site, target, (q, k, v, list(extra), *groups, bool(is_causal), layout, float(scale),
-                                       bool(enable_gqa), kind, kind_options), n_outputs_used=outputs_used)
+    return replace_node(
+        site,
+        target,
+        (q, k, v, list(extra), *groups, bool(is_causal), layout, float(scale), bool(enable_gqa), kind, kind_options),
+        n_outputs_used=outputs_used,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,5 +181,3 @@ class SiteKind:
     match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None
     check: Callable[[AttentionSite], None]
     rewrite: Callable[[AttentionSite, CPOptions], None]
-
-

@@ -22,23 +22,29 @@ class LocalAttentionError(RuntimeError):
     """Plain attention was about to run on this rank's shard alone while a plan is active."""
 
 
-_FIX = ("compile the model inside `with plan:` with torch.compile(model, backend=plan.backend(), fullgraph=True) "
-        "so that the call is rewritten into a CP schedule; without compiling, call cp_compile's ops "
-        "(plan.attention, cp_compile.varlen_attention, cp_compile.flex_attention) or, for Hugging Face models, "
-        "load them with attn_implementation=\"cp_compile\" (import cp_compile.hf)")
+_FIX = (
+    "compile the model inside `with plan:` with torch.compile(model, backend=plan.backend(), fullgraph=True) "
+    "so that the call is rewritten into a CP schedule; without compiling, call cp_compile's ops "
+    "(plan.attention, cp_compile.varlen_attention, cp_compile.flex_attention) or, for Hugging Face models, "
+    'load them with attn_implementation="cp_compile" (import cp_compile.hf)'
+)
 
 
 def eager_message(what: str) -> str:
-    return (f"{what} ran eagerly inside `with plan:`: it would attend to this rank's shard of the sequence alone. "
-            "Dynamo runs code eagerly that it did not compile: a frame past torch._dynamo.config.recompile_limit, a "
-            "function under torch._dynamo.disable, the side of a graph break that holds the call, or a model that "
-            f"is not compiled at all. Fix: {_FIX}.")
+    return (
+        f"{what} ran eagerly inside `with plan:`: it would attend to this rank's shard of the sequence alone. "
+        "Dynamo runs code eagerly that it did not compile: a frame past torch._dynamo.config.recompile_limit, a "
+        "function under torch._dynamo.disable, the side of a graph break that holds the call, or a model that "
+        f"is not compiled at all. Fix: {_FIX}."
+    )
 
 
 def compiled_message(what: str) -> str:
-    return (f"{what} was compiled inside `with plan:` by a backend other than plan.backend() (for example "
-            "torch.compile's default, \"aot_eager\", or FlexAttention's own compile of an eager call), so "
-            f"nothing rewrote it: it would attend to this rank's shard of the sequence alone. Fix: {_FIX}.")
+    return (
+        f"{what} was compiled inside `with plan:` by a backend other than plan.backend() (for example "
+        "torch.compile's default, \"aot_eager\", or FlexAttention's own compile of an eager call), so "
+        f"nothing rewrote it: it would attend to this rank's shard of the sequence alone. Fix: {_FIX}."
+    )
 
 
 @torch.library.custom_op("cp::unrewritten", mutates_args=())

@@ -18,28 +18,36 @@ The rewrite inserts the chosen schedule's whole op with the ``"packed"`` kind
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
 
 from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .masked import choose_schedule
 from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, constant, insert_schedule
 
-VARLEN_OP = torch.ops.torch_attn._varlen_attn
-_SCHEMA = VARLEN_OP.default._schema
+
+@functools.cache
+def _varlen_op():
+    """torch's ``varlen_attn`` op, registered on the first graph looked at: its module imports Dynamo (2 s),
+    which ``import cp_compile`` need not pay."""
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn)
+
+    return torch.ops.torch_attn._varlen_attn
 
 
 def _match_varlen(node: fx.Node) -> Optional[dict[str, Any]]:
-    if node.target not in (VARLEN_OP, VARLEN_OP.default):
+    op = _varlen_op()
+    if node.target not in (op, op.default):
         return None
-    args = {a.name: a.default_value if a.has_default_value() else None for a in _SCHEMA.arguments}
-    args.update(zip([a.name for a in _SCHEMA.arguments], node.args))
+    schema = op.default._schema
+    args = {a.name: a.default_value if a.has_default_value() else None for a in schema.arguments}
+    args.update(zip([a.name for a in schema.arguments], node.args))
     args.update(node.kwargs)
     return args
 
@@ -85,9 +93,19 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     if heads:
         with graph.inserting_before(site.node):
             qkv = [graph.call_function(bhsd, (t,)) for t in qkv]
-    _, out, lse = insert_schedule(site, options, schedule, *qkv, [args["cu_seq_q"]], is_causal=False,
-                                  layout=PACKED_LAYOUT, scale=scale, enable_gqa=bool(args["enable_gqa"]),
-                                  kind="packed", kind_options=packed_options(left, right))
+    _, out, lse = insert_schedule(
+        site,
+        options,
+        schedule,
+        *qkv,
+        [args["cu_seq_q"]],
+        is_causal=False,
+        layout=PACKED_LAYOUT,
+        scale=scale,
+        enable_gqa=bool(args["enable_gqa"]),
+        kind="packed",
+        kind_options=packed_options(left, right),
+    )
     if heads:
         with graph.inserting_before(site.node):
             out, lse = (graph.call_function(thd, (t,)) for t in (out, lse))
@@ -102,8 +120,16 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
             user.replace_all_uses_with(lse_ht)
         graph.erase_node(user)
     graph.erase_node(site.node)
-    site.decision.update({"schedule": schedule, "why": why, "is_causal": right == 0, "scale": scale,
-                          "enable_gqa": bool(args["enable_gqa"]), "window": (left, right)})
+    site.decision.update(
+        {
+            "schedule": schedule,
+            "why": why,
+            "is_causal": right == 0,
+            "scale": scale,
+            "enable_gqa": bool(args["enable_gqa"]),
+            "window": (left, right),
+        }
+    )
 
 
 VARLEN_KIND = SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen)

@@ -31,7 +31,7 @@ def _both(exchange, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     if a.dtype != b.dtype or a.shape[:-1] != b.shape[:-1]:
         return exchange(a), exchange(b)
     both = exchange(torch.cat([a, b], dim=-1))
-    return both[..., :a.shape[-1]].contiguous(), both[..., a.shape[-1]:].contiguous()
+    return both[..., : a.shape[-1]].contiguous(), both[..., a.shape[-1] :].contiguous()
 
 
 def allgather_forward(q, k, v, extra: list, s: Setting, world_size: int, enable_gqa: bool):
@@ -44,8 +44,9 @@ def allgather_forward(q, k, v, extra: list, s: Setting, world_size: int, enable_
 def allgather_backward(dout, q, k, v, out, lse, dlse, extra: list, s: Setting, world_size: int):
     kind = kind_entry(s.kind)
     k_all, v_all = _both(lambda t: kind.gather(t, extra, s.call, world_size), k, v)
-    dq, dk_all, dv_all = torch.ops.cp.attend_backward(dout, q, k_all, v_all, out, lse, dlse, extra,
-                                                      *s.attend_args(GATHERED, 1))
+    dq, dk_all, dv_all = torch.ops.cp.attend_backward(
+        dout, q, k_all, v_all, out, lse, dlse, extra, *s.attend_args(GATHERED, 1)
+    )
     del k_all, v_all
     dk, dv = _both(lambda t: kind.scatter(t, extra, s.call, world_size), dk_all, dv_all)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

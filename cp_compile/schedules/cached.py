@@ -36,9 +36,18 @@ def _cached_settings(options: str) -> tuple[int, float]:
     return int(items.get("chunk", 0)), float(items.get("softcap", 0.0))
 
 
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, group_name: str,
-                     left: int, scale: float, options: str,
-                     tag: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    group_name: str,
+    left: int,
+    scale: float,
+    options: str,
+    tag: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``q [B, Hq, Lq, D]`` (the same on every rank) at positions ``q_pos [Lq]`` against this rank's
     cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]``; returns the attention over every
     rank's cache, (out in q's dtype, lse in the accumulator dtype), and every rank's ``tag [n]`` (in the
@@ -84,12 +93,16 @@ torch.fx.node.has_side_effect(torch.ops.cp.cached_attention.default)  # a collec
 
 def check_cached_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape[:-1] + (k.shape[-1],):
-        raise ValueError(f"cached attention takes [B, H, L, D] tensors; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(
+            f"cached attention takes [B, H, L, D] tensors; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q_pos.shape != (q.shape[2],) or k_pos.shape != (k.shape[2],):
-        raise ValueError(f"positions must be 1-D, one per query ({q.shape[2]}) and per cache slot ({k.shape[2]}); "
-                         f"got {tuple(q_pos.shape)} and {tuple(k_pos.shape)}")
+        raise ValueError(
+            f"positions must be 1-D, one per query ({q.shape[2]}) and per cache slot ({k.shape[2]}); "
+            f"got {tuple(q_pos.shape)} and {tuple(k_pos.shape)}"
+        )
     if acc_dtype(q.dtype) != acc_dtype(k.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k.dtype}")

@@ -44,8 +44,15 @@ def hybrid_forward(q, k, v, extra: list, s: Setting, enable_gqa: bool) -> tuple[
     kind, rings, a2a = kind_entry(s.kind), world_size_of(ring_group), world_size_of(a2a_group)
     kind.start(q, k, v, extra, s.call, rings * a2a, enable_gqa, f"hybrid ring={rings} a2a={a2a} gqa={enable_gqa}")
     check_heads(q.shape[1], a2a, "the query")
-    return exchange_forward(q, k, v, a2a_group, a2a, kind.exchange_layout(s.layout),
-                            lambda qh, kh, vh: ring_over_units(qh, kh, vh, extra, s, ring_group, a2a))
+    return exchange_forward(
+        q,
+        k,
+        v,
+        a2a_group,
+        a2a,
+        kind.exchange_layout(s.layout),
+        lambda qh, kh, vh: ring_over_units(qh, kh, vh, extra, s, ring_group, a2a),
+    )
 
 
 def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Setting, kv_heads: int):
@@ -57,9 +64,11 @@ def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Settin
     def attend_backward(dout_h, dlse_h):  # in the inputs' dtype, as the ring's backward returns them
         return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, s, ring_group, a2a)
 
-    return exchange_backward(dout, dlse, a2a_group, a2a, kind_entry(s.kind).exchange_layout(s.layout), kv_heads,
-                             attend_backward)
+    return exchange_backward(
+        dout, dlse, a2a_group, a2a, kind_entry(s.kind).exchange_layout(s.layout), kv_heads, attend_backward
+    )
 
 
-hybrid_attention_op = heads_schedule("hybrid", ("group_name", "ring_group", "a2a_group"), 2, hybrid_forward,
-                                     hybrid_backward)
+hybrid_attention_op = heads_schedule(
+    "hybrid", ("group_name", "ring_group", "a2a_group"), 2, hybrid_forward, hybrid_backward
+)

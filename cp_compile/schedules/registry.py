@@ -14,13 +14,14 @@ Stage 2 replaces by tracing the schedule's Python functions
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-EXPANSIONS: dict[OpOverload, Callable[[tuple], "Traceable"]] = {}
+EXPANSIONS: dict[OpOverload, Callable[[tuple], Traceable]] = {}
 FORWARD_OPS: set[OpOverload] = set()
 COMPUTE_OPS: set[OpOverload] = {torch.ops.cp.attend.default, torch.ops.cp.attend_backward.default}
 
@@ -35,10 +36,13 @@ class Traceable:
     tensors: list  # the op's tensor arguments in ``fn``'s order (fx nodes, in a graph)
 
 
-def register_schedule(forward_op: OpOverload, expand_forward: Callable[[tuple], Traceable],
-                      backward_op: OpOverload, expand_backward: Callable[[tuple], Traceable]) -> None:
+def register_schedule(
+    forward_op: OpOverload,
+    expand_forward: Callable[[tuple], Traceable],
+    backward_op: OpOverload,
+    expand_backward: Callable[[tuple], Traceable],
+) -> None:
     """Register a schedule's whole ops and their expansions."""
     EXPANSIONS[forward_op] = expand_forward
     EXPANSIONS[backward_op] = expand_backward
     FORWARD_OPS.add(forward_op)
-

@@ -87,7 +87,14 @@ def _narrow_heads(heads: Optional[slice], tensors) -> list[Optional[Tensor]]:
 
 
 def ring_pass_backward(
-    q: Tensor, k: Tensor, v: Tensor, attend_backward, *, world_size: int, hops, q_side: tuple = (),
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attend_backward,
+    *,
+    world_size: int,
+    hops,
+    q_side: tuple = (),
     split_heads: bool = False,
 ):
     """The ring's backward over any per-step gradient compute.
@@ -146,8 +153,9 @@ def ring_pass_backward(
     return dq, dk, dv
 
 
-def ring_over_units(q: Tensor, k: Tensor, v: Tensor, extra: list, s: Setting, ring_group: str,
-                    a2a_size: int) -> tuple[Tensor, Tensor]:
+def ring_over_units(
+    q: Tensor, k: Tensor, v: Tensor, extra: list, s: Setting, ring_group: str, a2a_size: int
+) -> tuple[Tensor, Tensor]:
     """The ring's forward over ``ring_group``, each step one ``cp::attend`` with units of ``a2a_size`` ranks."""
     packed = q.dim() == 3  # [T, H, D] merges as a batch of one: cp::merge_ takes [B, H, S, D]
 
@@ -161,16 +169,26 @@ def ring_over_units(q: Tensor, k: Tensor, v: Tensor, extra: list, s: Setting, ri
     return out.to(q.dtype), lse
 
 
-def ring_over_units_backward(dout, q, k, v, out, lse, dlse, extra: list, s: Setting, ring_group: str,
-                             a2a_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def ring_over_units_backward(
+    dout, q, k, v, out, lse, dlse, extra: list, s: Setting, ring_group: str, a2a_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The mirror of ``ring_over_units``: K/V travel again, each block's dK/dV so far riding along."""
-    def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
-        return torch.ops.cp.attend_backward(dout, q, k_block, v_block, out, lse, dlse, extra,
-                                            *s.attend_args(step, a2a_size))
 
-    dq, dk, dv = ring_pass_backward(q, k, v, attend_backward, world_size=world_size_of(ring_group),
-                                    hops=RingHops(ring_group), q_side=(dout, q, out, lse, dlse),
-                                    split_heads=kind_entry(s.kind).split_heads)
+    def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
+        return torch.ops.cp.attend_backward(
+            dout, q, k_block, v_block, out, lse, dlse, extra, *s.attend_args(step, a2a_size)
+        )
+
+    dq, dk, dv = ring_pass_backward(
+        q,
+        k,
+        v,
+        attend_backward,
+        world_size=world_size_of(ring_group),
+        hops=RingHops(ring_group),
+        q_side=(dout, q, out, lse, dlse),
+        split_heads=kind_entry(s.kind).split_heads,
+    )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -26,7 +26,8 @@ evaluate a mask at known slots keep every rank's tokens in rank order
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,8 +38,9 @@ from ..kinds.base import WHOLE, kind_entry
 from .whole import Setting, heads_schedule, world_size_of
 
 
-def exchange_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, world_size: int, layout: str,
-                     attend: Callable) -> tuple[Tensor, ...]:
+def exchange_forward(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, world_size: int, layout: str, attend: Callable
+) -> tuple[Tensor, ...]:
     """Head-shard q, k, v over the group, ``attend(qh, kh, vh) -> (out_h, lse_h)``, sequence-shard back.
 
     Returns (out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs.
@@ -53,8 +55,15 @@ def exchange_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, world_siz
     return out, lse, qh, kh, vh, out_h, lse_h
 
 
-def exchange_backward(dout: Tensor, dlse: Optional[Tensor], group_name: str, world_size: int, layout: str,
-                      kv_heads: int, attend_backward: Callable) -> tuple[Tensor, Tensor, Tensor]:
+def exchange_backward(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    group_name: str,
+    world_size: int,
+    layout: str,
+    kv_heads: int,
+    attend_backward: Callable,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The mirror: dout (and dlse) to head sharding, ``attend_backward(dout_h, dlse_h)``, gradients back.
 
     The gradients travel in the dtype ``attend_backward`` returns them in; replicated K/V heads'
@@ -88,11 +97,13 @@ def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Setti
     world_size = world_size_of(s.group_name)
 
     def attend_backward(dout_h, dlse_h):
-        return torch.ops.cp.attend_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra,
-                                            *s.attend_args(WHOLE, world_size))
+        return torch.ops.cp.attend_backward(
+            dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, *s.attend_args(WHOLE, world_size)
+        )
 
-    return exchange_backward(dout, dlse, s.group_name, world_size, kind_entry(s.kind).exchange_layout(s.layout),
-                             kv_heads, attend_backward)
+    return exchange_backward(
+        dout, dlse, s.group_name, world_size, kind_entry(s.kind).exchange_layout(s.layout), kv_heads, attend_backward
+    )
 
 
 ulysses_attention_op = heads_schedule("ulysses", ("group_name",), 0, ulysses_forward, ulysses_backward)

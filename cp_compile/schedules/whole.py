@@ -27,8 +27,8 @@ The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -80,23 +80,40 @@ def _distinct(tensors, inputs) -> tuple:
     return tuple(out)
 
 
-def _op_pair(name: str, forward_impl: Callable, groups: str, outputs: str, backward_impl: Callable,
-             backward_tensors_and_groups: str, backward_extra: str):
+def _op_pair(
+    name: str,
+    forward_impl: Callable,
+    groups: str,
+    outputs: str,
+    backward_impl: Callable,
+    backward_tensors_and_groups: str,
+    backward_extra: str,
+):
     """The custom ops ``cp::<name>_attention`` and ``cp::<name>_attention_backward``."""
     forward_op = torch.library.custom_op(
-        f"cp::{name}_attention", forward_impl, mutates_args=(),
+        f"cp::{name}_attention",
+        forward_impl,
+        mutates_args=(),
         schema=f"(Tensor q, Tensor k, Tensor v, Tensor[] extra, {groups}, {_SETTINGS}, bool enable_gqa, {_KIND}) "
-               f"-> ({outputs})")
+        f"-> ({outputs})",
+    )
     backward_op = torch.library.custom_op(
-        f"cp::{name}_attention_backward", backward_impl, mutates_args=(),
-        schema=f"({backward_tensors_and_groups}, {_SETTINGS}, {backward_extra}{_KIND}) -> (Tensor, Tensor, Tensor)")
+        f"cp::{name}_attention_backward",
+        backward_impl,
+        mutates_args=(),
+        schema=f"({backward_tensors_and_groups}, {_SETTINGS}, {backward_extra}{_KIND}) -> (Tensor, Tensor, Tensor)",
+    )
     return forward_op, backward_op
 
 
 def _register(name: str, expand_forward: Callable, expand_backward: Callable) -> None:
     ops = torch.ops.cp
-    register_schedule(getattr(ops, f"{name}_attention").default, expand_forward,
-                      getattr(ops, f"{name}_attention_backward").default, expand_backward)
+    register_schedule(
+        getattr(ops, f"{name}_attention").default,
+        expand_forward,
+        getattr(ops, f"{name}_attention_backward").default,
+        expand_backward,
+    )
 
 
 def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Callable) -> Traceable:
@@ -105,8 +122,8 @@ def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Ca
     n_first, n_extra = len(first), len(extra)
 
     def fn(*tensors):
-        rest = tensors[n_first + n_extra:]
-        return run(*tensors[:n_first], list(tensors[n_first:n_first + n_extra]), rest[0] if rest else None)
+        rest = tensors[n_first + n_extra :]
+        return run(*tensors[:n_first], list(tensors[n_first : n_first + n_extra]), rest[0] if rest else None)
 
     return Traceable("backward", world_size, fn, [*first, *extra] + ([dlse] if dlse is not None else []))
 
@@ -135,9 +152,15 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return tuple(g.contiguous() for g in grads)
 
     forward_op, backward_op = _op_pair(
-        name, forward_impl, "str group_name", "Tensor, Tensor", backward_impl,
-        "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor[] extra, str group_name",
-        "")
+        name,
+        forward_impl,
+        "str group_name",
+        "Tensor, Tensor",
+        backward_impl,
+        "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor[] extra, "
+        "str group_name",
+        "",
+    )
 
     @forward_op.register_fake
     def _(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
@@ -179,8 +202,12 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         s = Setting((group_name,), is_causal, layout, scale, kind, options)
         world_size = world_size_of(group_name)
         return _backward_traceable(
-            world_size, [dout, q, k, v, out, lse], extra, dlse,
-            lambda dout, q, k, v, out, lse, extra, dlse: backward(dout, q, k, v, out, lse, dlse, extra, s, world_size))
+            world_size,
+            [dout, q, k, v, out, lse],
+            extra,
+            dlse,
+            lambda dout, q, k, v, out, lse, extra, dlse: backward(dout, q, k, v, out, lse, dlse, extra, s, world_size),
+        )
 
     _register(name, expand_forward, expand_backward)
     return forward_op
@@ -217,14 +244,30 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     def backward_impl(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
         groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
-        res = backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra),
-                       setting(groups, is_causal, layout, scale, kind, options), kv_heads)
+        res = backward(
+            dout,
+            dlse,
+            qh,
+            kh,
+            vh,
+            out_h,
+            lse_h,
+            list(extra),
+            setting(groups, is_causal, layout, scale, kind, options),
+            kv_heads,
+        )
         return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
     forward_op, backward_op = _op_pair(
-        name, forward_impl, groups_schema, ", ".join(["Tensor"] * 7), backward_impl,
+        name,
+        forward_impl,
+        groups_schema,
+        ", ".join(["Tensor"] * 7),
+        backward_impl,
         f"Tensor dout, Tensor? dlse, Tensor qh, Tensor kh, Tensor vh, Tensor out_h, Tensor lse_h, Tensor[] extra, "
-        f"{groups_schema}", "int kv_heads, ")
+        f"{groups_schema}",
+        "int kv_heads, ",
+    )
 
     @forward_op.register_fake
     def _(q, k, v, extra, *rest):
@@ -232,15 +275,25 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         c = world_size_of(rest[a2a_index])
         out, lse = result_like(q, v)
         kv_heads = k.shape[1] * replicate_kv_heads(k.shape[1], q.shape[1], c)
-        return (out, lse, _head_sharded_like(q, c), _head_sharded_like(k, c, kv_heads),
-                _head_sharded_like(v, c, kv_heads), _head_sharded_like(out, c), _head_sharded_like(lse, c))
+        return (
+            out,
+            lse,
+            _head_sharded_like(q, c),
+            _head_sharded_like(k, c, kv_heads),
+            _head_sharded_like(v, c, kv_heads),
+            _head_sharded_like(out, c),
+            _head_sharded_like(lse, c),
+        )
 
     @backward_op.register_fake
     def _(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
         c, kv_heads = world_size_of(rest[a2a_index]), rest[n + 3]
         b, s = dout.shape[0], dout.shape[2]
-        return (dout.new_empty(b, qh.shape[1] * c, s, qh.shape[-1]),
-                dout.new_empty(b, kv_heads, s, kh.shape[-1]), dout.new_empty(b, kv_heads, s, vh.shape[-1]))
+        return (
+            dout.new_empty(b, qh.shape[1] * c, s, qh.shape[-1]),
+            dout.new_empty(b, kv_heads, s, kh.shape[-1]),
+            dout.new_empty(b, kv_heads, s, vh.shape[-1]),
+        )
 
     def setup(ctx, inputs, output):
         q, k, v, extra, *rest = inputs
@@ -276,9 +329,14 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
         s = setting(groups, is_causal, layout, scale, kind, options)
         return _backward_traceable(
-            world_size_of(groups[0]), [dout, qh, kh, vh, out_h, lse_h], extra, dlse,
-            lambda dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra,
-                                                                         s, kv_heads))
+            world_size_of(groups[0]),
+            [dout, qh, kh, vh, out_h, lse_h],
+            extra,
+            dlse,
+            lambda dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(
+                dout, dlse, qh, kh, vh, out_h, lse_h, extra, s, kv_heads
+            ),
+        )
 
     _register(name, expand_forward, expand_backward)
     return forward_op
