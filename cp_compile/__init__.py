@@ -3,6 +3,7 @@
 from . import kinds, schedules  # noqa: F401  (registers torch.ops.cp.*)
 from .calibrate import calibrate
 from .comm import count_traffic
+from .cost.model import Machine
 from .eager import (
     allgather_attention,
     cached_attention,
@@ -12,11 +13,9 @@ from .eager import (
     ulysses_attention,
     varlen_attention,
 )
+from .errors import LocalAttentionError, UnsupportedAttention
 from .inspect import explain
 from .kinds.flex import count_blocks
-from .passes.cost import Machine
-from .passes.rewrite import UnsupportedAttention
-from .passes.unrewritten import LocalAttentionError
 from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy
 

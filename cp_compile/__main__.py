@@ -3,12 +3,12 @@
 import argparse
 import sys
 
-from . import bench, demo, inference
-from .bench import accuracy, step
+from .tools import bench, demo, generate
+from .tools.bench import accuracy, step
 
 
 def _models():
-    from .bench import models  # imports transformers' model registry only when asked
+    from .tools.bench import models  # imports transformers' model registry only when asked
 
     return models
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
             "accuracy", help="each schedule's error against fp64 as C grows, as a ratio to one device's; JSON + PNG"
         )
     )
-    inference.add_arguments(
+    generate.add_arguments(
         sub.add_parser(
             "generate",
             help="Hugging Face generate under CP vs one process: "
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if args.command == "accuracy":
         return accuracy.main(args)
     if args.command == "generate":
-        return inference.main(args)
+        return generate.main(args)
     if args.command == "step":
         return step.main(args)
     if args.command == "models":

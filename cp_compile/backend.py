@@ -61,7 +61,8 @@ def _plan_key(options: CPOptions) -> tuple:
     from .comm import resolve_group
 
     size = resolve_group(options.group_name).size()
-    return (*dataclasses.astuple(options), size, options.mesh_sizes, _source_hash())
+    settings = tuple(getattr(options, f.name) for f in dataclasses.fields(options) if f.compare)
+    return (*settings, size, options.mesh_sizes, _source_hash())
 
 
 class _ExpandPass(CustomGraphPass):
@@ -111,13 +112,16 @@ class CPBackend:
         schedule: str = "auto",
         mesh_groups: tuple = (),
         machine=None,
+        sharded_masks: dict | None = None,
     ):
-        from .passes.cost import check_schedule
+        from .cost.model import check_schedule
 
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
         check_schedule(schedule)
-        self.options = CPOptions(group_name, layout, schedule, tuple(mesh_groups), machine)
+        self.options = CPOptions(
+            group_name, layout, schedule, tuple(mesh_groups), machine, {} if sharded_masks is None else sharded_masks
+        )
         self.inner = inner
         self.records: list[CompileRecord] = []
 

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .passes.cost import Machine, default_machine
+from .cost.model import Machine, default_machine
 
 
 def _best_of(fn, repeats: int) -> float:

@@ -3,7 +3,7 @@
 Each builds the kind's arguments and calls the chosen schedule's whole op
 (``schedules.whole_op``), the same op a compiled graph holds, so eager and
 compiled runs share every line of schedule code. ``schedule="auto"`` asks the
-cost model (``passes.masked``) for the choice a compiled site would make.
+cost model (``cost.masked``) for the choice a compiled site would make.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def flex_attention(
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards; ``block_mask``
     comes from ``ContextParallel.shard(global_block_mask)``; ``score_mod`` reads
     global indices. ``schedule`` is ``"auto"`` (the cost model's choice,
-    ``passes.masked.choose_flex``, from the global mask's block counts recorded
+    ``cost.masked.choose_flex``, from the global mask's block counts recorded
     by the shard and ``machine``, a ``cp_compile.Machine``, default: the device
     type's profile; the same choice a compiled site makes), ``"ring"``,
     ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
@@ -171,7 +171,7 @@ def flex_attention(
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
     key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
     if schedule == "auto":
-        from .passes.masked import choose_flex
+        from .cost.masked import choose_flex
 
         schedule = (
             "hybrid"
@@ -225,7 +225,7 @@ def varlen_attention(
     ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
     must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
     query heads must divide by its a2a size) or ``"auto"``: the cost model's
-    choice (``passes.masked.choose_packed``) from the documents, the window and
+    choice (``cost.masked.choose_packed``) from the documents, the window and
     ``machine`` (a ``cp_compile.Machine``; default: the device type's profile),
     the same choice a compiled ``varlen_attn`` site makes. Inside a compiled
     region the documents are not known while tracing, and ``"auto"`` means
@@ -237,7 +237,7 @@ def varlen_attention(
     elif schedule == "auto" and torch.compiler.is_compiling():
         schedule = "allgather"
     elif schedule == "auto":
-        from .passes.masked import choose_packed
+        from .cost.masked import choose_packed
 
         schedule = choose_packed(
             q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine

@@ -18,10 +18,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn, which the guard watches)
 from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from .passes.unrewritten import LocalAttentionError, eager_message
+from .errors import LocalAttentionError
+from .passes.unrewritten import eager_message
 
 _NAMES = {  # what the guard watches, as the user wrote it
     torch._C._nn.scaled_dot_product_attention: "F.scaled_dot_product_attention",

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from .cost.model import fmt_bytes as _fmt_bytes
 from .kernels.merge import acc_dtype
-from .passes.cost import fmt_bytes as _fmt_bytes
 
 
 @dataclass
@@ -39,8 +39,8 @@ class SiteReport:
     backward_bytes_per_step: int  # K/V again plus the fp32 dK/dV accumulator
     forward_memory_q_units: float  # what the forward schedule holds, in local-q units
     backward_memory_q_units: float
-    candidates: list = field(default_factory=list)  # passes.cost.Estimate per schedule considered
-    machine: Any = None  # the passes.cost.Machine the estimates assume
+    candidates: list = field(default_factory=list)  # cost.model.Estimate per schedule considered
+    machine: Any = None  # the cost.model.Machine the estimates assume
 
     def __str__(self) -> str:
         if self.schedule == "ring":

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .comm.gather import gather_dim0
-from .kernels.block import EMPTY_POSITION
+from .kernels.masked import EMPTY_POSITION
 from .kernels.merge import acc_dtype
 from .schedules.cached import cached_attention, payload_numel
 

@@ -16,7 +16,7 @@ from .comm import group_name_of, mesh_groups
 from .torch_compat import resolve_process_group
 
 if TYPE_CHECKING:
-    from .layout.blockmask import BalancedLayout
+    from .layout.blockmask import BalancedLayout, ShardInfo
 
 _ACTIVE: list = []  # (plan, its guard) for each ``with plan:`` entered, innermost last
 # what integrations keep in force while any plan is active: context-manager factories, entered by the
@@ -98,13 +98,17 @@ class ContextParallel:
         machine=None,
         calibrate: bool = False,
     ):
-        from .passes.cost import check_schedule
+        from .cost.model import check_schedule
 
         if not dist.is_initialized():
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
         from torch.nn.attention.flex_attention import BlockMask
 
         self.balanced: Optional[BalancedLayout] = None
+        # What shard() learned of each BlockMask it sharded, by (local length, C): the mask's visible tiles per
+        # rank pair, which the cost model needs for a compiled flex site (the graph holds only fake tensors).
+        # Backends made by this plan read it when they compile.
+        self.sharded_masks: dict[tuple[int, int], ShardInfo] = {}
         check_schedule(schedule)
         self.schedule = schedule
         self.mesh_groups: tuple = ()
@@ -196,7 +200,7 @@ class ContextParallel:
         from torch.nn.attention.flex_attention import BlockMask
 
         if isinstance(x, BlockMask):
-            from .layout.blockmask import layout_chunk, layout_perm, shard_block_mask
+            from .layout.blockmask import layout_chunk, layout_perm, shard_block_mask, shard_info
 
             seq_len = x.seq_lengths[0]
             if self.balanced is not None:
@@ -204,7 +208,9 @@ class ContextParallel:
             else:
                 perm = layout_perm(seq_len, self.world_size, self.load_balance)
                 chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
-            return shard_block_mask(x, self.rank, self.world_size, perm, chunk)
+            sharded = shard_block_mask(x, self.rank, self.world_size, perm, chunk)
+            self.sharded_masks[(sharded.seq_lengths[0], self.world_size)] = shard_info(sharded)
+            return sharded
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         if cu_seqlens is not None:
@@ -265,7 +271,9 @@ class ContextParallel:
         """
         from .backend import CPBackend
 
-        return CPBackend(self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine)
+        return CPBackend(
+            self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine, self.sharded_masks
+        )
 
     def attention(
         self,

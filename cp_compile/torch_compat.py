@@ -80,3 +80,11 @@ def partitioners():
     if absent:
         raise missing(f"torch._functorch.partitioners.{{{', '.join(absent)}}}")
     return module
+
+
+def node_argument(node, name: str):
+    """The argument ``name`` of an FX node calling an operator overload, found by the operator's schema
+    (``OpOverload._schema``) rather than by its position."""
+    names = [a.name for a in node.target._schema.arguments]
+    i = names.index(name)
+    return node.args[i] if i < len(node.args) else node.kwargs[name]

@@ -99,7 +99,7 @@ def cp_rank(args) -> dict:
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     import cp_compile
-    from cp_compile.memory import PeakMemory
+    from cp_compile.tools.memory import PeakMemory
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     world = dist.get_world_size()
@@ -169,7 +169,7 @@ def one_process(args, device: torch.device) -> dict:
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.common import attention as titan_attention
 
-    from cp_compile.memory import PeakMemory
+    from cp_compile.tools.memory import PeakMemory
 
     model = build_model(args.layers, args.seq, "varlen", device)
     SelectiveAC(SelectiveAC.Config()).apply(model)
@@ -293,7 +293,7 @@ def main() -> int:
             return 0
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     else:
-        from cp_compile.launch import RankPool
+        from cp_compile.tools.launch import RankPool
 
         world = args.cp * args.dp_shard
         print(

@@ -26,7 +26,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_GRAPHS = 2
-BREAKDOWN_STEPS = 8  # the last steps, run again under a profile (cp_compile.breakdown)
+BREAKDOWN_STEPS = 8  # the last steps, run again under a profile (cp_compile.tools.breakdown)
 
 
 def build_model(args, attn: str, device):
@@ -147,10 +147,10 @@ def cp_rank(args) -> dict:
 
 
 def step_costs(step, last: list, group=None) -> dict:
-    """The last steps' batches run again (after the recorded run), taken apart by cp_compile.breakdown."""
+    """The last steps' batches run again (after the recorded run), taken apart by cp_compile.tools.breakdown."""
     import torch.distributed as dist
 
-    from cp_compile.breakdown import breakdown
+    from cp_compile.tools.breakdown import breakdown
 
     def prepare():
         if dist.is_initialized():  # the ranks start the profiled steps together
@@ -230,7 +230,7 @@ def main() -> int:
         print(f"--device cuda needs {args.cp} GPUs (one per rank); found {torch.cuda.device_count()}")
         return 2
 
-    from cp_compile.launch import RankPool
+    from cp_compile.tools.launch import RankPool
 
     print(f"training with CP on {args.cp} local ranks ({args.device}, {args.inner}, {args.steps} steps)...", flush=True)
     with RankPool(args.cp, threads_per_rank=args.threads_per_rank, pg_timeout=3600) as pool:
@@ -258,7 +258,7 @@ def main() -> int:
         f"one process (eager): first step {ref['times'][0]:.2f} s, steady "
         f"{statistics.median(ref['times'][1:] or ref['times']) * 1e3:.1f} ms/step"
     )
-    from cp_compile.breakdown import format_breakdown
+    from cp_compile.tools.breakdown import format_breakdown
 
     print(
         f"a step, from a profile of the last {BREAKDOWN_STEPS} steps run again: CP (rank 0) "

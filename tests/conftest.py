@@ -2,7 +2,7 @@
 
 import pytest
 
-from cp_compile.launch import RankPool
+from cp_compile.tools.launch import RankPool
 
 # ``pytest -m quick tests``, the loop while editing (under 2 minutes here): the kernels against dense fp64,
 # graph shapes on the fake group, the layer rule, the cost model, the layouts, every schedule and kind run

@@ -10,7 +10,7 @@ changed result fails the suite instead of a reader.
   LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
   and no process group until the script creates one. The page's next blocks
   run on every rank, in that script's namespace, until the next directive.
-  The ranks are a pool that outlives the pages (``cp_compile.launch.RankPool``).
+  The ranks are a pool that outlives the pages (``cp_compile.tools.launch.RankPool``).
 - ``<!-- invisible-code-block: python ... -->`` (Sybil's) runs code the
   reader does not see: checks of what the example computed.
 - ``<!-- skip: next "reason" -->`` (Sybil's) skips a block that cannot run
@@ -31,7 +31,7 @@ from sybil.evaluators.python import PythonEvaluator, pad
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
-from cp_compile.launch import RankPool, free_port
+from cp_compile.tools.launch import RankPool, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "__docs_script__"  # in a page's namespace: (ranks, script id) of the script its blocks run in

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from cp_compile import bench
+from cp_compile.tools import bench
 
 
 def plugin_setup(problem, inputs):
-    """A variant registered from outside cp_compile.bench: ours again, under another name."""
+    """A variant registered from outside cp_compile.tools.bench: ours again, under another name."""
     return bench._ours_setup(problem, inputs)
 
 
@@ -136,7 +136,7 @@ def test_samples_average_enough_steps(ranks):
 
 
 def test_virtual_ranks_decomposition(tmp_path):
-    from cp_compile.bench import virtual
+    from cp_compile.tools.bench import virtual
 
     rows = virtual.run(
         torch.device("cpu"),
@@ -166,7 +166,7 @@ def test_virtual_rank_computes_its_share(world_size, causal):
     from helpers import make_qkv, max_err, sdpa_with_grads
 
     from cp_compile import layout
-    from cp_compile.bench import virtual
+    from cp_compile.tools.bench import virtual
 
     q, k, v, do = make_qkv(1, 4, 2, 12 * world_size, 8)
     reference = sdpa_with_grads(q, k, v, do, is_causal=causal)
@@ -222,12 +222,12 @@ def test_torchrun_driver_on_gloo(tmp_path):
 
 
 def profiled_steps():
-    """3 steps of 2 all-gathers and a matmul each, taken apart by cp_compile.breakdown."""
+    """3 steps of 2 all-gathers and a matmul each, taken apart by cp_compile.tools.breakdown."""
     import torch
 
     import cp_compile
-    from cp_compile.breakdown import breakdown
     from cp_compile.comm.gather import gather_dim0
+    from cp_compile.tools.breakdown import breakdown
 
     plan = cp_compile.ContextParallel()
     x = torch.randn(64, 64)

@@ -17,7 +17,7 @@ def model_parity(inner: str, checkpoint: str, dtype_name: str = "float64", seq: 
     from torch._dynamo.utils import counters
 
     import cp_compile
-    from cp_compile.llama import Llama, LlamaConfig, token_loss_sum
+    from cp_compile.tools.llama import Llama, LlamaConfig, token_loss_sum
 
     torch._dynamo.reset()
     counters.clear()
@@ -283,7 +283,7 @@ def prefill_parity(grad_mode: str):
 
     import cp_compile
     from cp_compile.comm import TAG_DKV, TAG_KV
-    from cp_compile.llama import Llama, LlamaConfig
+    from cp_compile.tools.llama import Llama, LlamaConfig
 
     torch._dynamo.reset()
     counters.clear()

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cp_compile
-from cp_compile.passes.cost import (
+from cp_compile.cost.model import (
     ESTIMATORS,
     MACHINES,
     SCHEDULES,
@@ -117,8 +117,8 @@ def test_calibration_gives_every_rank_the_same_profile(ranks):
 
 def packed_choice(lengths, window, hq, hkv, c=8, machine="cuda"):
     """(schedule, reason, estimates by name) of a packed site over documents of ``lengths``, from cu_seqlens."""
+    from cp_compile.cost.masked import choose_masked, packed_facts
     from cp_compile.layout import packed_local_len
-    from cp_compile.passes.masked import choose_masked, packed_facts
 
     cu = torch.tensor([0] + lengths).cumsum(0).tolist()
     local = packed_local_len(cu, c)
@@ -194,7 +194,7 @@ def test_uniform_tiles_cost_like_the_sdpa_model():
 def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
     """Eager calls are costed from their documents; a compiled site, whose documents are a run-time input,
     from what holds for every split (one document over the whole sequence), and the reason says so."""
-    from cp_compile.passes import masked
+    from cp_compile.cost import masked
 
     cu = [0, 100, 130, 256]
     local = cp_compile.layout.packed_local_len(cu, 4)
@@ -210,7 +210,9 @@ def capture_sites(fn, args, plan):
     so nothing runs on the fake process group)."""
     from cp_compile.passes.rewrite import CPOptions, rewrite_attention
 
-    options = CPOptions(plan.group_name, plan.load_balance, plan.schedule, plan.mesh_groups, plan.machine)
+    options = CPOptions(
+        plan.group_name, plan.load_balance, plan.schedule, plan.mesh_groups, plan.machine, plan.sharded_masks
+    )
     sites = []
 
     def backend(gm, example_inputs):

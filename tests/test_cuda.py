@@ -119,7 +119,7 @@ def test_packed_tiles_on_device(device, dtype, window):
 @pytest.mark.parametrize("window", [None, 40])
 def test_cached_attention_kernel_on_device(device, dtype, window):
     """The decode kernel (queries at positions against cache slots in any order, empty slots included)."""
-    from cp_compile.kernels.block import EMPTY_POSITION, positions_attn
+    from cp_compile.kernels.masked import EMPTY_POSITION, positions_attn
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 8, 3, 64, generator=g, dtype=torch.float64)
@@ -262,7 +262,7 @@ def test_flex_tiles_on_device(ranks, device, schedule):
 
 def ring_device_peak(s_local: int):
     import cp_compile
-    from cp_compile.memory import PeakMemory
+    from cp_compile.tools.memory import PeakMemory
 
     device = torch.device("cuda", 0)
     g = torch.Generator().manual_seed(0)

@@ -296,9 +296,9 @@ def test_schedule_choice_from_global_block_counts():
     from torch.nn.attention.flex_attention import create_block_mask
 
     from cp_compile import masks
+    from cp_compile.cost.masked import MaskFacts, choose_masked
+    from cp_compile.cost.model import MACHINES
     from cp_compile.layout.blockmask import layout_perm, rank_tiles
-    from cp_compile.passes.cost import MACHINES
-    from cp_compile.passes.masked import MaskFacts, choose_masked
 
     c, seq = 4, 32
     perm = layout_perm(seq, c, "zigzag")

@@ -16,7 +16,7 @@ def cached_parity(window, dtype):
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cp_compile
-    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kernels.masked import EMPTY_POSITION
 
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(7)
@@ -62,7 +62,7 @@ def test_cached_attention_matches_one_device(ranks, world_size, window):
 def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt):
     """The C shards of one layer (built in one process; placement needs no collective): a prompt prefilled by
     the packed layout, then 1-, 3- and 1-token appends. Every position lives on exactly one rank, in one slot."""
-    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kernels.masked import EMPTY_POSITION
     from cp_compile.kv_cache import CacheShard
     from cp_compile.layout import packed_slots, shard_packed
 
@@ -95,7 +95,7 @@ def window_shard_steps(window: int, prompt: int, steps: list):
     rank's share lets the new tokens see, from a fixed number of slots."""
     import torch.distributed as dist
 
-    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kernels.masked import EMPTY_POSITION
     from cp_compile.kv_cache import CacheShard
     from cp_compile.layout import packed_slots, shard_packed
     from cp_compile.plan import ContextParallel
@@ -413,7 +413,7 @@ def test_cached_attention_passes_opcheck(ranks):
 def nothing_visible():
     """Queries before every cached key (and empty slots) on every rank: out 0, never NaN."""
     import cp_compile
-    from cp_compile.kernels.block import EMPTY_POSITION
+    from cp_compile.kernels.masked import EMPTY_POSITION
 
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8)
     return cp_compile.cached_attention(q, k, k, torch.tensor([0, 1]), torch.tensor([5, 6, EMPTY_POSITION]))

@@ -7,7 +7,7 @@ import torch
 def ring_peaks(s_local: int, kv_heads: int):
     """Peak RSS growth of forward and of forward+backward, in local-q units."""
     import cp_compile
-    from cp_compile.memory import PeakMemory, release_heap
+    from cp_compile.tools.memory import PeakMemory, release_heap
 
     release_heap()  # before the first large allocation: frees must show in the RSS
     g = torch.Generator().manual_seed(0)
@@ -41,7 +41,7 @@ def ring_peaks(s_local: int, kv_heads: int):
 def fresh_ranks():
     """Pools of their own: processes that earlier tests (compilation) left with a
     fragmented heap would measure that history, not the schedule."""
-    from cp_compile.launch import RankPool
+    from cp_compile.tools.launch import RankPool
 
     pools = {c: RankPool(c) for c in (2, 4)}
     yield lambda c, fn, *args: pools[c].run(fn, *args, timeout=300)

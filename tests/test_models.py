@@ -31,7 +31,7 @@ KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "faile
 @pytest.fixture(scope="module")
 def rows(ranks):
     """Every decoder-only causal-LM family of the installed transformers, on the session's 2-rank pool."""
-    from cp_compile.bench import models
+    from cp_compile.tools.bench import models
 
     def run(fn, *args, timeout, **kwargs):
         return ranks(2, fn, *args, timeout=timeout, **kwargs)
@@ -45,7 +45,7 @@ def rows(ranks):
 
 def test_no_family_is_wrong_and_every_failure_is_known(rows):
     """A transformers upgrade that breaks a family, or a new family cp_compile gets wrong, fails here."""
-    from cp_compile.bench import models
+    from cp_compile.tools.bench import models
 
     bad = {
         name: (row["train"]["status"], row["generate"]["status"], models.detail(row))
@@ -74,7 +74,7 @@ def test_families_cp_cannot_run_are_refused_in_training(rows, family):
 def test_sliding_windows_and_chunks_are_shorter_than_the_sequence():
     """The tiny configs keep what makes a family itself: windows and chunks that matter at 64 tokens, every layer
     type at least once, MLA's query/key head wider than its value head."""
-    from cp_compile.bench import models
+    from cp_compile.tools.bench import models
 
     qwen2, _, _ = models.tiny_config("qwen2")
     assert qwen2.layer_types == ["full_attention", "sliding_attention"] and qwen2.sliding_window < models.PROMPT
@@ -89,7 +89,7 @@ def test_sliding_windows_and_chunks_are_shorter_than_the_sequence():
 
 
 def test_skipped_families_say_why():
-    from cp_compile.bench import models
+    from cp_compile.tools.bench import models
 
     assert "encoder-decoder" in models.skip_reason("bart")
     assert "encoder" in models.skip_reason("bert")
@@ -99,7 +99,7 @@ def test_skipped_families_say_why():
 
 def test_outcome_classifies_cp_compile_errors():
     from cp_compile import UnsupportedAttention
-    from cp_compile.bench import models
+    from cp_compile.tools.bench import models
 
     assert models.outcome(UnsupportedAttention("no"))[0] == "refused"
     try:

@@ -155,7 +155,7 @@ def test_bf16_within_twice_one_device_error(ranks, world_size):
     """Every variant and schedule in bf16 against fp64, as ``python -m cp_compile accuracy --variant`` measures
     it: at most 2x the error of one device in bf16 (SDPA with the variant's mask, or transformers' eager
     attention for caps and sinks), and exact in fp64."""
-    from cp_compile.bench.accuracy import VARIANTS, errors_rank
+    from cp_compile.tools.bench.accuracy import VARIANTS, errors_rank
 
     for variant in VARIANTS:
         for row in ranks(world_size, errors_rank, accuracy_args(variant)):
@@ -203,7 +203,7 @@ def test_fused_tiles_pad_unequal_head_dims():
 
 
 def test_positions_attention_with_chunks_and_cap():
-    from cp_compile.kernels.block import EMPTY_POSITION, positions_attn
+    from cp_compile.kernels.masked import EMPTY_POSITION, positions_attn
 
     q, k, v, _ = make_qkv(1, 4, 2, 3, 8, dv=6)
     q_pos, k_pos = torch.tensor([5, 8, 9]), torch.tensor([0, 4, 7, 8, EMPTY_POSITION])

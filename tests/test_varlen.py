@@ -281,7 +281,7 @@ def compiled_varlen(inner: str):
     from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
     import cp_compile
-    from cp_compile.passes.masked import choose_packed
+    from cp_compile.cost.masked import choose_packed
 
     # A profile (slow kernel launches, a fast link) under which the estimates pick the all-gather for
     # the windowed GQA site (one kernel instead of C, and its busiest ring steps carry more than its
@@ -542,7 +542,7 @@ def test_packed_cost_tiles_count_the_kernels_mask():
     """What the cost model reads for a packed site: visible (query rank, key rank) pairs, in closed form from
     cu_seqlens and the window, equal to counting the mask the kernels evaluate (padding, empty documents,
     lengths that do not divide by 2C, C = 1 included)."""
-    from cp_compile.passes.masked import packed_tiles
+    from cp_compile.cost.masked import packed_tiles
 
     def visible_pairs(cu, r, j, c, left, right):
         a, b = layout.packed_slots(cu, r, c), layout.packed_slots(cu, j, c)
@@ -568,7 +568,8 @@ def test_packed_cost_tiles_count_the_kernels_mask():
 def test_varlen_with_other_key_documents_is_rejected_at_compile_time():
     from torch.nn.attention.varlen import varlen_attn
 
-    from cp_compile.passes.rewrite import UnsupportedAttention, check_site, find_sites
+    from cp_compile.errors import UnsupportedAttention
+    from cp_compile.passes.rewrite import check_site, find_sites
 
     def checking_backend(gm, example_inputs):
         for site in find_sites(gm):

@@ -64,9 +64,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..eager import softmax_scale
+from ..errors import LocalAttentionError, UnsupportedAttention
 from ..kernels.merge import fold_sinks
-from ..passes.rewrite import UnsupportedAttention
-from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
 from ..schedules.cached import cached_options
 from .cache import CACHE_STEP

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from ..kernels.block import EMPTY_POSITION
+from ..errors import LocalAttentionError, UnsupportedAttention
+from ..kernels.masked import EMPTY_POSITION
 from ..kv_cache import Agreement, CacheShard
-from ..passes.rewrite import UnsupportedAttention
-from ..passes.unrewritten import LocalAttentionError
 from ..plan import ContextParallel, active_plan
 
 # Key of the attention kwargs under which ``update`` leaves (layer, its kv_cache.Step, or None in a sharded prefill).

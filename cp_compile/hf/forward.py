@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
+from ..errors import UnsupportedAttention
 from ..layout import positions as layout_positions
-from ..passes.site import UnsupportedAttention
 from ..plan import active_plan, made_by
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"

@@ -19,10 +19,10 @@ from torch import Tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..comm.gather import gather_dim0
+from ..errors import UnsupportedAttention
 from ..guard import set_aside
-from ..kernels.block import EMPTY_POSITION
+from ..kernels.masked import EMPTY_POSITION
 from ..layout import packed_slots
-from ..passes.rewrite import UnsupportedAttention
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .cache import ShardedCache

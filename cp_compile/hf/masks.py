@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from transformers import masking_utils as _mu
 
-from ..passes.site import UnsupportedAttention
+from ..errors import UnsupportedAttention
 
 
 @dataclass(frozen=True)

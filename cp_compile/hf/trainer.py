@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..passes.site import UnsupportedAttention
+from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 
 # The batch entries the mixin shards along the sequence; others of the same shape are refused, since

@@ -36,6 +36,7 @@ from ..comm import resolve_group
 from ..comm.gather import gather_sequence, scatter_sequence
 from ..kernels.block import dense_like, result_like
 from ..kernels.merge import acc_dtype
+from ..torch_compat import node_argument
 
 GATHERED = -1
 WHOLE = -2
@@ -240,7 +241,7 @@ def _(dout, q, k, v, out, lse, dlse, extra, kind, step, group_name, a2a_size, is
 def listing_name(node) -> str:
     """What ``explain``'s schedule listing calls one ``cp::attend`` (+ backward) node."""
     backward = node.target is torch.ops.cp.attend_backward.default
-    step = node.args[9 if backward else 5]
+    step = node_argument(node, "step")
     name = {GATHERED: "gathered attend", WHOLE: "heads_attend"}.get(step, "attend")
     name += "_backward" if backward else ""
     return name if step < 0 else f"{name} step={step}"

@@ -35,10 +35,8 @@ from ..kernels.block import (
     block_attn_impl,
     check_block_args,
     dense_like,
-    fused_masked_attn,
-    fused_masked_attn_backward,
-    fused_masked_ready,
 )
+from ..kernels.masked import fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
 from ..layout import check_layout
 from .base import GATHERED, Call, Kind, Units, register_kind

@@ -15,7 +15,7 @@ from it beyond the first ``S_local`` entries is the same on every rank.
 
 The shard also records, from the global BlockMask's block counts (identical on
 every rank), how much of each (rank, K/V source) tile lies in visible blocks:
-what the cost model (``passes.masked``) chooses a schedule from.
+what the cost model (``cost.masked``) chooses a schedule from.
 """
 
 from __future__ import annotations
@@ -90,25 +90,11 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
     batch, heads = block_mask.kv_num_blocks.shape[:2]
     sharded = create_block_mask(local_mod, batch, heads, local, local, device=device, BLOCK_SIZE=block_mask.BLOCK_SIZE)
     local_mod.cp_shard = ShardInfo(table, world_size, chunk, rank_tiles(block_mask, perm, world_size))
-    _remember(local, world_size, local_mod.cp_shard)
     return sharded
 
 
 def shard_info(block_mask) -> ShardInfo | None:
     return None if block_mask is None else getattr(block_mask.mask_mod, "cp_shard", None)
-
-
-# The compiled rewrite sees only fake tensors; the choice for a site is costed from
-# the last mask sharded for the same local length and C (identical on every rank).
-_LAST: dict[tuple[int, int], ShardInfo] = {}
-
-
-def _remember(local_len: int, world_size: int, info: ShardInfo) -> None:
-    _LAST[(local_len, world_size)] = info
-
-
-def last_shard_info(local_len: int, world_size: int) -> ShardInfo | None:
-    return _LAST.get((local_len, world_size))
 
 
 # ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..schedules.registry import EXPANSIONS
+from ..torch_compat import node_argument
 
 
 @dataclass
@@ -123,7 +124,7 @@ def fold_agreements(graph: fx.Graph) -> None:
     per_group: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target == torch.ops.cp.agree.default:
-            per_group.setdefault(node.args[3], []).append(node)
+            per_group.setdefault(node_argument(node, "group_name"), []).append(node)
     for nodes in per_group.values():
         if len(nodes) < 2:
             continue

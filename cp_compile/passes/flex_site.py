@@ -19,19 +19,11 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..errors import UnsupportedAttention
 from ..kinds.flex import Mods, flex_options, register_mods
 from ..layout.blockmask import HEADER
-from .masked import choose_schedule
-from .site import (
-    AttentionSite,
-    CPOptions,
-    SiteKind,
-    UnsupportedAttention,
-    _example,
-    constant,
-    insert_schedule,
-    traced_value,
-)
+from .choose import choose_schedule
+from .site import AttentionSite, CPOptions, SiteKind, _example, constant, insert_schedule, traced_value
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = (

@@ -13,7 +13,7 @@ The pass is match -> check -> rewrite:
 - the kind's ``check`` raises ``UnsupportedAttention`` (naming the argument)
   for what CP cannot reproduce exactly (for SDPA: ``dropout_p > 0``, an
   ``attn_mask`` tensor);
-- ``passes.masked.choose_schedule`` picks the schedule, and the kind's
+- ``passes.choose.choose_schedule`` picks the schedule, and the kind's
   ``rewrite`` inserts that schedule's CP op, reroutes the users of the old
   output and erases the attention node.
 """
@@ -25,15 +25,7 @@ import torch.fx as fx
 from .cp_site import CP_KIND
 from .flex_site import FLEX_KIND
 from .sdpa_site import SDPA_KIND
-from .site import (  # noqa: F401  (re-exported: the pass's vocabulary)
-    AttentionSite,
-    CPOptions,
-    SiteKind,
-    UnsupportedAttention,
-    _example,
-    _graph_modules,
-    replace_node,
-)
+from .site import AttentionSite, CPOptions, SiteKind, _graph_modules
 from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_KIND
 

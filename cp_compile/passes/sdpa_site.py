@@ -13,8 +13,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, constant, insert_schedule
+from ..errors import UnsupportedAttention
+from .choose import choose_schedule
+from .site import AttentionSite, CPOptions, SiteKind, constant, insert_schedule
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,11 +17,8 @@ import torch
 import torch.fx as fx
 
 from ..comm import resolve_group
+from ..errors import UnsupportedAttention
 from ..schedules import whole_op
-
-
-class UnsupportedAttention(NotImplementedError):
-    """An attention call that CP cannot rewrite exactly."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,10 @@ class CPOptions:
     layout: str
     schedule: str = "auto"  # "auto" or a schedule name forced for every site
     mesh_groups: tuple = ()  # (ring group, all-to-all group) of a 2-D plan, for the hybrid schedule
-    machine: Any = None  # passes.cost.Machine the cost model assumes; None: defaults for the device
+    machine: Any = None  # cost.model.Machine the cost model assumes; None: defaults for the device
+    # the plan's record of the BlockMasks it sharded, by (local length, C) (``ContextParallel.sharded_masks``);
+    # read when a flex site is costed, so not part of what compares or keys a compiled graph
+    sharded_masks: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mesh_sizes(self) -> tuple:

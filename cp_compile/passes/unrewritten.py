@@ -17,10 +17,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-
-class LocalAttentionError(RuntimeError):
-    """Plain attention was about to run on this rank's shard alone while a plan is active."""
-
+from ..errors import LocalAttentionError
 
 _FIX = (
     "compile the model inside `with plan:` with torch.compile(model, backend=plan.backend(), fullgraph=True) "

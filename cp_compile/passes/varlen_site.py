@@ -26,10 +26,11 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..errors import UnsupportedAttention
 from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from ..schedules import HEAD_SCHEDULES
-from .masked import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, UnsupportedAttention, constant, insert_schedule
+from .choose import choose_schedule
+from .site import AttentionSite, CPOptions, SiteKind, constant, insert_schedule
 
 
 @functools.cache

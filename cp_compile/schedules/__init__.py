@@ -4,7 +4,7 @@ Each module is one schedule: plain Python over ``cp::attend`` and the comm ops
 that the eager whole op runs and the compiler traces, defined as a whole op
 pair by ``whole.sequence_schedule`` or ``whole.heads_schedule``. A new schedule
 is one module here, imported below, plus its name in ``SCHEDULES`` (and the
-cost model's estimate in ``passes.cost``, and its group arguments in
+cost model's estimate in ``cost.model``, and its group arguments in
 ``whole_op``).
 
 ``cached`` is the one schedule outside that family: queries every rank holds

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..comm import resolve_group
 from ..comm.gather import gather_dim0
-from ..kernels.block import positions_attn
+from ..kernels.masked import positions_attn
 from ..kernels.merge import acc_dtype, pivot
 from ..kinds.base import parse_options
 

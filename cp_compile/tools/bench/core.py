@@ -98,10 +98,10 @@ TORCH_RINGS = (TORCH_A2A, TORCH_AG)
 # Modules imported (if present) before variants are listed, so a later file can
 # register e.g. "ours compiled" without restructuring this one.
 PLUGIN_MODULES: list[str] = [
-    "cp_compile.bench.compiled",
-    "cp_compile.bench.allgather",
-    "cp_compile.bench.schedules",
-    "cp_compile.bench.packed",
+    "cp_compile.tools.bench.compiled",
+    "cp_compile.tools.bench.allgather",
+    "cp_compile.tools.bench.schedules",
+    "cp_compile.tools.bench.packed",
 ]
 
 # name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
@@ -191,7 +191,7 @@ def load_plugins(modules: list[str] = ()) -> None:
 
 
 def make_inputs(p: Problem, rank: int, world_size: int, device: torch.device, seed: int = 0) -> Inputs:
-    from .. import layout
+    from ... import layout
 
     g = torch.Generator().manual_seed(seed)
     shape = (p.batch, p.heads, p.seq_len, p.head_dim)
@@ -421,7 +421,7 @@ def bench_rank(
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from .. import layout
+    from ... import layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     release_heap()

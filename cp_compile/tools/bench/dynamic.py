@@ -1,12 +1,12 @@
 """Benchmark variants "ours packed static" and "ours packed dynamic": does one graph for every split cost time?
 
 Both compile ``varlen_attn`` with ``plan.backend("inductor")`` on the packed
-problem of ``cp_compile.bench.packed``. "static" hands the compiled function
+problem of ``cp_compile.tools.bench.packed``. "static" hands the compiled function
 unmarked tensors, so its graph is specialised to the local slot count and the
 number of documents; "dynamic" marks those sizes as ``plan.shard(...,
 cu_seqlens=)`` does, so its graph would serve any split. Equal times mean a
 static mode (a fixed slot count per step) buys nothing but the one recompile
-it avoids. Not loaded by default: ``--import cp_compile.bench.dynamic``.
+it avoids. Not loaded by default: ``--import cp_compile.tools.bench.dynamic``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark variant "ours compiled": plain SDPA compiled with the CP backend (Inductor).
 
-Imported by ``cp_compile.bench`` when present; the function handed to
+Imported by ``cp_compile.tools.bench`` when present; the function handed to
 ``torch.compile`` is written for one device, as a user's model would be.
 """
 

@@ -232,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         default="cpu",
         help="cuda (without torchrun): the ring's decomposition on one GPU, C virtual ranks "
-        "(cp_compile.bench.virtual); under torchrun: the launched ranks' device",
+        "(cp_compile.tools.bench.virtual); under torchrun: the launched ranks' device",
     )
     p.add_argument(
         "--virtual",

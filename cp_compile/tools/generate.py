@@ -11,7 +11,7 @@ floor, one process's step plus one all-gather per layer of what the decode
 schedule gathers, measured two ways in the same run: the all-gathers timed
 back to back, and one process's model run on each rank with them in place
 (timed in turn with CP). Both steps are taken apart from a
-profile (``cp_compile.breakdown``): compute, collectives (count and time), and
+profile (``cp_compile.tools.breakdown``): compute, collectives (count and time), and
 everything else. Exits 1 if a token differs.
 
 ``--compile`` decodes with transformers' own compiled step (a compileable
@@ -104,7 +104,7 @@ def _generate_timed(args, model, ids: torch.Tensor, prefill, cache, generate=Non
 
 
 def _decode_costs(args, model, ids: torch.Tensor, prefill, cache, generate=None) -> dict:
-    """The decode steps' costs from a profile (``cp_compile.breakdown``): compute, collectives, other; per token."""
+    """The decode steps' costs from a profile (``tools.breakdown``): compute, collectives, other; per token."""
     from .breakdown import breakdown
 
     generate = generate or model.generate
@@ -159,8 +159,8 @@ def _floor_model(args, plan):
     decode schedule gathers per layer and token (out and lse of one query in the accumulator dtype; on the first
     layer with the two numbers of ``kv_cache.Agreement``'s tag): a decode step of it is one process's step plus
     the one collective per layer that a decode step under CP needs, where CP makes it."""
-    from .comm.gather import gather_dim0
-    from .kv_cache import TAG_NUMEL
+    from ..comm.gather import gather_dim0
+    from ..kv_cache import TAG_NUMEL
 
     model = build_model(args, "sdpa")
 
@@ -178,7 +178,7 @@ def _floor_model(args, plan):
 def _layer_payload(args, tag_numel: int = 0) -> torch.Tensor:
     """What the decode schedule gathers from each rank per layer and token: out and lse of one query per head,
     in the accumulator dtype (``schedules/cached.py``), and ``tag_numel`` numbers of a tag."""
-    from .kernels.merge import acc_dtype
+    from ..kernels.merge import acc_dtype
 
     return torch.zeros(1, args.heads * (args.hidden // args.heads + 1) + tag_numel, dtype=acc_dtype(DTYPES[args.dtype]))
 
@@ -186,7 +186,7 @@ def _layer_payload(args, tag_numel: int = 0) -> torch.Tensor:
 def _layer_allgather_s(args, plan, repeats: int = 200) -> float:
     """Seconds of one all-gather of what the decode schedule gathers per layer and token (out and lse of one
     query), back to back: the collective a decode step cannot do without, with no work between."""
-    from .comm.gather import gather_dim0
+    from ..comm.gather import gather_dim0
 
     payload = _layer_payload(args)
     for _ in range(10):

@@ -24,7 +24,7 @@ Masked sites (FlexAttention, packed varlen) are costed by the same
 estimators from a ``Workload`` that also carries ``tiles``: the visible
 fraction of every (query rank, key rank) tile of the score matrix, from the
 global BlockMask's block counts or from ``cu_seqlens`` and the window
-(``passes.masked``). With tiles, a ring step lasts as long as its busiest
+(``cost.masked``). With tiles, a ring step lasts as long as its busiest
 rank's visible work, or its transfer when that is longer (a step nobody has
 work in still pays its transfer); the all-gather waits for the busiest rank's
 whole row; Ulysses sees every token of its heads, so its work is the average
@@ -395,44 +395,6 @@ ESTIMATORS: dict[str, Callable[[Workload, Machine], Estimate]] = {
 def check_schedule(schedule: str) -> None:
     if schedule != "auto" and schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected 'auto' or one of {SCHEDULES}")
-
-
-def visible_fraction(site, seq_len: int) -> float:
-    """Fraction of the S x S scores the site's mask keeps."""
-    given = site.args.get("visible_fraction")
-    if given is not None:
-        return float(given)
-    return (seq_len + 1) / (2 * seq_len) if site.args.get("is_causal") else 1.0
-
-
-def workload(site, options) -> Workload:
-    from ..comm import resolve_group
-
-    q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
-    c = resolve_group(options.group_name).size()
-    example = site.query.meta.get("example_value", site.query.meta.get("val"))
-    backward = any(
-        getattr(n.meta.get("example_value", n.meta.get("val")), "requires_grad", False)
-        for n in (site.args["query"], site.args["key"], site.args["value"])
-    )
-    return (
-        Workload(
-            batch=q[0],
-            q_heads=q[1],
-            kv_heads=k[1],
-            local_len=q[2],
-            head_dim=q[3],
-            v_dim=v[3],
-            dtype=site.dtype(),
-            world_size=c,
-            visible=visible_fraction(site, q[2] * c),
-            causal=bool(site.args.get("is_causal")),
-            backward=backward,
-            mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
-        )
-        if example is not None
-        else None
-    )
 
 
 def estimate_all(w: Workload, machine: Machine, available=None) -> list[Estimate]:

@@ -46,7 +46,7 @@ def _ours_setup(p: Problem, x: Inputs):
 @contextlib.contextmanager
 def _stub_our_kernels():
     """Swap the dense attention tiles under every cp op for zero-cost stand-ins."""
-    from ..kernels import block
+    from ...kernels import block
 
     def fwd(q, k, v, causal, scale):
         lse = torch.zeros(q.shape[:3], dtype=block.acc_dtype(q.dtype), device=q.device)
@@ -65,9 +65,9 @@ def _stub_our_kernels():
 
 def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
     """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
-    from ..comm import group_name_of
-    from ..schedules.ring import ring_backward, ring_forward
-    from ..schedules.whole import Setting
+    from ...comm import group_name_of
+    from ...schedules.ring import ring_backward, ring_forward
+    from ...schedules.whole import Setting
 
     s = Setting((group_name_of(None),), p.causal, "zigzag", _scale(p), "sdpa", "")
 
@@ -86,7 +86,7 @@ class _Bytes:
 
 @contextlib.contextmanager
 def _ours_meter():
-    from ..comm import count_traffic
+    from ...comm import count_traffic
 
     box = _Bytes()
     with count_traffic() as traffic:

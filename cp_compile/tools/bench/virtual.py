@@ -25,7 +25,7 @@ host ms/step    the same rank's fwd+bwd issued with zero-cost attention kernels
 Device time is taken with CUDA events on a GPU, wall time on CPU (where the
 benchmark runs as a smoke test at small sizes). The real ring with overlap on
 several GPUs is ``torchrun --nproc-per-node N -m cp_compile bench`` (NCCL), the
-multi-rank driver in ``cp_compile.bench``; it runs these same step kernels.
+multi-rank driver in ``cp_compile.tools.bench``; it runs these same step kernels.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import layout
-from ..comm import TAG_KV
-from ..kinds.sdpa import ring_section, section_attn, section_attn_backward
+from ... import layout
+from ...comm import TAG_KV
+from ...kinds.sdpa import ring_section, section_attn, section_attn_backward
+from ...schedules.ring import ring_pass_backward, ring_pass_forward
 from ..memory import PeakMemory
-from ..schedules.ring import ring_pass_backward, ring_pass_forward
 from .builtin import _stub_our_kernels
 from .core import DTYPES, Problem
 

@@ -1,6 +1,6 @@
 """Benchmark variants for the other schedules, and the cost model's choice against the measurements.
 
-Imported by ``cp_compile.bench`` when present. Adds, next to "ours eager" (the
+Imported by ``cp_compile.tools.bench`` when present. Adds, next to "ours eager" (the
 ring):
 
 - "ours ulysses": ``cp_compile.ulysses_attention``, eager, zigzag;
@@ -46,7 +46,7 @@ def _mesh(world_size: int):
 def _hybrid_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    from ..comm import mesh_groups
+    from ...comm import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
     return fwd_bwd_step(
@@ -73,13 +73,13 @@ def _calibrated():
 
 def auto_choice(p: Problem, res: dict, runner) -> dict:
     """The cost model's pick for ``p`` and how its measured time compares with the best measured schedule."""
-    from ..passes.cost import Workload, estimate_all, pick
+    from ...cost.model import Workload, estimate_all, pick
 
     machine = _machines.get(p.world_size)
     if machine is None and p.world_size > 1:
         machine = _machines[p.world_size] = runner(p.world_size, _calibrated)[0]
     if machine is None:
-        from ..passes.cost import default_machine
+        from ...cost.model import default_machine
 
         machine = default_machine("cpu")
     w = Workload(

@@ -7,7 +7,7 @@ ranks ("cp_compile", ``plan.backend()``, one thread each), where the step
 also sums the gradients over the ranks in one all-reduce (as DDP's buckets do).
 Reported per length: ms per step on each side, their ratio, the relative
 difference of the losses (exit 1 above ``--tol``), and the CP step
-taken apart from a profile (``cp_compile.breakdown``: compute, collectives with
+taken apart from a profile (``cp_compile.tools.breakdown``: compute, collectives with
 their count, the rest) next to one process's. The floor is what CP cannot
 avoid: one process's step on 1/C of the tokens plus the CP step's own
 collectives (recorded from a profile, then replayed back to back with the same
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..breakdown import collectives_issued
-from ..inference import comma_ints, crossover, report
+from ..generate import comma_ints, crossover, report
 from ..launch import RankPool
 
 

@@ -519,7 +519,7 @@ def _located(e: BaseException) -> str:
 def outcome(e: BaseException) -> tuple[str, str]:
     """(status, detail) of an exception from a CP run: ``refused`` for cp_compile's own clear errors, else
     ``failed`` (type, first line, innermost file:line)."""
-    from .. import LocalAttentionError, UnsupportedAttention
+    from ... import LocalAttentionError, UnsupportedAttention
 
     seen, cause = set(), e
     while cause is not None and id(cause) not in seen:  # Dynamo and others wrap the error they hit
@@ -575,7 +575,7 @@ def _counting_attention(calls: list):
     go through transformers' attention interface."""
     from transformers import AttentionInterface
 
-    from ..hf import NAME
+    from ...hf import NAME
 
     original = AttentionInterface._global_mapping[NAME]
 

@@ -1,6 +1,6 @@
 """What the cost model needs to know about masked sites: packed documents and FlexAttention.
 
-Besides shapes, the estimators in ``passes.cost`` read ``Workload.tiles``:
+Besides shapes, the estimators in ``cost.model`` read ``Workload.tiles``:
 the fraction of every (query rank, key rank) tile of the score matrix that
 the mask keeps. A ring step whose tiles are empty on every rank still pays
 its transfer; an all-gather waits for the busiest rank's whole row; Ulysses
@@ -32,10 +32,8 @@ from typing import Optional
 
 import torch
 
-from ..comm import resolve_group
 from ..layout import check_cu_seqlens, packed_local_len
-from .cost import Estimate, Machine, Workload, check_schedule, decide, default_machine, machine_for, workload
-from .site import _example
+from .model import Estimate, Machine, Workload, decide, default_machine
 
 Tiles = tuple[tuple[float, ...], ...]
 
@@ -293,50 +291,3 @@ def choose_flex(
         machine=machine or default_machine(q.device.type),
         mesh=mesh,
     )
-
-
-def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
-    """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
-
-    c = resolve_group(options.group_name).size()
-    # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
-    q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
-    backward = any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
-    if site.kind == "varlen":
-        window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
-        facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
-    else:
-        from ..layout.blockmask import last_shard_info
-
-        has_mask = bool(site.args["mask_mod_buffers"])
-        facts = flex_facts(last_shard_info(q[2], c) if has_mask else None, has_mask, q[2], c)
-        causal = False
-    return choose_masked(
-        site.kind,
-        q,
-        k,
-        v,
-        site.dtype(),
-        c,
-        facts,
-        causal=causal,
-        backward=backward,
-        machine=machine,
-        mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
-        schedule=options.schedule,
-        where=site.source,
-    )
-
-
-def choose_schedule(site, options) -> tuple[str, str]:
-    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
-    check_schedule(options.schedule)
-    example = _example(site.query)
-    machine = machine_for(options, example.device.type if example is not None else "cpu")
-    if site.kind in ("varlen", "flex"):
-        schedule, why, estimates = choose_site(site, options, machine)
-    else:
-        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, None, site.source)
-    site.decision["estimates"] = estimates
-    site.decision["machine"] = machine
-    return schedule, why

@@ -1,0 +1,94 @@
+"""The cost model's view of a compiled site: the workload and the mask facts read off the graph node, then
+``cost`` chooses (the same choice eager calls make from their tensors).
+
+``choose_schedule(site, options)`` is what each site kind's rewrite asks; the estimates land in
+``site.decision`` for ``explain``.
+"""
+
+from __future__ import annotations
+
+from ..comm import resolve_group
+from ..cost.masked import choose_masked, flex_facts, packed_facts
+from ..cost.model import Estimate, Machine, Workload, check_schedule, decide, machine_for
+from .site import _example
+
+
+def visible_fraction(site, seq_len: int) -> float:
+    """Fraction of the S x S scores the site's mask keeps."""
+    given = site.args.get("visible_fraction")
+    if given is not None:
+        return float(given)
+    return (seq_len + 1) / (2 * seq_len) if site.args.get("is_causal") else 1.0
+
+
+def workload(site, options) -> Workload:
+    q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
+    c = resolve_group(options.group_name).size()
+    example = site.query.meta.get("example_value", site.query.meta.get("val"))
+    backward = any(
+        getattr(n.meta.get("example_value", n.meta.get("val")), "requires_grad", False)
+        for n in (site.args["query"], site.args["key"], site.args["value"])
+    )
+    return (
+        Workload(
+            batch=q[0],
+            q_heads=q[1],
+            kv_heads=k[1],
+            local_len=q[2],
+            head_dim=q[3],
+            v_dim=v[3],
+            dtype=site.dtype(),
+            world_size=c,
+            visible=visible_fraction(site, q[2] * c),
+            causal=bool(site.args.get("is_causal")),
+            backward=backward,
+            mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
+        )
+        if example is not None
+        else None
+    )
+
+
+def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
+    """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
+
+    c = resolve_group(options.group_name).size()
+    # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
+    q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
+    backward = any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
+    if site.kind == "varlen":
+        window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
+        facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
+    else:
+        has_mask = bool(site.args["mask_mod_buffers"])
+        facts = flex_facts(options.sharded_masks.get((q[2], c)) if has_mask else None, has_mask, q[2], c)
+        causal = False
+    return choose_masked(
+        site.kind,
+        q,
+        k,
+        v,
+        site.dtype(),
+        c,
+        facts,
+        causal=causal,
+        backward=backward,
+        machine=machine,
+        mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
+        schedule=options.schedule,
+        where=site.source,
+    )
+
+
+def choose_schedule(site, options) -> tuple[str, str]:
+    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
+    check_schedule(options.schedule)
+    example = _example(site.query)
+    machine = machine_for(options, example.device.type if example is not None else "cpu")
+    if site.kind in ("varlen", "flex"):
+        schedule, why, estimates = choose_site(site, options, machine)
+    else:
+        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, None, site.source)
+    site.decision["estimates"] = estimates
+    site.decision["machine"] = machine
+    return schedule, why
