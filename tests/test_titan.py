@@ -183,7 +183,7 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
     from torchtitan.models.common import attention as titan_attention
 
     import cp_compile
-    from cp_compile.passes.rewrite import _example
+    from cp_compile.passes.site import _example
 
     model = titan_llama("varlen")
     single = copy.deepcopy(model)  # as shipped: fp32 weights, bf16 attention

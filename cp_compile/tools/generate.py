@@ -333,6 +333,24 @@ def crossover(lengths: list[int], cp: list[float], one: list[float]) -> float | 
     return lengths[0] if cp and cp[0] <= one[0] else None
 
 
+def mark_crossover(ax, lengths: list[int], cp: list[float], one: list[float], color, height: float) -> None:
+    """A dotted line and a label on ``ax`` where CP starts to pay (``crossover``), if it does."""
+    at = crossover(lengths, cp, one)
+    if at is None:
+        return
+    ax.axvline(at, color=color, linestyle=":", alpha=0.7)
+    ax.annotate(
+        f"CP pays from ~{at:,.0f}",
+        (at, height),
+        xycoords=("data", "axes fraction"),
+        fontsize=8,
+        color=color,
+        rotation=90,
+        ha="right",
+        va="bottom",
+    )
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -357,19 +375,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             color=line.get_color(),
             label=f"its floor (one process + all-gathers), C={world_size}",
         )
-        at = crossover([r["prompt"] for r in mine], [r["decode_ms"] for r in mine], [r["ref_decode_ms"] for r in mine])
-        if at is not None:
-            right.axvline(at, color=line.get_color(), linestyle="--", alpha=0.5)
-            right.annotate(
-                f"CP pays from ~{at:,.0f}",
-                (at, 0.02),
-                xycoords=("data", "axes fraction"),
-                fontsize=8,
-                color=line.get_color(),
-                rotation=90,
-                ha="right",
-                va="bottom",
-            )
+        prompts = [r["prompt"] for r in mine]
+        cp_ms, one_ms = [r["decode_ms"] for r in mine], [r["ref_decode_ms"] for r in mine]
+        mark_crossover(right, prompts, cp_ms, one_ms, line.get_color(), 0.02)
     for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")

@@ -489,7 +489,8 @@ def _where(filename: str, lineno: int) -> str:
     return f"{Path(filename).name}:{lineno}"
 
 
-_PACKAGE = Path(__file__).resolve().parents[1]
+_PACKAGE = Path(__file__).resolve().parents[2]  # cp_compile/
+_INSTRUMENTS = _PACKAGE / "tools"  # this command and its kin: their errors are not the library's
 # Inside a plan every torch call passes through the plan's TorchFunctionMode (guard.py): an error a torch op
 # raises shows that frame last. It is a pass-through, not where the error comes from.
 _PASS_THROUGH = (_PACKAGE / "guard.py",)
@@ -507,8 +508,7 @@ def _raised_in_cp_compile(e: BaseException) -> bool:
     if not frames:
         return False
     path = Path(frames[-1].filename).resolve()
-    here = Path(__file__).resolve().parent
-    return _PACKAGE in path.parents and path not in _PASS_THROUGH and here not in path.parents
+    return _PACKAGE in path.parents and path not in _PASS_THROUGH and _INSTRUMENTS not in path.parents
 
 
 def _located(e: BaseException) -> str:

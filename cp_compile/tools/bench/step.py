@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..breakdown import collectives_issued
-from ..generate import comma_ints, crossover, report
+from ..generate import comma_ints, mark_crossover, report
 from ..launch import RankPool
 
 
@@ -255,19 +255,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         mine = [r for r in rows if r["schedule"] == schedule]
         label = f"CP, C={mine[0]['C']} ({schedule})"
         (line,) = ax.plot([r["length"] for r in mine], [r["cp_ms"] for r in mine], "-o", label=label)
-        at = crossover([r["length"] for r in mine], [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine])
-        if at is not None:
-            ax.axvline(at, color=line.get_color(), linestyle=":", alpha=0.7)
-            ax.annotate(
-                f"CP pays from ~{at:,.0f}",
-                (at, 0.55),
-                xycoords=("data", "axes fraction"),
-                fontsize=8,
-                color=line.get_color(),
-                rotation=90,
-                va="bottom",
-                ha="right",
-            )
+        cp_ms, one_ms = [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine]
+        mark_crossover(ax, [r["length"] for r in mine], cp_ms, one_ms, line.get_color(), 0.55)
     ax.set(xscale="log", yscale="log", xlabel="sequence tokens", ylabel="ms per training step", title=title)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
