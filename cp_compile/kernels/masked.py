@@ -50,7 +50,7 @@ def positions_attn(
     score matrix bounded. The query heads sharing a key/value head are folded into the rows, so each
     matmul reads the cache in place (a broadcast over the group would copy it once per query head).
     """
-    b, hq, lq, d = q.shape
+    b, hq, lq, _ = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     dt = acc_dtype(q.dtype)
@@ -60,7 +60,7 @@ def positions_attn(
     for start in range(0, lq, rows_per_block):
         rows = slice(start, start + rows_per_block)
         n = q[:, :, rows].shape[2]
-        qg = q[:, :, rows].to(dt).reshape(b, hkv, group * n, d)
+        qg = _fold_groups(q[:, :, rows].to(dt), hkv)
         visible = positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1)
         if fused:
             out, lse = _fused_masked(qg, keys, values, visible, scale)

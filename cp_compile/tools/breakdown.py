@@ -51,6 +51,11 @@ def _inside_collective(event) -> bool:
     return parent is not None
 
 
+def _issues(name: str) -> bool:
+    """Whether an outermost collective event issues a collective (a wait is not one of its own)."""
+    return any(k in name for k in _ISSUE)
+
+
 def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str, float]:
     """Per-step costs of ``prepare()()``, which makes ``steps`` steps; ``prepare()`` (untimed, unprofiled) sets up
     what the steps start from (a prefilled cache) and returns them. See the module docstring."""
@@ -70,7 +75,7 @@ def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str
         name = event.name
         if _is_collective(name) and not _inside_collective(event):
             collective_us += event.cpu_time_total  # the outermost event holds the backend's own
-            issued += any(k in name for k in _ISSUE)  # a wait is not a collective of its own
+            issued += _issues(name)
         elif name.startswith("aten::") and not _inside_collective(event):
             compute_us += event.self_cpu_time_total
     profiled_ms = 1e3 * profiled / steps
@@ -94,7 +99,7 @@ def collectives_issued(step: Callable[[], None]) -> list[tuple[str, list]]:
     return [
         (e.name, e.input_shapes)
         for e in prof.events()
-        if _is_collective(e.name) and not _inside_collective(e) and any(k in e.name for k in _ISSUE)
+        if _is_collective(e.name) and not _inside_collective(e) and _issues(e.name)
     ]
 
 

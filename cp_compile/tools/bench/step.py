@@ -60,49 +60,58 @@ def _steps_for(args, length: int) -> int:
     return max(2, min(args.steps, args.steps * 2048 // length))
 
 
-def _timed(args, step, length: int, barrier=None) -> tuple[float, dict]:
-    """(median ms per step, breakdown) of ``step`` after ``args.warmup`` steps (compilation among them)."""
-    from ..breakdown import breakdown
-
+def _median_ms(args, step, length: int, barrier=None) -> float:
+    """Median ms per step of ``step`` after ``args.warmup`` steps (compilation among them)."""
     for _ in range(args.warmup):
         step()
-    steps, times = _steps_for(args, length), []
-    for _ in range(steps):
+    times = []
+    for _ in range(_steps_for(args, length)):
         if barrier is not None:  # the ranks start each timed step together
             barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _timed(args, step, length: int, barrier=None) -> tuple[float, dict]:
+    """(median ms per step, breakdown) of ``step`` (``_median_ms``, then a profile of as many steps)."""
+    from ..breakdown import breakdown
+
+    ms, steps = _median_ms(args, step, length, barrier), _steps_for(args, length)
 
     def prepare():
         if barrier is not None:
             barrier()
         return lambda: [step() for _ in range(steps)]
 
-    return 1e3 * statistics.median(times), breakdown(prepare, steps)
+    return ms, breakdown(prepare, steps)
 
 
 def one_process(args) -> dict:
     torch.set_num_threads(1)
     model = _model(args, "sdpa")
     compiled = torch.compile(model, backend=args.inner, fullgraph=True)
-    runs = {}
-    for length in args.lengths:
-        ids, labels = _batch(args, length)
-        for t in (ids, labels):
-            torch._dynamo.mark_dynamic(t, 1)
 
+    def step_on(ids, labels):
         def step():
             loss = compiled(ids, use_cache=False, labels=labels, shift_labels=labels).loss
             loss.backward()
             model.zero_grad()
             return loss.detach()
 
+        return step
+
+    runs = {}
+    for length in args.lengths:
+        ids, labels = _batch(args, length)
+        for t in (ids, labels):
+            torch._dynamo.mark_dynamic(t, 1)
+        step = step_on(ids, labels)
         ms, costs = _timed(args, step, length)
-        loss = step().item()
-        # the floor's compute: this process's step on one rank's share of the tokens
-        ids, labels = ids[:, : length // args.world_size], labels[:, : length // args.world_size]
-        runs[length] = dict(ms=ms, costs=costs, loss=loss, share_ms=_timed(args, step, length)[0])
+        share = length // args.world_size  # the floor's compute: this process's step on one rank's share
+        share_ms = _median_ms(args, step_on(ids[:, :share], labels[:, :share]), length)
+        runs[length] = dict(ms=ms, costs=costs, loss=step().item(), share_ms=share_ms)
     return runs
 
 
@@ -172,7 +181,7 @@ def cp_ranks(args, schedule: str) -> dict:
             ms=ms,
             costs=costs,
             loss=total.item(),
-            collectives_ms=None if replay is None else _timed(args, replay, length, dist.barrier)[0],
+            collectives_ms=None if replay is None else _median_ms(args, replay, length, dist.barrier),
         )
     # what each attention site runs and why (auto: the cost model's pick), over every graph compiled
     runs["sites"] = sorted({f"{site.schedule}: {site.why}" for site in backend.explain().sites})
