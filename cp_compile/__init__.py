@@ -1,8 +1,9 @@
 """cp_compile: context parallelism for PyTorch as custom ops and compiler passes."""
 
-from . import kinds, schedules  # noqa: F401  (registers torch.ops.cp.*)
+from . import registration  # noqa: F401  (first: every torch.ops.cp op, kind and schedule)
 from .calibrate import calibrate
 from .comm import count_traffic
+from .compiler.explain import explain
 from .cost.model import Machine
 from .eager import (
     allgather_attention,
@@ -14,7 +15,6 @@ from .eager import (
     varlen_attention,
 )
 from .errors import LocalAttentionError, UnsupportedAttention
-from .inspect import explain
 from .kinds.flex import count_blocks
 from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy

@@ -284,7 +284,7 @@ def cached_attention(
     attends to its own slots, then the partial results merge exactly across ranks. GQA when
     ``Hq`` is a multiple of ``Hkv``. Not differentiable.
     """
-    from .schedules.cached import cached_options, check_cached_args
+    from .inference.cached import cached_options, check_cached_args
 
     check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
     left = -1 if window is None else int(window) - 1

@@ -6,7 +6,7 @@
 higher-order op). Eagerly such a call raises ``LocalAttentionError``. While
 Dynamo traces (it inlines the mode), the call gets ``cp::unrewritten`` in front
 of it, which ``plan.backend()`` removes as it rewrites the call and which
-raises under any other backend (``passes.unrewritten``).
+raises under any other backend (``compiler.unrewritten``).
 
 cp_compile's own ops are custom ops: the mode sees the op, not the attention
 kernels it runs inside, so the eager CP paths pass untouched.
@@ -22,8 +22,8 @@ import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn,
 from torch._higher_order_ops.flex_attention import flex_attention as _FLEX
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from .compiler.unrewritten import eager_message
 from .errors import LocalAttentionError
-from .passes.unrewritten import eager_message
 
 _NAMES = {  # what the guard watches, as the user wrote it
     torch._C._nn.scaled_dot_product_attention: "F.scaled_dot_product_attention",

@@ -11,14 +11,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import layout as _layout
 from .comm import group_name_of, mesh_groups
+from .layout import Layout, layout_named
+from .layout.packed import Packed, check_cu_seqlens, packed_local_len
 from .torch_compat import resolve_process_group
 
 if TYPE_CHECKING:
-    from .layout.blockmask import BalancedLayout, ShardInfo
+    from .layout.blockmask import ShardInfo
 
-_ACTIVE: list = []  # (plan, its guard) for each ``with plan:`` entered, innermost last
+# (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
+# called by a framework without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan``.
+_ACTIVE: list = []
 # what integrations keep in force while any plan is active: context-manager factories, entered by the
 # outermost ``with plan:`` (``while_active``)
 _WHILE_ACTIVE: list[Callable[[], AbstractContextManager]] = []
@@ -79,7 +82,9 @@ class ContextParallel:
     ``load_balance`` is ``"zigzag"`` (default: rank r holds chunks r and 2C-1-r
     of 2C, balancing causal work), ``"contiguous"``, or a global FlexAttention
     ``BlockMask``: its query blocks are dealt to ranks so that each holds the
-    same number of visible blocks (FlexAttention only). ``schedule`` is
+    same number of visible blocks (FlexAttention only). The plan holds it as
+    ``layout`` (a ``cp_compile.layout.Layout``: ``Zigzag``, ``Contiguous`` or
+    ``Balanced``), and ``load_balance`` as its name. ``schedule`` is
     ``"auto"`` (default: chosen per attention site; ``explain`` says which and
     why) or a schedule name to use for every site: ``"ring"``, ``"allgather"``, ``"ulysses"``,
     ``"hybrid"`` (2-D mesh: all-to-all along dim 1, ring along dim 0; the
@@ -104,7 +109,6 @@ class ContextParallel:
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
         from torch.nn.attention.flex_attention import BlockMask
 
-        self.balanced: Optional[BalancedLayout] = None
         # What shard() learned of each BlockMask it sharded, by (local length, C): the mask's visible tiles per
         # rank pair, which the cost model needs for a compiled flex site (the graph holds only fake tensors).
         # Backends made by this plan read it when they compile.
@@ -120,13 +124,14 @@ class ContextParallel:
             if schedule == "hybrid":
                 raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as group_or_mesh")
         self.group = resolve_process_group(self.group_name)
+        self.layout: Layout
         if isinstance(load_balance, BlockMask):
             from .layout.blockmask import balance_blocks
 
-            self.balanced, load_balance = balance_blocks(load_balance, self.world_size), "balanced"
+            self.layout = balance_blocks(load_balance, self.world_size)
         else:
-            _layout.check_layout(load_balance)
-        self.load_balance = load_balance
+            self.layout = layout_named(load_balance)
+        self.load_balance: str = self.layout.name
         self.machine = machine
         self._documents: Optional[tuple[Tensor, int]] = None  # (global cu_seqlens, local slots) of positions()
         if calibrate:
@@ -191,7 +196,7 @@ class ContextParallel:
 
         With ``cu_seqlens`` (packed documents), every document is split into 2C
         chunks on its own and this rank gets chunks r and 2C-1-r of each, padding
-        slots zero (``layout.packed_slots``). The slot dimension is marked dynamic
+        slots zero (``layout.packed.Packed``). The slot dimension is marked dynamic
         for ``torch.compile``: packed batches change it on almost every step.
 
         A FlexAttention ``BlockMask`` built for the global sequence gives this
@@ -200,15 +205,12 @@ class ContextParallel:
         from torch.nn.attention.flex_attention import BlockMask
 
         if isinstance(x, BlockMask):
-            from .layout.blockmask import layout_chunk, layout_perm, shard_block_mask, shard_info
+            from .layout.blockmask import shard_block_mask, shard_info
 
-            seq_len = x.seq_lengths[0]
-            if self.balanced is not None:
-                perm, chunk = self.balanced.perm, self.balanced.chunk
-            else:
-                perm = layout_perm(seq_len, self.world_size, self.load_balance)
-                chunk = layout_chunk(seq_len, self.world_size, self.load_balance)
-            sharded = shard_block_mask(x, self.rank, self.world_size, perm, chunk)
+            seq_len, c = x.seq_lengths[0], self.world_size
+            sharded = shard_block_mask(
+                x, self.rank, c, self.layout.all_positions(seq_len, c), self.layout.chunk(seq_len, c)
+            )
             self.sharded_masks[(sharded.seq_lengths[0], self.world_size)] = shard_info(sharded)
             return sharded
         if seq_dim is None:
@@ -216,24 +218,15 @@ class ContextParallel:
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
                 _dynamic(cu_seqlens, 0)
-            local = _made(self, _layout.shard_packed(x, seq_dim, cu_seqlens, self.rank, self.world_size), "shard")
+            local = _made(self, Packed(cu_seqlens).shard(x, seq_dim, self.rank, self.world_size), "shard")
             return _dynamic(local, seq_dim)
-        if self.balanced is not None:
-            local = x.index_select(seq_dim, self._balanced_positions(x.shape[seq_dim], x.device)).contiguous()
-        else:
-            local = _layout.shard(x, seq_dim, self.rank, self.world_size, self.load_balance)
-        return _made(self, local, "shard")
+        return _made(self, self.layout.shard(x, seq_dim, self.rank, self.world_size), "shard")
 
     def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """The full tensor, on every rank, from each rank's shard (packed: without padding)."""
         parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
-        if cu_seqlens is not None:
-            return _layout.unshard_packed(parts, seq_dim, cu_seqlens)
-        if self.balanced is not None:
-            gathered = torch.cat(parts, dim=seq_dim)
-            return torch.empty_like(gathered).index_copy_(seq_dim, self.balanced.perm.to(x_local.device), gathered)
-        return _layout.unshard(parts, seq_dim, self.load_balance)
+        return (self.layout if cu_seqlens is None else Packed(cu_seqlens)).unshard(parts, seq_dim)
 
     def positions(self, seq_len: Optional[int] = None, device=None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """Global positions (LongTensor) of this rank's tokens; with ``cu_seqlens``, each
@@ -243,33 +236,21 @@ class ContextParallel:
         ``cu_seqlens``, one sequence per row without. ``cp_compile.hf`` reads it when a
         model is given only ``position_ids``."""
         if cu_seqlens is not None:
-            cu = torch.tensor(_layout.check_cu_seqlens(cu_seqlens), dtype=torch.int32)
-            self._documents = (_dynamic(cu, 0), _layout.packed_local_len(cu, self.world_size))
-            positions = _layout.packed_slots(cu, self.rank, self.world_size)["pos"].to(device)
+            cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int32)
+            self._documents = (_dynamic(cu, 0), packed_local_len(cu, self.world_size))
+            positions = Packed(cu).positions(int(cu[-1]), self.rank, self.world_size, device)
             return _dynamic(_made(self, positions, "positions"), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         self._documents = None
-        positions = (
-            self._balanced_positions(seq_len, device)
-            if self.balanced is not None
-            else _layout.positions(seq_len, self.rank, self.world_size, self.load_balance, device)
-        )
-        return _made(self, positions, "positions")
-
-    def _balanced_positions(self, seq_len: int, device) -> Tensor:
-        balanced = self.balanced
-        assert balanced is not None
-        if seq_len != balanced.perm.numel():
-            raise ValueError(f"the plan balances a {balanced.perm.numel()}-token mask; got {seq_len} tokens")
-        return balanced.positions(self.rank).to(device)
+        return _made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
 
     def backend(self, inner: str = "inductor"):
         """A ``torch.compile`` backend that rewrites attention into CP schedules.
 
         ``inner`` is ``"inductor"`` (default) or ``"aot_eager"`` (no code generation).
         """
-        from .backend import CPBackend
+        from .compiler.backend import CPBackend
 
         return CPBackend(
             self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine, self.sharded_masks

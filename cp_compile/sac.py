@@ -15,7 +15,7 @@ the region in backward, the ring included: C-1 more K/V transfers per
 attention in eager mode. Under ``torch.compile`` the CP backend marks CP
 outputs MUST_SAVE in the joint graph, so even plain checkpointing keeps the
 ring out of the backward graph (``activation_memory_budget < 1`` does not yet:
-see ``passes/partition.py``).
+see ``compiler/partition.py``).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def cp_rank(args) -> dict:
         graphs = len(backend.records)
         inputs, labels, positions, varlen_meta = batch(step, dp_index, args.seq, vocab)
         cu = varlen_meta.cu_seq_q
-        real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+        real = cp_compile.layout.packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
         local_inputs = plan.shard(inputs[0], 0, cu_seqlens=cu).unsqueeze(0).to(device)
         local_labels = plan.shard(labels[0], 0, cu_seqlens=cu).masked_fill(~real, -100).unsqueeze(0).to(device)
         local_positions = plan.positions(cu_seqlens=cu).unsqueeze(0).to(device)

@@ -96,7 +96,7 @@ def cp_rank(args) -> dict:
     out = {k: [] for k in ("losses", "times", "graphs", "unique_graphs", "breaks")}
 
     def inputs(ids, labels, cu):
-        real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+        real = cp_compile.layout.packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
         local_ids = plan.shard(ids, 1, cu_seqlens=cu).to(device)
         # in place: a new tensor would lose the dynamic slot dimension plan.shard marks, and recompile
         local_labels = plan.shard(labels, 1, cu_seqlens=cu).masked_fill_(~real, -100).to(device)

@@ -110,8 +110,8 @@ def fake_group():
 
 
 def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
-    from cp_compile.passes.expand import expand_cp_ops
-    from cp_compile.passes.order import schedule_listing
+    from cp_compile.compiler.expand import expand_cp_ops
+    from cp_compile.compiler.order import schedule_listing
 
     name = fake_group
     fc = torch.ops._c10d_functional
@@ -146,7 +146,7 @@ def test_expanded_graph_gathers_and_reduce_scatters(fake_group):
 def test_a_graph_agrees_once_where_later_sizes_follow(fake_group, tracing):
     """Three sites: the second has the first's sizes, the third sizes of its own. Static sizes: one agreement,
     carrying a digest of all three; symbolic sizes: the third keeps its own (its symbol was not compared)."""
-    from cp_compile.passes.expand import expand_cp_ops
+    from cp_compile.compiler.expand import expand_cp_ops
 
     name = fake_group
 

@@ -165,12 +165,12 @@ def test_virtual_rank_computes_its_share(world_size, causal):
     """The kernels the decomposition times give each rank its exact output and dq (fp64)."""
     from helpers import make_qkv, max_err, sdpa_with_grads
 
-    from cp_compile import layout
+    from cp_compile.layout import layout_named
     from cp_compile.tools.bench import virtual
 
     q, k, v, do = make_qkv(1, 4, 2, 12 * world_size, 8)
     reference = sdpa_with_grads(q, k, v, do, is_causal=causal)
-    shard = lambda t, r: layout.shard(t, 2, r, world_size, "zigzag")  # noqa: E731
+    shard = lambda t, r: layout_named("zigzag").shard(t, 2, r, world_size)  # noqa: E731
     kv = [(shard(k, r), shard(v, r)) for r in range(world_size)]
     for rank in range(world_size):
         out, lse = virtual.rank_forward(shard(q, rank), kv, rank, causal, 8**-0.5)

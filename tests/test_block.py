@@ -145,17 +145,17 @@ def test_opcheck(case):
 def test_gathered_block_matches_dense_fp64(monkeypatch, one_call, layout, is_causal, world_size):
     """A rank's queries against every rank's keys (the all-gather schedule's one attend): out, lse, dQ and the
     rank's share of the full-length dK/dV, whether the block runs as one masked call or in tiles."""
-    from cp_compile import layout as layouts
     from cp_compile.kinds import sdpa
     from cp_compile.kinds.base import GATHERED, Call, Units
+    from cp_compile.layout import layout_named
 
     if not one_call:
         monkeypatch.setattr(sdpa, "ONE_CALL_ENTRIES", 0)
     seq, scale = 8 * world_size, 0.37
     q, k, v, do, _ = inputs(seq, seq)
     for rank in range(world_size):
-        rows = layouts.positions(seq, rank, world_size, layout)
-        units, call = Units(rank, world_size, 1, GATHERED), Call("", is_causal, layout, scale, "")
+        rows = layout_named(layout).positions(seq, rank, world_size)
+        units, call = Units(rank, world_size, 1, GATHERED), Call("sdpa", ("",), is_causal, layout, scale, "")
         q_local = q[:, :, rows].contiguous()
         out, lse = sdpa.gathered_attn(q_local, k, v, units, call)
         dq, dk, dv = sdpa.gathered_attn_backward(

@@ -10,6 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cp_compile
+from cp_compile.compiler.expand import expand_cp_ops
+from cp_compile.compiler.order import schedule_listing
 from cp_compile.cost.model import (
     ESTIMATORS,
     MACHINES,
@@ -19,8 +21,6 @@ from cp_compile.cost.model import (
     estimate_all,
     pick,
 )
-from cp_compile.passes.expand import expand_cp_ops
-from cp_compile.passes.order import schedule_listing
 
 
 def workload(c=4, hq=32, hkv=8, s_local=4096, d=128, dtype=torch.bfloat16, causal=True, mesh=(), backward=True):
@@ -118,7 +118,7 @@ def test_calibration_gives_every_rank_the_same_profile(ranks):
 def packed_choice(lengths, window, hq, hkv, c=8, machine="cuda"):
     """(schedule, reason, estimates by name) of a packed site over documents of ``lengths``, from cu_seqlens."""
     from cp_compile.cost.masked import choose_masked, packed_facts
-    from cp_compile.layout import packed_local_len
+    from cp_compile.layout.packed import packed_local_len
 
     cu = torch.tensor([0] + lengths).cumsum(0).tolist()
     local = packed_local_len(cu, c)
@@ -197,7 +197,7 @@ def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
     from cp_compile.cost import masked
 
     cu = [0, 100, 130, 256]
-    local = cp_compile.layout.packed_local_len(cu, 4)
+    local = cp_compile.layout.packed.packed_local_len(cu, 4)
     given = masked.packed_facts(torch.tensor(cu, dtype=torch.int32), local, 4, (8, 0))
     assert "over 3 documents (cu_seqlens)" in given.source and given.tiles == masked.packed_tiles(cu, 4, 8, 0)
     compiled = masked.packed_facts(None, 64, 4, (8, 0))
@@ -208,7 +208,7 @@ def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
 def capture_sites(fn, args, plan):
     """Stage 1 only, on the graph Dynamo captures: the rewritten sites (the compiled function returns zeros,
     so nothing runs on the fake process group)."""
-    from cp_compile.passes.rewrite import CPOptions, rewrite_attention
+    from cp_compile.compiler.rewrite import CPOptions, rewrite_attention
 
     options = CPOptions(
         plan.group_name, plan.load_balance, plan.schedule, plan.mesh_groups, plan.machine, plan.sharded_masks
@@ -234,7 +234,7 @@ def test_explain_shows_masked_estimates(fake_group):
     from torch.nn.attention.varlen import varlen_attn
 
     from cp_compile import masks
-    from cp_compile.inspect import site_report
+    from cp_compile.compiler.explain import site_report
 
     c, _ = fake_group
     plan = cp_compile.ContextParallel()

@@ -79,8 +79,8 @@ def test_block_attn_on_device(device, dtype, mask, heads, head_dim):
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (7, 0), (5, 3)])
 def test_packed_tiles_on_device(device, dtype, window):
     """The packed tile kernel on every rank's slots in sequence order: causal, full and window tiles."""
-    from cp_compile import layout
     from cp_compile.kernels import tiles
+    from cp_compile.layout import packed
 
     lengths = [37, 5, 64, 1, 22]
     g = torch.Generator().manual_seed(7)
@@ -107,7 +107,7 @@ def test_packed_tiles_on_device(device, dtype, window):
     reference = per_document(q, k, v, do)
     low = [t.to(device, DTYPES[dtype]) for t in (q, k, v, do)]
     single = per_document(*low)
-    runs = layout.sequence_segments(cu)
+    runs = packed.sequence_segments(cu)
     plan = tiles.plan_tiles(runs, runs, *window)
     out, lse = tiles.tiles_attn(*low[:3], plan, 64**-0.5)
     grads = tiles.tiles_attn_backward(low[3], *low[:3], out, lse, None, plan, 64**-0.5)

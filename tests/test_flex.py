@@ -154,7 +154,7 @@ def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkp
     from torch.utils.checkpoint import checkpoint as ckpt
 
     import cp_compile
-    from cp_compile.inspect import site_report
+    from cp_compile.compiler.explain import site_report
 
     torch._dynamo.reset()
     counters.clear()
@@ -298,10 +298,11 @@ def test_schedule_choice_from_global_block_counts():
     from cp_compile import masks
     from cp_compile.cost.masked import MaskFacts, choose_masked
     from cp_compile.cost.model import MACHINES
-    from cp_compile.layout.blockmask import layout_perm, rank_tiles
+    from cp_compile.layout import layout_named
+    from cp_compile.layout.blockmask import rank_tiles
 
     c, seq = 4, 32
-    perm = layout_perm(seq, c, "zigzag")
+    perm = layout_named("zigzag").all_positions(seq, c)
     docs = masks.document(torch.arange(seq) // (2 * CHUNK))  # each document is two adjacent chunks
     chosen = {}
     for name, mod in {"documents": docs, "prefix-lm": masks.prefix_lm(seq // 2)}.items():
@@ -375,9 +376,9 @@ def test_expanded_flex_schedules(fake_group):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from cp_compile.compiler.expand import expand_cp_ops
+    from cp_compile.compiler.order import schedule_listing
     from cp_compile.kinds.flex import Mods, flex_options, register_mods
-    from cp_compile.passes.expand import expand_cp_ops
-    from cp_compile.passes.order import schedule_listing
 
     c, name = fake_group
     key = register_mods("test:none", Mods(None, None, 0))

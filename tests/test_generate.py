@@ -62,9 +62,9 @@ def test_cached_attention_matches_one_device(ranks, world_size, window):
 def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt):
     """The C shards of one layer (built in one process; placement needs no collective): a prompt prefilled by
     the packed layout, then 1-, 3- and 1-token appends. Every position lives on exactly one rank, in one slot."""
+    from cp_compile.inference.cache import CacheShard
     from cp_compile.kernels.masked import EMPTY_POSITION
-    from cp_compile.kv_cache import CacheShard
-    from cp_compile.layout import packed_slots, shard_packed
+    from cp_compile.layout.packed import packed_slots, shard_packed
 
     total = prompt + 5
     tokens = torch.randn(1, 2, total, 8)
@@ -95,9 +95,9 @@ def window_shard_steps(window: int, prompt: int, steps: list):
     rank's share lets the new tokens see, from a fixed number of slots."""
     import torch.distributed as dist
 
+    from cp_compile.inference.cache import CacheShard
     from cp_compile.kernels.masked import EMPTY_POSITION
-    from cp_compile.kv_cache import CacheShard
-    from cp_compile.layout import packed_slots, shard_packed
+    from cp_compile.layout.packed import packed_slots, shard_packed
     from cp_compile.plan import ContextParallel
 
     plan = ContextParallel()
@@ -388,7 +388,7 @@ def opcheck_cached():
     from cp_compile.plan import ContextParallel
 
     plan = ContextParallel()
-    from cp_compile.schedules.cached import cached_options
+    from cp_compile.inference.cached import cached_options
 
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     k_pos, q_pos = torch.tensor([0, 4, 2, 2**62, 1]), torch.tensor([4, 5, 6])

@@ -8,8 +8,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import cp_compile  # noqa: F401
-from cp_compile.passes.expand import expand_cp_ops
-from cp_compile.passes.order import overlap_edges, pin_overlap_order, schedule_listing
+from cp_compile.compiler.expand import expand_cp_ops
+from cp_compile.compiler.order import overlap_edges, pin_overlap_order, schedule_listing
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def hf_parity(arch: str, runs: list):
         ref_loss.backward()
 
         if packed:
-            real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+            real = cp_compile.layout.packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
             shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
             local_labels = torch.where(real, shard(labels), -100)  # padding slots stay out of the loss
             local_positions = plan.positions(cu_seqlens=cu)[None]

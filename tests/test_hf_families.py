@@ -138,9 +138,9 @@ def train_parity(family: str, mode: str, packed: bool) -> dict:
 
 
 def layout_real(plan, cu):
-    from cp_compile import layout
+    from cp_compile.layout import packed
 
-    return layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    return packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

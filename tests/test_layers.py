@@ -16,20 +16,19 @@ PACKAGE = pathlib.Path(cp_compile.__file__).parent
 # bottom to top; a module may import from its own layer or any layer below. ``tools`` holds the instruments
 # (commands, the local rank pool, the reference Llama, memory probes), above the library they measure.
 LAYERS = [
-    "errors", "torch_compat", "layout", "kernels", "comm", "kinds", "schedules", "cost", "passes", "api", "tools",
+    "errors", "torch_compat", "layout", "kernels", "comm", "kinds", "schedules", "cost", "compiler", "api", "tools",
     "__main__",
 ]  # fmt: skip
 API_MODULES = {
     "__init__",
-    "backend",
     "calibrate",
     "eager",
     "guard",
     "hf",
-    "inspect",
-    "kv_cache",
+    "inference",
     "masks",
     "plan",
+    "registration",
     "sac",
 }
 
@@ -140,10 +139,12 @@ def test_the_check_sees_a_cycle_and_an_upward_import():
     """The checks can fail: a planted cycle is found, and a kind importing a pass is upward."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-    assert LAYERS.index(_layer("cp_compile.passes.choose")) > LAYERS.index(_layer("cp_compile.kinds.flex"))
+    assert LAYERS.index(_layer("cp_compile.compiler.choose")) > LAYERS.index(_layer("cp_compile.kinds.flex"))
 
 
-@pytest.mark.parametrize("folder", ["kernels", "comm", "kinds", "schedules", "cost", "passes", "layout", "tools"])
+@pytest.mark.parametrize(
+    "folder", ["kernels", "comm", "kinds", "schedules", "cost", "compiler", "inference", "layout", "tools"]
+)
 def test_layers_are_folders(folder):
     assert (PACKAGE / folder / "__init__.py").is_file()
 

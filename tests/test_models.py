@@ -74,39 +74,39 @@ def test_families_cp_cannot_run_are_refused_in_training(rows, family):
 def test_sliding_windows_and_chunks_are_shorter_than_the_sequence():
     """The tiny configs keep what makes a family itself: windows and chunks that matter at 64 tokens, every layer
     type at least once, MLA's query/key head wider than its value head."""
-    from cp_compile.tools.bench import models
+    from cp_compile.tools.bench import model_configs
 
-    qwen2, _, _ = models.tiny_config("qwen2")
-    assert qwen2.layer_types == ["full_attention", "sliding_attention"] and qwen2.sliding_window < models.PROMPT
-    llama4, _, _ = models.tiny_config("llama4_text")
+    qwen2, _, _ = model_configs.tiny_config("qwen2")
+    assert qwen2.layer_types == ["full_attention", "sliding_attention"] and qwen2.sliding_window < model_configs.PROMPT
+    llama4, _, _ = model_configs.tiny_config("llama4_text")
     assert set(llama4.layer_types) == {"chunked_attention", "full_attention"}
-    assert llama4.attention_chunk_size < models.PROMPT
-    nemotron_h, _, _ = models.tiny_config("nemotron_h")
+    assert llama4.attention_chunk_size < model_configs.PROMPT
+    nemotron_h, _, _ = model_configs.tiny_config("nemotron_h")
     assert {"full_attention", "linear_attention"} <= set(nemotron_h.layer_types)
-    deepseek, _, _ = models.tiny_config("deepseek_v3")
+    deepseek, _, _ = model_configs.tiny_config("deepseek_v3")
     assert deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim != deepseek.v_head_dim
     assert (deepseek.hidden_size, deepseek.vocab_size, deepseek.attention_dropout) == (64, 128, 0.0)
 
 
 def test_skipped_families_say_why():
-    from cp_compile.tools.bench import models
+    from cp_compile.tools.bench import model_configs
 
-    assert "encoder-decoder" in models.skip_reason("bart")
-    assert "encoder" in models.skip_reason("bert")
-    assert "multimodal" in models.skip_reason("gemma3")
-    assert models.skip_reason("llama") is None
+    assert "encoder-decoder" in model_configs.skip_reason("bart")
+    assert "encoder" in model_configs.skip_reason("bert")
+    assert "multimodal" in model_configs.skip_reason("gemma3")
+    assert model_configs.skip_reason("llama") is None
 
 
 def test_outcome_classifies_cp_compile_errors():
     from cp_compile import UnsupportedAttention
-    from cp_compile.tools.bench import models
+    from cp_compile.tools.bench import model_run
 
-    assert models.outcome(UnsupportedAttention("no"))[0] == "refused"
+    assert model_run.outcome(UnsupportedAttention("no"))[0] == "refused"
     try:
         raise ValueError("not from cp_compile")
     except ValueError as e:
-        status, detail = models.outcome(e)
+        status, detail = model_run.outcome(e)
     assert status == "failed" and "test_models.py:" in detail
     wrapped = RuntimeError("wrapped")
     wrapped.__cause__ = UnsupportedAttention("inner")
-    assert models.outcome(wrapped) == ("refused", "UnsupportedAttention: inner")
+    assert model_run.outcome(wrapped) == ("refused", "UnsupportedAttention: inner")

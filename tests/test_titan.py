@@ -183,7 +183,7 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
     from torchtitan.models.common import attention as titan_attention
 
     import cp_compile
-    from cp_compile.passes.site import _example
+    from cp_compile.compiler.site import _example
 
     model = titan_llama("varlen")
     single = copy.deepcopy(model)  # as shipped: fp32 weights, bf16 attention
@@ -207,7 +207,7 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
 
     def cp_step(inputs, labels, positions, varlen_meta):
         cu = varlen_meta.cu_seq_q  # the global documents, as on one process
-        real = cp_compile.layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+        real = cp_compile.layout.packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
         local_inputs = plan.shard(inputs[0], 0, cu_seqlens=cu).unsqueeze(0)  # [1, local slots], padding 0
         local_labels = plan.shard(labels[0], 0, cu_seqlens=cu).masked_fill(~real, -100).unsqueeze(0)
         local_positions = plan.positions(cu_seqlens=cu).unsqueeze(0)  # position inside each document
@@ -251,7 +251,10 @@ def titan_varlen_case(splits=(LENGTHS, NEXT_LENGTHS), lr: float = 0.5):
         "sites": [(s.schedule, s.dtype) for s in report.sites],
         "local_lengths": [type(_example(r.sites[0].query).shape[0]).__name__ for r in backend.records],
         "slots": sorted(
-            {len(cp_compile.layout.packed_slots(packed_batch(lengths=x)[3].cu_seq_q, 0, 2)["pos"]) for x in splits}
+            {
+                len(cp_compile.layout.packed.packed_slots(packed_batch(lengths=x)[3].cu_seq_q, 0, 2)["pos"])
+                for x in splits
+            }
         ),
     }
 

@@ -7,7 +7,7 @@ from test_flex import mask_case, run_flex_eager
 from test_flex import reference as flex_reference
 from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference, per_document_reference_out
 
-from cp_compile import layout
+from cp_compile.layout import packed
 
 # ----------------------------------------------------------------------------
 # FlexAttention masks.
@@ -221,7 +221,7 @@ def run_packed_ulysses(lengths, hq, hkv, d, mesh=None):
         group, schedule = init_device_mesh("cpu", mesh, mesh_dim_names=("ring", "a2a")), "hybrid"
     plan = cp_compile.ContextParallel(group)
     q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
-    pad = ~layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    pad = ~packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
     results = []
     for window in WINDOWS:
         reference = per_document_reference(q, k, v, do, cu, window)

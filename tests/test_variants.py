@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import make_qkv, max_err, sdpa_with_grads
 
-from cp_compile import layout
+from cp_compile.layout import packed
 
 LENGTHS = [13, 1, 0, 3, 22, 5]  # lengths that do not divide by 2C, a zero-length and a one-token document
 # (window, chunk, softcap): what each family's layers ask for
@@ -82,7 +82,7 @@ def run_packed_variants(lengths, hq, hkv, d, dv, schedules):
             )
             out.backward(plan.shard(do, 0, cu_seqlens=cu))
             got = [out.detach()] + [t.grad for t in leaves]
-            real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+            real = packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
             errors[name, schedule] = max(
                 max_err(g[real], plan.shard(w, 0, cu_seqlens=cu)[real]) for g, w in zip(got, want)
             )

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from helpers import max_err
 
-from cp_compile import layout
+from cp_compile.layout import packed
 
 # Lengths that do not divide by 2C, a length-1 document, documents shorter than
 # 2C (some ranks hold only their padding), a zero-length document.
@@ -62,14 +62,14 @@ def per_document_reference(q, k, v, do, cu, window):
 def test_packed_layout_edge_cases(world_size):
     cu = torch.tensor([0, 13, 14, 14, 17, 39, 44], dtype=torch.int32)
     x = torch.arange(44 * 2).view(44, 2) + 1  # no zeros: padding is recognisable
-    shards = [layout.shard_packed(x, 0, cu, r, world_size) for r in range(world_size)]
+    shards = [packed.shard_packed(x, 0, cu, r, world_size) for r in range(world_size)]
     assert len({s.shape[0] for s in shards}) == 1  # every rank holds as many slots
-    assert shards[0].shape[0] == layout.packed_local_len(cu, world_size)
-    assert torch.equal(layout.unshard_packed(shards, 0, cu), x)
-    real = torch.cat([layout.packed_slots(cu, r, world_size)["real"] for r in range(world_size)])
+    assert shards[0].shape[0] == packed.packed_local_len(cu, world_size)
+    assert torch.equal(packed.unshard_packed(shards, 0, cu), x)
+    real = torch.cat([packed.packed_slots(cu, r, world_size)["real"] for r in range(world_size)])
     assert real.sum().item() == 44  # every real token exactly once
     for r, s in enumerate(shards):
-        slots = layout.packed_slots(cu, r, world_size)
+        slots = packed.packed_slots(cu, r, world_size)
         assert (s[~slots["real"]] == 0).all()
         # positions inside each document: exact, not rounded by 2C
         real = slots["real"]
@@ -80,7 +80,7 @@ def test_per_document_zigzag_chunks():
     # a 5-token document over C=2: 4 chunks of 2 slots (3 pad slots at the tail);
     # rank 0 holds chunks 0 and 3 (positions 0,1 and 6,7: padding), rank 1 chunks 1 and 2
     cu = [0, 5, 6]  # then a length-1 document: only rank 0 holds its token
-    zero, one = (layout.packed_slots(cu, r, 2) for r in (0, 1))
+    zero, one = (packed.packed_slots(cu, r, 2) for r in (0, 1))
     assert zero["pos"].tolist() == [0, 1, 6, 7, 0, 3] and zero["real"].tolist() == [1, 1, 0, 0, 1, 0]
     assert one["pos"].tolist() == [2, 3, 4, 5, 1, 2] and one["real"].tolist() == [1, 1, 1, 0, 0, 0]
     assert zero["index"].tolist() == [0, 1, -1, -1, 5, -1]
@@ -88,9 +88,9 @@ def test_per_document_zigzag_chunks():
 
 def test_bad_cu_seqlens_named():
     with pytest.raises(ValueError, match="cu_seqlens"):
-        layout.shard_packed(torch.zeros(5), 0, [0, 3, 2], 0, 2)
+        packed.shard_packed(torch.zeros(5), 0, [0, 3, 2], 0, 2)
     with pytest.raises(ValueError, match="cu_seqlens ends at 4"):
-        layout.shard_packed(torch.zeros(5), 0, [0, 4], 0, 2)
+        packed.shard_packed(torch.zeros(5), 0, [0, 4], 0, 2)
 
 
 # ----------------------------------------------------------------------------
@@ -103,8 +103,8 @@ def _tiles_case(lengths, world_size, window, q_ranks, k_runs_of):
 
     q, k, v, do, cu = packed_inputs(lengths, 4, 2, 8)
     out, dq, dk, dv = per_document_reference(q, k, v, do, cu, window)
-    slots = lambda t, ranks: torch.cat([layout.shard_packed(t, 0, cu, r, world_size) for r in ranks])  # noqa: E731
-    q_runs = layout.packed_segments(cu, q_ranks, world_size)
+    slots = lambda t, ranks: torch.cat([packed.shard_packed(t, 0, cu, r, world_size) for r in ranks])  # noqa: E731
+    q_runs = packed.packed_segments(cu, q_ranks, world_size)
     k_runs, k_all, v_all = k_runs_of(cu, k, v)
     plan = tiles.plan_tiles(q_runs, k_runs, *window)
     ql = slots(q, q_ranks)
@@ -120,7 +120,7 @@ def _tiles_case(lengths, world_size, window, q_ranks, k_runs_of):
 def test_tiles_in_sequence_order_equal_per_document_attention(world_size, window):
     # the all-gather's form: every key in global packed order, one run per document
     def sequence(cu, k, v):
-        return layout.sequence_segments(cu), k, v
+        return packed.sequence_segments(cu), k, v
 
     for rank in range(world_size):
         plan, (_, dk, dv), (ref_dk, ref_dv) = _tiles_case(LENGTHS, world_size, window, [rank], sequence)
@@ -138,12 +138,12 @@ def test_tiles_over_rank_ordered_chunks(window):
     ranks = list(range(c))
 
     def rank_order(cu, k, v):
-        slots = lambda t: torch.cat([layout.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
-        return layout.packed_segments(cu, ranks, c), slots(k), slots(v)
+        slots = lambda t: torch.cat([packed.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
+        return packed.packed_segments(cu, ranks, c), slots(k), slots(v)
 
     plan, (_, dk, dv), (ref_dk, ref_dv) = _tiles_case(LENGTHS, c, window, ranks, rank_order)
     cu = torch.tensor([0] + LENGTHS).cumsum(0)
-    slots = lambda t: torch.cat([layout.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
+    slots = lambda t: torch.cat([packed.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
     assert max_err(dk, slots(ref_dk)) < 1e-12 and max_err(dv, slots(ref_dv)) < 1e-12
     if window[0] < 0:
         assert all(t.kind != "band" for t in plan)  # causal or full: no math-path tile
@@ -153,16 +153,16 @@ def test_runs_cover_exactly_the_real_slots():
     cu = [0, 13, 14, 14, 17, 39, 44]
     for c in (1, 2, 3, 4):
         for r in range(c):
-            slots = layout.packed_slots(cu, r, c)
+            slots = packed.packed_slots(cu, r, c)
             covered = torch.zeros_like(slots["real"])
-            for run in layout.packed_segments(cu, [r], c):
+            for run in packed.packed_segments(cu, [r], c):
                 rows = slice(run.row, run.row + run.length)
                 assert (slots["doc"][rows] == run.doc).all()
                 assert (slots["pos"][rows] == torch.arange(run.pos, run.pos + run.length)).all()
                 covered[rows] = True
             assert (covered == slots["real"]).all()
-        perm = layout.sequence_permutation(cu, c)
-        index = torch.cat([layout.packed_slots(cu, r, c)["index"] for r in range(c)])[perm]
+        perm = packed.sequence_permutation(cu, c)
+        index = torch.cat([packed.packed_slots(cu, r, c)["index"] for r in range(c)])[perm]
         assert (index[: cu[-1]] == torch.arange(cu[-1])).all() and (index[cu[-1] :] == -1).all()
 
 
@@ -178,7 +178,7 @@ def run_packed(lengths, hq, hkv, d):
 
     plan = cp_compile.ContextParallel()
     q, k, v, do, cu = packed_inputs(lengths, hq, hkv, d)
-    slots = layout.packed_slots(cu, plan.rank, plan.world_size)
+    slots = packed.packed_slots(cu, plan.rank, plan.world_size)
     pad = ~slots["real"]
     results = []
     for schedule in ("allgather", "ring"):
@@ -242,7 +242,7 @@ def opcheck_packed_ops():
     name = dist.group.WORLD.group_name
     c = dist.get_world_size()
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
-    q, k, v, do = (layout.shard_packed(t, 0, cu, dist.get_rank(), c) for t in (q, k, v, do))
+    q, k, v, do = (packed.shard_packed(t, 0, cu, dist.get_rank(), c) for t in (q, k, v, do))
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     cases = []
     settings = (name, False, "contiguous", 0.4)
@@ -318,7 +318,7 @@ def compiled_varlen(inner: str):
     out.backward(plan.shard(do, 0, cu_seqlens=cu))
     errs = [max_err(out, plan.shard(ref_out.detach(), 0, cu_seqlens=cu))]
     # varlen_attn's lse is [H, T]; padding slots see nothing (-inf)
-    real = layout.packed_slots(cu, plan.rank, plan.world_size)["real"]
+    real = packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
     ref_lse = plan.shard(per_document_lse(q, k, cu, (2, 0)), 0, cu_seqlens=cu)
     lse_ok = (
         lse.dtype == torch.float32
@@ -328,7 +328,7 @@ def compiled_varlen(inner: str):
     )
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
     decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
-    from cp_compile.inspect import site_report
+    from cp_compile.compiler.explain import site_report
 
     reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
     # eager varlen_attention(schedule="auto") decides with the same function; given the facts a compiled
@@ -482,9 +482,9 @@ def test_packed_expansion_graph(fake_group, schedule):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from cp_compile.compiler.expand import expand_cp_ops
+    from cp_compile.compiler.order import pin_overlap_order
     from cp_compile.kinds.packed import packed_options
-    from cp_compile.passes.expand import expand_cp_ops
-    from cp_compile.passes.order import pin_overlap_order
 
     name, fc = fake_group, torch.ops._c10d_functional
     settings, kind = (name, False, "contiguous", 0.25), ("packed", packed_options(4, 0))
@@ -525,7 +525,7 @@ def mismatched_cu_seqlens():
 
     lengths = [5, 3] if dist.get_rank() == 0 else [6, 2]  # same total, same local slots: only cu differs
     q, k, v, _, cu = packed_inputs(lengths, 2, 2, 4)
-    q, k, v = (layout.shard_packed(t, 0, cu, dist.get_rank(), 2) for t in (q, k, v))
+    q, k, v = (packed.shard_packed(t, 0, cu, dist.get_rank(), 2) for t in (q, k, v))
     try:
         cp_compile.varlen_attention(q, k, v, cu, is_causal=True, schedule="ring")
     except ValueError as e:
@@ -545,7 +545,7 @@ def test_packed_cost_tiles_count_the_kernels_mask():
     from cp_compile.cost.masked import packed_tiles
 
     def visible_pairs(cu, r, j, c, left, right):
-        a, b = layout.packed_slots(cu, r, c), layout.packed_slots(cu, j, c)
+        a, b = packed.packed_slots(cu, r, c), packed.packed_slots(cu, j, c)
         behind = a["pos"][:, None] - b["pos"][None, :]
         mask = (a["doc"][:, None] == b["doc"][None, :]) & a["real"][:, None] & b["real"][None, :]
         if left >= 0:
@@ -556,7 +556,7 @@ def test_packed_cost_tiles_count_the_kernels_mask():
 
     for lengths, c in (([13, 1, 0, 3, 22, 5], 3), ([50, 7, 1, 33], 4), ([9, 17], 2), ([100], 4), ([0, 5], 1)):
         cu = torch.tensor([0] + lengths).cumsum(0).tolist()
-        local = layout.packed_local_len(cu, c)
+        local = packed.packed_local_len(cu, c)
         for window in WINDOWS + [(5, 0), (0, 0), (40, 3)]:
             tiles = packed_tiles(cu, c, *window)
             for r in range(c):
@@ -568,8 +568,8 @@ def test_packed_cost_tiles_count_the_kernels_mask():
 def test_varlen_with_other_key_documents_is_rejected_at_compile_time():
     from torch.nn.attention.varlen import varlen_attn
 
+    from cp_compile.compiler.rewrite import check_site, find_sites
     from cp_compile.errors import UnsupportedAttention
-    from cp_compile.passes.rewrite import check_site, find_sites
 
     def checking_backend(gm, example_inputs):
         for site in find_sites(gm):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import check_layout
+from ..layout import layout_named
 
 
 def check_heads(heads: int, world_size: int, what: str) -> None:
@@ -39,8 +39,7 @@ def _exchange(x: Tensor, group_name: str, world_size: int) -> Tensor:
 
 
 def _local_pieces(layout: str, world_size: int) -> int:
-    check_layout(layout)
-    return 2 if layout == "zigzag" and world_size > 1 else 1
+    return len(layout_named(layout).rank_chunks(0, world_size)) if world_size > 1 else 1
 
 
 def seq_to_heads(x: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:

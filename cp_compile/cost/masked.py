@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import check_cu_seqlens, packed_local_len
+from ..layout.packed import check_cu_seqlens, packed_local_len
 from .model import Estimate, Machine, Workload, decide, default_machine
 
 Tiles = tuple[tuple[float, ...], ...]

@@ -21,9 +21,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from ..inference.hf_cache import ShardedCache
 from ..plan import while_active
 from .attention import NAME, attention, mask
-from .cache import ShardedCache
 from .forward import model_call_checks
 from .generate import generate, sharded_prefill
 from .trainer import ContextParallelMixin

@@ -34,7 +34,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
 from ..errors import UnsupportedAttention
-from ..layout import positions as layout_positions
+from ..layout import layout_named
 from ..plan import active_plan, made_by
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
@@ -157,7 +157,9 @@ def _check_positions(model, plan, positions) -> None:
         wrong = plan.documents is None and not bool(
             (
                 positions
-                == layout_positions(local * plan.world_size, plan.rank, plan.world_size, "contiguous", positions.device)
+                == layout_named("contiguous").positions(
+                    local * plan.world_size, plan.rank, plan.world_size, positions.device
+                )
             ).all()
         )
         verdict = torch.tensor([int(wrong)])

@@ -21,11 +21,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ..comm.gather import gather_dim0
 from ..errors import UnsupportedAttention
 from ..guard import set_aside
+from ..inference.hf_cache import ShardedCache
 from ..kernels.masked import EMPTY_POSITION
-from ..layout import packed_slots
+from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
-from .cache import ShardedCache
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).

@@ -1,7 +1,7 @@
 """Packed attention as per-document tiles over contiguous runs of tokens.
 
 Packed tensors are ``[T, H, D]``; which rows hold which document positions
-is described by runs (``layout.Segment``: storage row, document, position,
+is described by runs (``layout.packed.Segment``: storage row, document, position,
 length), computed from ``cu_seqlens`` alone. A query run and a key run of the
 same document form a tile; the tile is trimmed to the rows that see some key
 and the columns some row sees, then given the cheapest kind that is exact:
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..layout import Segment
+from ..layout.packed import Segment
 from .block import (
     block_attn_backward_parts,
     block_attn_impl,

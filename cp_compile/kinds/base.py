@@ -44,13 +44,25 @@ WHOLE = -2
 
 @dataclass(frozen=True)
 class Call:
-    """The non-tensor arguments of one attention call; the same on every rank."""
+    """One attention call's non-tensor arguments, the same on every rank.
 
-    group_name: str  # every rank of the schedule (hybrid: the flattened mesh)
+    The one record of a call: the schedule ops' schemas carry its fields, and their fake and
+    autograd implementations, the expansion of a schedule, ``cp::attend`` and the kinds read it."""
+
+    kind: str  # the attention kind (``register_kind``): "sdpa", "flex", "packed"
+    groups: tuple[str, ...]  # the schedule's group first (hybrid: the flattened mesh, ring, all-to-all)
     is_causal: bool
     layout: str  # the plan's layout of the sequence shards
     scale: float
     options: str  # the kind's own settings, "key=value key=value"
+
+    @property
+    def group_name(self) -> str:
+        return self.groups[0]
+
+    def attend_args(self, step: int, a2a_size: int) -> tuple:
+        """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""
+        return (self.kind, step, self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
 
     def option(self, key: str) -> str:
         items = parse_options(self.options)
@@ -188,7 +200,7 @@ def attend(
     options: str,
 ) -> tuple[Tensor, Tensor]:
     """The queries of this rank's unit against the keys ``step`` names: (out, lse)."""
-    call = Call(group_name, is_causal, layout, scale, options)
+    call = Call(kind, (group_name,), is_causal, layout, scale, options)
     out, lse = kind_entry(kind).attend(q, k, v, list(extra), units_at(group_name, a2a_size, step), call)
     return out.contiguous(), lse.contiguous()
 
@@ -222,7 +234,7 @@ def attend_backward(
 
     At ``WHOLE`` (Ulysses) they leave in the inputs' dtype: the exchange back then moves no more
     bytes than the forward's, and no accumulator-dtype copy outlives the op."""
-    call = Call(group_name, is_causal, layout, scale, options)
+    call = Call(kind, (group_name,), is_causal, layout, scale, options)
     grads = kind_entry(kind).attend_backward(
         dout, q, k, v, out, lse, dlse, list(extra), units_at(group_name, a2a_size, step), call
     )

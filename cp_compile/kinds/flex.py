@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 from ..kernels.merge import acc_dtype, pivot
-from ..layout.blockmask import HEADER, MAGIC, layout_chunk, layout_perm, shard_info
+from ..layout import layout_named
+from ..layout.blockmask import HEADER, MAGIC, shard_info
 from ..torch_compat import flex_index_helpers
 from .base import Call, Kind, Units, register_kind
 
@@ -138,8 +139,9 @@ def _resolve(
             )
         perm, chunk = table[HEADER + local :], int(table[1])
     else:
-        perm = layout_perm(local * world_size, world_size, layout).to(q.device)
-        chunk = layout_chunk(local * world_size, world_size, layout)
+        balance = layout_named(layout)
+        perm = balance.all_positions(local * world_size, world_size).to(q.device)
+        chunk = balance.chunk(local * world_size, world_size)
     return MaskCall(mods, list(buffers), perm, local, chunk, mask_b, mask_h, scale)
 
 

@@ -1,7 +1,7 @@
 """Packed documents (THD, ``cu_seqlens``) under CP.
 
 Tensors are packed ``[T_local, H, D]``: this rank's slots under the
-per-document zigzag (``layout.packed_slots``): every document split into 2C
+per-document zigzag (``layout.packed.packed_slots``): every document split into 2C
 chunks on its own, rank r holding chunks r and 2C-1-r of each, padding at a
 document's tail. ``cu_seqlens`` is the *global* int32 tensor of real document
 lengths, the same on every rank, exactly what the model passes to
@@ -17,7 +17,7 @@ the window ``(left, right)`` (-1: unbounded; ``right = 0`` is causal), as in
 are never visible as keys.
 
 A call turns the slots of the queries' unit and of the keys' unit into runs
-of real tokens (``layout.packed_segments``; a unit's slots are its ranks' in
+of real tokens (``layout.packed.packed_segments``; a unit's slots are its ranks' in
 rank order, gathered keys are in global packed order so that each query chunk
 sees one contiguous range) and attends per document tile over strided views
 (``kernels.tiles``): fused kernels for full and causal tiles, the math path
@@ -41,7 +41,7 @@ from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..kernels.block import dense_like
 from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
-from ..layout import (
+from ..layout.packed import (
     Segment,
     check_cu_seqlens,
     packed_local_len,

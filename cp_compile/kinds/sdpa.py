@@ -38,7 +38,7 @@ from ..kernels.block import (
 )
 from ..kernels.masked import fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
-from ..layout import check_layout
+from ..layout import layout_named
 from .base import GATHERED, Call, Kind, Units, register_kind
 
 FULL, DIAGONAL, KV_FIRST_HALF, Q_SECOND_HALF, SKIP = "full", "diagonal", "kv_first_half", "q_second_half", "skip"
@@ -204,7 +204,7 @@ def check_sdpa_args(
     q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str, enable_gqa: bool
 ) -> None:
     """Local checks; identical inputs on every rank give identical verdicts."""
-    check_layout(layout)
+    layout_named(layout)
     check_block_args(q, k, v, "none")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")

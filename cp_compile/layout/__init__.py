@@ -1,206 +1,104 @@
-"""Load balancers: which global chunks of the sequence each rank holds.
+"""Load balances: which global tokens each rank holds, one class per balance.
 
-zigzag      the sequence is cut into 2C equal chunks and rank r holds chunks r
-            and 2C-1-r, concatenated. Under a causal mask every rank then has
-            the same amount of visible work at every ring step.
-contiguous  C equal chunks, rank r holds chunk r.
-packed      per-document zigzag for packed documents (THD with cu_seqlens), below.
+Every layout answers the same questions for a group of C ranks: the global
+``positions`` of a rank's tokens, a rank's ``shard`` of a global tensor, and
+the global tensor again from every rank's shard (``unshard``).
+``ContextParallel`` holds one and asks it; op schemas carry a layout by its
+``name``, and ``layout_named`` gives the object back.
+
+``Zigzag``      the sequence is cut into 2C equal chunks and rank r holds chunks r
+                and 2C-1-r, concatenated. Under a causal mask every rank then has
+                the same amount of visible work at every ring step.
+``Contiguous``  C equal chunks, rank r holds chunk r.
+``Packed``      per-document zigzag for packed documents (``layout.packed``).
+``Balanced``    a BlockMask's blocks dealt by their visible work (``layout.blockmask``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
+
+class Layout:
+    """One load balance: where each of a sequence's tokens lives among C ranks."""
+
+    name: str
+
+    def positions(self, seq_len: int, rank: int, world_size: int, device=None) -> Tensor:
+        """Global positions (LongTensor) of ``rank``'s tokens of a ``seq_len``-token sequence, in local order."""
+        raise NotImplementedError
+
+    def chunk(self, seq_len: int, world_size: int) -> int:
+        """Tokens per run of consecutive global positions that a rank holds: the granularity of skipped work."""
+        raise NotImplementedError
+
+    def all_positions(self, seq_len: int, world_size: int) -> Tensor:
+        """Global positions of every rank's tokens, in rank order then local order."""
+        return torch.cat([self.positions(seq_len, r, world_size) for r in range(world_size)])
+
+    def shard(self, x: Tensor, seq_dim: int, rank: int, world_size: int) -> Tensor:
+        index = self.positions(x.shape[seq_dim], rank, world_size, x.device)
+        return x.index_select(seq_dim, index).contiguous()
+
+    def unshard(self, shards: list[Tensor], seq_dim: int) -> Tensor:
+        """The global tensor from every rank's shard (in rank order)."""
+        gathered = torch.cat(shards, dim=seq_dim)
+        perm = self.all_positions(gathered.shape[seq_dim], len(shards)).to(gathered.device)
+        return torch.empty_like(gathered).index_copy_(seq_dim, perm, gathered)
+
+
+class Chunked(Layout):
+    """The sequence cut into equal chunks, each rank holding the chunks ``rank_chunks`` names."""
+
+    def num_chunks(self, world_size: int) -> int:
+        raise NotImplementedError
+
+    def rank_chunks(self, rank: int, world_size: int) -> list[int]:
+        """Global chunk indices held by ``rank``, in local order."""
+        raise NotImplementedError
+
+    def chunk(self, seq_len: int, world_size: int) -> int:
+        n = self.num_chunks(world_size)
+        if seq_len % n:
+            raise ValueError(
+                f"sequence length {seq_len} does not split into {n} equal chunks "
+                f"({self.name} layout over C={world_size} ranks needs a multiple of {n}); pad the sequence"
+            )
+        return seq_len // n
+
+    def positions(self, seq_len: int, rank: int, world_size: int, device=None) -> Tensor:
+        length = self.chunk(seq_len, world_size)
+        starts = torch.tensor(self.rank_chunks(rank, world_size), device=device) * length
+        return (starts.view(-1, 1) + torch.arange(length, device=device)).flatten()
+
+
+class Zigzag(Chunked):
+    name = "zigzag"
+
+    def num_chunks(self, world_size: int) -> int:
+        return 2 * world_size
+
+    def rank_chunks(self, rank: int, world_size: int) -> list[int]:
+        return [rank, 2 * world_size - 1 - rank]
+
+
+class Contiguous(Chunked):
+    name = "contiguous"
+
+    def num_chunks(self, world_size: int) -> int:
+        return world_size
+
+    def rank_chunks(self, rank: int, world_size: int) -> list[int]:
+        return [rank]
+
+
 LOAD_BALANCERS = ("zigzag", "contiguous")
+_NAMED: dict[str, Chunked] = {"zigzag": Zigzag(), "contiguous": Contiguous()}
 
 
-def check_layout(layout: str) -> None:
-    if layout not in LOAD_BALANCERS:
-        raise ValueError(f"unknown load balancer {layout!r}; expected one of {LOAD_BALANCERS}")
-
-
-def num_chunks(world_size: int, layout: str) -> int:
-    check_layout(layout)
-    return 2 * world_size if layout == "zigzag" else world_size
-
-
-def rank_chunks(rank: int, world_size: int, layout: str) -> list[int]:
-    """Global chunk indices held by ``rank``, in local order."""
-    check_layout(layout)
-    return [rank, 2 * world_size - 1 - rank] if layout == "zigzag" else [rank]
-
-
-def chunk_length(seq_len: int, world_size: int, layout: str) -> int:
-    n = num_chunks(world_size, layout)
-    if seq_len % n:
-        raise ValueError(
-            f"sequence length {seq_len} does not split into {n} equal chunks "
-            f"({layout} layout over C={world_size} ranks needs a multiple of {n}); pad the sequence"
-        )
-    return seq_len // n
-
-
-def shard(x: Tensor, seq_dim: int, rank: int, world_size: int, layout: str) -> Tensor:
-    length = chunk_length(x.shape[seq_dim], world_size, layout)
-    parts = [x.narrow(seq_dim, c * length, length) for c in rank_chunks(rank, world_size, layout)]
-    return torch.cat(parts, dim=seq_dim).contiguous()
-
-
-def unshard(shards: list[Tensor], seq_dim: int, layout: str) -> Tensor:
-    """Reassemble the global tensor from every rank's shard (in rank order)."""
-    world_size = len(shards)
-    n_local = len(rank_chunks(0, world_size, layout))
-    chunks: list = [None] * num_chunks(world_size, layout)
-    for rank, local in enumerate(shards):
-        for piece, c in zip(local.chunk(n_local, dim=seq_dim), rank_chunks(rank, world_size, layout)):
-            chunks[c] = piece
-    return torch.cat(chunks, dim=seq_dim)
-
-
-def positions(seq_len: int, rank: int, world_size: int, layout: str, device=None) -> Tensor:
-    return shard(torch.arange(seq_len, device=device), 0, rank, world_size, layout)
-
-
-# ----------------------------------------------------------------------------
-# Packed documents (THD with cu_seqlens): per-document zigzag.
-#
-# Every document of length n is split on its own into 2C chunks of
-# ceil(n / 2C) slots (the tail of the last chunks is padding) and rank r holds
-# chunks r and 2C-1-r of every document, document after document. Every rank
-# then holds the same number of slots, and causal work is balanced within
-# each document. Lengths are computed exactly from cu_seqlens; a document
-# shorter than 2C leaves some ranks only padding, a zero-length one nothing.
-# ----------------------------------------------------------------------------
-
-
-def check_cu_seqlens(cu_seqlens, total: int | None = None) -> list[int]:
-    """cu_seqlens as a list of ints, validated (starts at 0, never decreases, ends at ``total``)."""
-    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {cu}")
-    if total is not None and cu[-1] != total:
-        raise ValueError(f"cu_seqlens ends at {cu[-1]} but the packed sequence has {total} tokens")
-    return cu
-
-
-def packed_slots(cu_seqlens, rank: int, world_size: int) -> dict[str, Tensor]:
-    """Per local slot of ``rank``: document id, position in the document, whether it
-    is a real token, and its index in the packed global sequence (-1 for padding)."""
-    cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int64)
-    n = cu[1:] - cu[:-1]
-    two_c = 2 * world_size
-    chunk = (n + two_c - 1) // two_c  # exact ceil in integers: lengths need not divide by 2C
-    doc = torch.repeat_interleave(torch.arange(len(n)), 2 * chunk)
-    first_slot = torch.cumsum(2 * chunk, 0) - 2 * chunk
-    s = torch.arange(doc.numel()) - first_slot[doc]
-    c = chunk[doc]
-    second = s >= c
-    global_chunk = torch.where(second, two_c - 1 - rank, rank)
-    pos = global_chunk * c + s - torch.where(second, c, 0)
-    real = pos < n[doc]
-    index = torch.where(real, cu[:-1][doc] + pos, -1)
-    return {"doc": doc, "pos": pos, "real": real, "index": index}
-
-
-def packed_local_len(cu_seqlens, world_size: int) -> int:
-    cu = check_cu_seqlens(cu_seqlens)
-    two_c = 2 * world_size
-    return sum(2 * ((b - a + two_c - 1) // two_c) for a, b in zip(cu, cu[1:]))
-
-
-def shard_packed(x: Tensor, seq_dim: int, cu_seqlens, rank: int, world_size: int) -> Tensor:
-    """This rank's slots of packed ``x``; padding slots are zero."""
-    cu = check_cu_seqlens(cu_seqlens, x.shape[seq_dim])
-    slots = packed_slots(cu, rank, world_size)
-    index = slots["index"].clamp(min=0).to(x.device)
-    local = x.index_select(seq_dim, index)
-    shape = [1] * x.dim()
-    shape[seq_dim] = -1
-    return local * slots["real"].to(x.device).view(shape) if local.numel() else local
-
-
-def unshard_packed(shards: list[Tensor], seq_dim: int, cu_seqlens) -> Tensor:
-    """The packed global tensor, without padding, from every rank's slots (in rank order)."""
-    cu = check_cu_seqlens(cu_seqlens)
-    world_size = len(shards)
-    shape = list(shards[0].shape)
-    shape[seq_dim] = cu[-1]
-    out = shards[0].new_zeros(shape)
-    for rank, local in enumerate(shards):
-        slots = packed_slots(cu, rank, world_size)
-        keep = slots["real"].nonzero().flatten().to(local.device)
-        out.index_copy_(seq_dim, slots["index"][slots["real"]].to(local.device), local.index_select(seq_dim, keep))
-    return out
-
-
-class Segment(NamedTuple):
-    """A run of real tokens contiguous both in storage and inside one document."""
-
-    row: int  # storage row of the run's first token
-    doc: int
-    pos: int  # position in the document of that token
-    length: int
-
-
-@functools.lru_cache(maxsize=256)
-def _packed_segments(cu: tuple[int, ...], ranks: tuple[int, ...], world_size: int) -> tuple[Segment, ...]:
-    two_c = 2 * world_size
-    runs: list[Segment] = []
-    row = 0
-    for rank in ranks:
-        for doc, (start, stop) in enumerate(zip(cu, cu[1:])):
-            n = stop - start
-            chunk = (n + two_c - 1) // two_c
-            for c in (rank, two_c - 1 - rank):
-                real = max(0, min(chunk, n - c * chunk))
-                if real:
-                    last = runs[-1] if runs else None
-                    if (
-                        last
-                        and last.doc == doc
-                        and last.row + last.length == row
-                        and last.pos + last.length == c * chunk
-                    ):
-                        runs[-1] = last._replace(length=last.length + real)
-                    else:
-                        runs.append(Segment(row, doc, c * chunk, real))
-                row += chunk
-    return tuple(runs)
-
-
-def packed_segments(cu_seqlens, ranks, world_size: int) -> tuple[Segment, ...]:
-    """The real tokens of the slots of ``ranks`` concatenated in that order, as runs.
-
-    A rank's real tokens of one document are always one prefix of its slots
-    for that document (chunk r ends in padding only when chunk 2C-1-r is all
-    padding), so a document gives at most two runs per rank, and one when its
-    two chunks are adjacent in the document (C = 1).
-    """
-    return _packed_segments(tuple(check_cu_seqlens(cu_seqlens)), tuple(ranks), world_size)
-
-
-def sequence_segments(cu_seqlens) -> tuple[Segment, ...]:
-    """One run per non-empty document of a tensor in global packed order."""
-    cu = check_cu_seqlens(cu_seqlens)
-    return tuple(Segment(a, d, 0, b - a) for d, (a, b) in enumerate(zip(cu, cu[1:])) if b > a)
-
-
-def sequence_permutation(cu_seqlens, world_size: int) -> Tensor:
-    """Rows of the rank-order concatenation of every rank's slots, real tokens in global
-    packed order first, then the padding slots: ``all_slots[perm]`` puts document d's
-    tokens at rows ``cu[d]:cu[d+1]``."""
-    cu = check_cu_seqlens(cu_seqlens)
-    real, padding = [], []
-    row = 0
-    for rank in range(world_size):
-        slots = packed_slots(cu, rank, world_size)
-        rows = torch.arange(row, row + slots["real"].numel())
-        real.append(torch.stack([slots["index"][slots["real"]], rows[slots["real"]]]))
-        padding.append(rows[~slots["real"]])
-        row += slots["real"].numel()
-    index, rows = torch.cat(real, 1)
-    return torch.cat([rows[index.argsort()], *padding])
+def layout_named(name: str) -> Chunked:
+    """The load balance a plan or an op names (``zigzag`` or ``contiguous``)."""
+    if name not in _NAMED:
+        raise ValueError(f"unknown load balancer {name!r}; expected one of {LOAD_BALANCERS}")
+    return _NAMED[name]

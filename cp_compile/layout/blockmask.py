@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .. import layout as _layout
+from . import Layout
 
 MAGIC = 0x43504D4B  # marks a table made here ("CPMK")
 HEADER = 2
@@ -41,15 +41,6 @@ class ShardInfo:
     chunk: int  # tokens per layout chunk: the granularity of skipped work
     # tiles[r][j]: fraction of (query of rank r, key of rank j) pairs in visible blocks (global block counts)
     tiles: tuple
-
-
-def layout_perm(seq_len: int, world_size: int, layout: str) -> Tensor:
-    """Global positions of every rank's tokens, in rank order then local order."""
-    return torch.cat([_layout.positions(seq_len, r, world_size, layout) for r in range(world_size)])
-
-
-def layout_chunk(seq_len: int, world_size: int, layout: str) -> int:
-    return _layout.chunk_length(seq_len, world_size, layout)
 
 
 def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> tuple[tuple[float, ...], ...]:
@@ -103,20 +94,33 @@ def shard_info(block_mask) -> ShardInfo | None:
 
 
 @dataclass(frozen=True)
-class BalancedLayout:
-    """Rank r holds ``perm[r * S_local:(r + 1) * S_local]`` (global positions, ascending)."""
+class Balanced(Layout):
+    """Rank r holds ``perm[r * S_local:(r + 1) * S_local]`` (global positions, ascending): a BlockMask's
+    query blocks dealt by ``balance_blocks``, for that mask's length and C only."""
 
     perm: Tensor
     world_size: int
-    chunk: int
+    block: int  # tokens per block
     loads: list  # visible blocks per rank
+    name = "balanced"
 
-    def positions(self, rank: int) -> Tensor:
-        local = self.perm.numel() // self.world_size
-        return self.perm[rank * local : (rank + 1) * local]
+    def all_positions(self, seq_len: int, world_size: int) -> Tensor:
+        if seq_len != self.perm.numel() or world_size != self.world_size:
+            raise ValueError(
+                f"the plan balances a {self.perm.numel()}-token mask over C={self.world_size}; "
+                f"got {seq_len} tokens over C={world_size}"
+            )
+        return self.perm
+
+    def positions(self, seq_len: int, rank: int, world_size: int, device=None) -> Tensor:
+        local = seq_len // world_size
+        return self.all_positions(seq_len, world_size)[rank * local : (rank + 1) * local].to(device)
+
+    def chunk(self, seq_len: int, world_size: int) -> int:
+        return self.block
 
 
-def balance_blocks(block_mask: BlockMask, world_size: int) -> BalancedLayout:
+def balance_blocks(block_mask: BlockMask, world_size: int) -> Balanced:
     """Give every rank the same number of query blocks and about the same number of visible blocks.
 
     A query block's work is its visible key blocks (full + partial, over batch
@@ -150,4 +154,4 @@ def balance_blocks(block_mask: BlockMask, world_size: int) -> BalancedLayout:
         loads[rank] += work[block]
     starts = torch.tensor([b for blocks in owned for b in sorted(blocks)]) * bq
     perm = (starts.view(-1, 1) + torch.arange(bq)).flatten()
-    return BalancedLayout(perm, world_size, bq, loads)
+    return Balanced(perm, world_size, bq, loads)

@@ -3,15 +3,13 @@
 Each module is one schedule: plain Python over ``cp::attend`` and the comm ops
 that the eager whole op runs and the compiler traces, defined as a whole op
 pair by ``whole.sequence_schedule`` or ``whole.heads_schedule``. A new schedule
-is one module here, imported below, plus its name in ``SCHEDULES`` (and the
+is one module here, imported by ``cp_compile.registration``, plus its name in ``SCHEDULES`` (and the
 cost model's estimate in ``cost.model``, and its group arguments in
 ``whole_op``).
 
-``cached`` is the one schedule outside that family: queries every rank holds
-against a KV cache sharded over the ranks (generation after a sharded prefill).
+The decode schedule outside that family (queries every rank holds against a KV
+cache sharded over the ranks) is ``cp_compile.inference.cached``.
 """
-
-from . import allgather, cached, hybrid, ring, ulysses  # noqa: F401  (registration)
 
 SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
 HEAD_SCHEDULES = ("ulysses", "hybrid")

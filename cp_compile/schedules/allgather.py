@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kinds.base import GATHERED, kind_entry
-from .whole import Setting, sequence_schedule
+from ..kinds.base import GATHERED, Call, kind_entry
+from .whole import sequence_schedule
 
 
 def _both(exchange, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -34,21 +34,21 @@ def _both(exchange, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return both[..., : a.shape[-1]].contiguous(), both[..., a.shape[-1] :].contiguous()
 
 
-def allgather_forward(q, k, v, extra: list, s: Setting, world_size: int, enable_gqa: bool):
-    kind = kind_entry(s.kind)
-    kind.start(q, k, v, extra, s.call, world_size, enable_gqa, f"allgather gqa={enable_gqa}")
-    k_all, v_all = _both(lambda t: kind.gather(t, extra, s.call, world_size), k, v)
-    return torch.ops.cp.attend(q, k_all, v_all, extra, *s.attend_args(GATHERED, 1))
+def allgather_forward(q, k, v, extra: list, call: Call, world_size: int, enable_gqa: bool):
+    kind = kind_entry(call.kind)
+    kind.start(q, k, v, extra, call, world_size, enable_gqa, f"allgather gqa={enable_gqa}")
+    k_all, v_all = _both(lambda t: kind.gather(t, extra, call, world_size), k, v)
+    return torch.ops.cp.attend(q, k_all, v_all, extra, *call.attend_args(GATHERED, 1))
 
 
-def allgather_backward(dout, q, k, v, out, lse, dlse, extra: list, s: Setting, world_size: int):
-    kind = kind_entry(s.kind)
-    k_all, v_all = _both(lambda t: kind.gather(t, extra, s.call, world_size), k, v)
+def allgather_backward(dout, q, k, v, out, lse, dlse, extra: list, call: Call, world_size: int):
+    kind = kind_entry(call.kind)
+    k_all, v_all = _both(lambda t: kind.gather(t, extra, call, world_size), k, v)
     dq, dk_all, dv_all = torch.ops.cp.attend_backward(
-        dout, q, k_all, v_all, out, lse, dlse, extra, *s.attend_args(GATHERED, 1)
+        dout, q, k_all, v_all, out, lse, dlse, extra, *call.attend_args(GATHERED, 1)
     )
     del k_all, v_all
-    dk, dv = _both(lambda t: kind.scatter(t, extra, s.call, world_size), dk_all, dv_all)
+    dk, dv = _both(lambda t: kind.scatter(t, extra, call, world_size), dk_all, dv_all)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

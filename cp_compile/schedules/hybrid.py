@@ -32,17 +32,17 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..comm.exchange import check_heads
-from ..kinds.base import kind_entry
+from ..kinds.base import Call, kind_entry
 from .ring import ring_over_units, ring_over_units_backward
 from .ulysses import exchange_backward, exchange_forward
-from .whole import Setting, heads_schedule, world_size_of
+from .whole import heads_schedule, world_size_of
 
 
-def hybrid_forward(q, k, v, extra: list, s: Setting, enable_gqa: bool) -> tuple[Tensor, ...]:
+def hybrid_forward(q, k, v, extra: list, call: Call, enable_gqa: bool) -> tuple[Tensor, ...]:
     """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward keeps."""
-    _, ring_group, a2a_group = s.groups
-    kind, rings, a2a = kind_entry(s.kind), world_size_of(ring_group), world_size_of(a2a_group)
-    kind.start(q, k, v, extra, s.call, rings * a2a, enable_gqa, f"hybrid ring={rings} a2a={a2a} gqa={enable_gqa}")
+    _, ring_group, a2a_group = call.groups
+    kind, rings, a2a = kind_entry(call.kind), world_size_of(ring_group), world_size_of(a2a_group)
+    kind.start(q, k, v, extra, call, rings * a2a, enable_gqa, f"hybrid ring={rings} a2a={a2a} gqa={enable_gqa}")
     check_heads(q.shape[1], a2a, "the query")
     return exchange_forward(
         q,
@@ -50,22 +50,22 @@ def hybrid_forward(q, k, v, extra: list, s: Setting, enable_gqa: bool) -> tuple[
         v,
         a2a_group,
         a2a,
-        kind.exchange_layout(s.layout),
-        lambda qh, kh, vh: ring_over_units(qh, kh, vh, extra, s, ring_group, a2a),
+        kind.exchange_layout(call.layout),
+        lambda qh, kh, vh: ring_over_units(qh, kh, vh, extra, call, ring_group, a2a),
     )
 
 
-def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Setting, kv_heads: int):
+def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Call, kv_heads: int):
     """The ring's backward on the kept head-sharded tensors; only dout (dlse) in and dq, dk, dv out
     cross the all-to-all group."""
-    _, ring_group, a2a_group = s.groups
+    _, ring_group, a2a_group = call.groups
     a2a = world_size_of(a2a_group)
 
     def attend_backward(dout_h, dlse_h):  # in the inputs' dtype, as the ring's backward returns them
-        return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, s, ring_group, a2a)
+        return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, call, ring_group, a2a)
 
     return exchange_backward(
-        dout, dlse, a2a_group, a2a, kind_entry(s.kind).exchange_layout(s.layout), kv_heads, attend_backward
+        dout, dlse, a2a_group, a2a, kind_entry(call.kind).exchange_layout(call.layout), kv_heads, attend_backward
     )
 
 

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from ..comm import TAG_DKV, TAG_KV, first_hop_buffers, wait
 from ..kernels.merge import acc_dtype, start_accumulator
-from ..kinds.base import kind_entry
-from .whole import Setting, sequence_schedule, world_size_of
+from ..kinds.base import Call, kind_entry
+from .whole import sequence_schedule, world_size_of
 
 
 class RingHops:
@@ -154,13 +154,13 @@ def ring_pass_backward(
 
 
 def ring_over_units(
-    q: Tensor, k: Tensor, v: Tensor, extra: list, s: Setting, ring_group: str, a2a_size: int
+    q: Tensor, k: Tensor, v: Tensor, extra: list, call: Call, ring_group: str, a2a_size: int
 ) -> tuple[Tensor, Tensor]:
     """The ring's forward over ``ring_group``, each step one ``cp::attend`` with units of ``a2a_size`` ranks."""
     packed = q.dim() == 3  # [T, H, D] merges as a batch of one: cp::merge_ takes [B, H, S, D]
 
     def attend(step, k_block, v_block):
-        out, lse = torch.ops.cp.attend(q, k_block, v_block, extra, *s.attend_args(step, a2a_size))
+        out, lse = torch.ops.cp.attend(q, k_block, v_block, extra, *call.attend_args(step, a2a_size))
         return (out.unsqueeze(0), lse.unsqueeze(0)) if packed else (out, lse)
 
     out, lse = ring_pass_forward(q, k, v, attend, world_size=world_size_of(ring_group), hops=RingHops(ring_group))
@@ -170,13 +170,13 @@ def ring_over_units(
 
 
 def ring_over_units_backward(
-    dout, q, k, v, out, lse, dlse, extra: list, s: Setting, ring_group: str, a2a_size: int
+    dout, q, k, v, out, lse, dlse, extra: list, call: Call, ring_group: str, a2a_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The mirror of ``ring_over_units``: K/V travel again, each block's dK/dV so far riding along."""
 
     def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
         return torch.ops.cp.attend_backward(
-            dout, q, k_block, v_block, out, lse, dlse, extra, *s.attend_args(step, a2a_size)
+            dout, q, k_block, v_block, out, lse, dlse, extra, *call.attend_args(step, a2a_size)
         )
 
     dq, dk, dv = ring_pass_backward(
@@ -187,18 +187,18 @@ def ring_over_units_backward(
         world_size=world_size_of(ring_group),
         hops=RingHops(ring_group),
         q_side=(dout, q, out, lse, dlse),
-        split_heads=kind_entry(s.kind).split_heads,
+        split_heads=kind_entry(call.kind).split_heads,
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def ring_forward(q, k, v, extra: list, s: Setting, world_size: int, enable_gqa: bool):
-    kind_entry(s.kind).start(q, k, v, extra, s.call, world_size, enable_gqa, f"ring gqa={enable_gqa}")
-    return ring_over_units(q, k, v, extra, s, s.group_name, 1)
+def ring_forward(q, k, v, extra: list, call: Call, world_size: int, enable_gqa: bool):
+    kind_entry(call.kind).start(q, k, v, extra, call, world_size, enable_gqa, f"ring gqa={enable_gqa}")
+    return ring_over_units(q, k, v, extra, call, call.group_name, 1)
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, extra: list, s: Setting, world_size: int):
-    return ring_over_units_backward(dout, q, k, v, out, lse, dlse, extra, s, s.group_name, 1)
+def ring_backward(dout, q, k, v, out, lse, dlse, extra: list, call: Call, world_size: int):
+    return ring_over_units_backward(dout, q, k, v, out, lse, dlse, extra, call, call.group_name, 1)
 
 
 ring_attention_op = sequence_schedule("ring", ring_forward, ring_backward)

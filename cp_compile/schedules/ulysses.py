@@ -34,8 +34,8 @@ from torch import Tensor
 
 from ..comm.exchange import check_heads, heads_to_seq, replicate_kv_heads, seq_to_heads
 from ..kernels.merge import acc_dtype
-from ..kinds.base import WHOLE, kind_entry
-from .whole import Setting, heads_schedule, world_size_of
+from ..kinds.base import WHOLE, Call, kind_entry
+from .whole import heads_schedule, world_size_of
 
 
 def exchange_forward(
@@ -81,29 +81,28 @@ def exchange_backward(
     return dq, dk, dv
 
 
-def ulysses_forward(q, k, v, extra: list, s: Setting, enable_gqa: bool) -> tuple[Tensor, ...]:
+def ulysses_forward(q, k, v, extra: list, call: Call, enable_gqa: bool) -> tuple[Tensor, ...]:
     """(out, lse) sequence-sharded, then the head-sharded (q, k, v, out, lse) the backward needs."""
-    kind, world_size = kind_entry(s.kind), world_size_of(s.group_name)
-    kind.start(q, k, v, extra, s.call, world_size, enable_gqa, f"ulysses gqa={enable_gqa}")
+    kind, world_size = kind_entry(call.kind), world_size_of(call.group_name)
+    kind.start(q, k, v, extra, call, world_size, enable_gqa, f"ulysses gqa={enable_gqa}")
     check_heads(q.shape[1], world_size, "the query")
 
     def attend(qh, kh, vh):
-        return torch.ops.cp.attend(qh, kh, vh, extra, *s.attend_args(WHOLE, world_size))
+        return torch.ops.cp.attend(qh, kh, vh, extra, *call.attend_args(WHOLE, world_size))
 
-    return exchange_forward(q, k, v, s.group_name, world_size, kind.exchange_layout(s.layout), attend)
+    return exchange_forward(q, k, v, call.group_name, world_size, kind.exchange_layout(call.layout), attend)
 
 
-def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, s: Setting, kv_heads: int):
-    world_size = world_size_of(s.group_name)
+def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Call, kv_heads: int):
+    world_size = world_size_of(call.group_name)
 
     def attend_backward(dout_h, dlse_h):
         return torch.ops.cp.attend_backward(
-            dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, *s.attend_args(WHOLE, world_size)
+            dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, *call.attend_args(WHOLE, world_size)
         )
 
-    return exchange_backward(
-        dout, dlse, s.group_name, world_size, kind_entry(s.kind).exchange_layout(s.layout), kv_heads, attend_backward
-    )
+    layout = kind_entry(call.kind).exchange_layout(call.layout)
+    return exchange_backward(dout, dlse, call.group_name, world_size, layout, kv_heads, attend_backward)
 
 
 ulysses_attention_op = heads_schedule("ulysses", ("group_name",), 0, ulysses_forward, ulysses_backward)

@@ -28,7 +28,6 @@ The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -40,30 +39,6 @@ from .registry import Traceable, register_schedule
 
 _SETTINGS = "bool is_causal, str layout, float scale"
 _KIND = "str kind, str options"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """The non-tensor arguments of one schedule call; the same on every rank."""
-
-    groups: tuple[str, ...]  # the schedule's group first (hybrid: flattened, ring, all-to-all)
-    is_causal: bool
-    layout: str
-    scale: float
-    kind: str
-    options: str
-
-    @property
-    def group_name(self) -> str:
-        return self.groups[0]
-
-    @property
-    def call(self) -> Call:
-        return Call(self.group_name, self.is_causal, self.layout, self.scale, self.options)
-
-    def attend_args(self, step: int, a2a_size: int) -> tuple:
-        """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""
-        return (self.kind, step, self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
 
 
 def world_size_of(group_name: str) -> int:
@@ -136,19 +111,19 @@ def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Ca
 def sequence_schedule(name: str, forward: Callable, backward: Callable):
     """Define ``cp::<name>_attention`` (+ ``_backward``) over the schedule's functions
 
-    ``forward(q, k, v, extra, setting, world_size, enable_gqa) -> (out, lse)`` and
-    ``backward(dout, q, k, v, out, lse, dlse, extra, setting, world_size) -> (dq, dk, dv)``;
+    ``forward(q, k, v, extra, call, world_size, enable_gqa) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, dlse, extra, call, world_size) -> (dq, dk, dv)``;
     returns the forward op.
     """
 
     def forward_impl(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
-        s = Setting((group_name,), is_causal, layout, scale, kind, options)
-        out, lse = forward(q, k, v, list(extra), s, world_size_of(group_name), enable_gqa)
+        call = Call(kind, (group_name,), is_causal, layout, scale, options)
+        out, lse = forward(q, k, v, list(extra), call, world_size_of(group_name), enable_gqa)
         return out.contiguous(), lse.contiguous()
 
     def backward_impl(dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options):
-        s = Setting((group_name,), is_causal, layout, scale, kind, options)
-        grads = backward(dout, q, k, v, out, lse, dlse, list(extra), s, world_size_of(group_name))
+        call = Call(kind, (group_name,), is_causal, layout, scale, options)
+        grads = backward(dout, q, k, v, out, lse, dlse, list(extra), call, world_size_of(group_name))
         return tuple(g.contiguous() for g in grads)
 
     forward_op, backward_op = _op_pair(
@@ -189,24 +164,26 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
 
     def expand_forward(args) -> Traceable:
         q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options = args
-        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        call = Call(kind, (group_name,), is_causal, layout, scale, options)
         world_size = world_size_of(group_name)
 
         def fn(q, k, v, *extra):
-            return forward(q, k, v, list(extra), s, world_size, enable_gqa)
+            return forward(q, k, v, list(extra), call, world_size, enable_gqa)
 
         return Traceable("forward", world_size, fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
         dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options = args
-        s = Setting((group_name,), is_causal, layout, scale, kind, options)
+        call = Call(kind, (group_name,), is_causal, layout, scale, options)
         world_size = world_size_of(group_name)
         return _backward_traceable(
             world_size,
             [dout, q, k, v, out, lse],
             extra,
             dlse,
-            lambda dout, q, k, v, out, lse, extra, dlse: backward(dout, q, k, v, out, lse, dlse, extra, s, world_size),
+            lambda dout, q, k, v, out, lse, extra, dlse: backward(
+                dout, q, k, v, out, lse, dlse, extra, call, world_size
+            ),
         )
 
     _register(name, expand_forward, expand_backward)
@@ -227,19 +204,16 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     """Define ``cp::<name>_attention`` (+ ``_backward``) with the group arguments ``group_names``
     (``groups[a2a_index]`` is the all-to-all group) over the schedule's functions
 
-    ``forward(q, k, v, extra, setting, enable_gqa) -> (out, lse, qh, kh, vh, out_h, lse_h)`` and
-    ``backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, setting, kv_heads) -> (dq, dk, dv)``;
+    ``forward(q, k, v, extra, call, enable_gqa) -> (out, lse, qh, kh, vh, out_h, lse_h)`` and
+    ``backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, call, kv_heads) -> (dq, dk, dv)``;
     returns the forward op.
     """
     n = len(group_names)
     groups_schema = ", ".join(f"str {g}" for g in group_names)
 
-    def setting(groups, is_causal, layout, scale, kind, options) -> Setting:
-        return Setting(tuple(groups), is_causal, layout, scale, kind, options)
-
     def forward_impl(q, k, v, extra, *rest):
         groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
-        res = forward(q, k, v, list(extra), setting(groups, is_causal, layout, scale, kind, options), enable_gqa)
+        res = forward(q, k, v, list(extra), Call(kind, tuple(groups), is_causal, layout, scale, options), enable_gqa)
         return _distinct(res, (q, k, v))
 
     def backward_impl(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
@@ -253,7 +227,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
             out_h,
             lse_h,
             list(extra),
-            setting(groups, is_causal, layout, scale, kind, options),
+            Call(kind, tuple(groups), is_causal, layout, scale, options),
             kv_heads,
         )
         return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
@@ -317,24 +291,24 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     def expand_forward(args) -> Traceable:
         q, k, v, extra, *rest = args
         groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
-        s = setting(groups, is_causal, layout, scale, kind, options)
+        call = Call(kind, tuple(groups), is_causal, layout, scale, options)
 
         def fn(q, k, v, *extra):
-            return forward(q, k, v, list(extra), s, enable_gqa)
+            return forward(q, k, v, list(extra), call, enable_gqa)
 
         return Traceable("forward", world_size_of(groups[0]), fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
         dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest = args
         groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
-        s = setting(groups, is_causal, layout, scale, kind, options)
+        call = Call(kind, tuple(groups), is_causal, layout, scale, options)
         return _backward_traceable(
             world_size_of(groups[0]),
             [dout, qh, kh, vh, out_h, lse_h],
             extra,
             dlse,
             lambda dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(
-                dout, dlse, qh, kh, vh, out_h, lse_h, extra, s, kv_heads
+                dout, dlse, qh, kh, vh, out_h, lse_h, extra, call, kv_heads
             ),
         )
 

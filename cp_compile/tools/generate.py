@@ -40,18 +40,23 @@ def comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def build_model(args, attn: str):
-    import transformers
-
-    common = dict(
+def config_sizes(args, max_positions: int) -> dict:
+    """The sizes of the command-line model (``--vocab --hidden --layers --heads --kv-heads``) as config fields."""
+    return dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.prompts) + args.new,
+        max_position_embeddings=max_positions,
     )
+
+
+def build_model(args, attn: str):
+    import transformers
+
+    common = config_sizes(args, max(args.prompts) + args.new)
     if args.arch == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif args.arch == "mistral":
@@ -157,10 +162,10 @@ def reference_runs(args) -> dict:
 def _floor_model(args, plan):
     """One process's model, run whole on this rank, with one all-gather after each attention layer of what the
     decode schedule gathers per layer and token (out and lse of one query in the accumulator dtype; on the first
-    layer with the two numbers of ``kv_cache.Agreement``'s tag): a decode step of it is one process's step plus
+    layer with the two numbers of ``inference.cache.Agreement``'s tag): a decode step of it is one process's step plus
     the one collective per layer that a decode step under CP needs, where CP makes it."""
     from ..comm.gather import gather_dim0
-    from ..kv_cache import TAG_NUMEL
+    from ..inference.cache import TAG_NUMEL
 
     model = build_model(args, "sdpa")
 
@@ -177,7 +182,7 @@ def _floor_model(args, plan):
 
 def _layer_payload(args, tag_numel: int = 0) -> torch.Tensor:
     """What the decode schedule gathers from each rank per layer and token: out and lse of one query per head,
-    in the accumulator dtype (``schedules/cached.py``), and ``tag_numel`` numbers of a tag."""
+    in the accumulator dtype (``inference/cached.py``), and ``tag_numel`` numbers of a tag."""
     from ..kernels.merge import acc_dtype
 
     return torch.zeros(1, args.heads * (args.hidden // args.heads + 1) + tag_numel, dtype=acc_dtype(DTYPES[args.dtype]))

@@ -221,3 +221,32 @@ class RankPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class LocalPools:
+    """One ``RankPool`` per world size (gloo, CPU), created on first use."""
+
+    def __init__(self, threads_per_rank: int = 1):
+        self.threads_per_rank = threads_per_rank
+        self.pools: dict = {}
+
+    def __call__(self, world_size: int, fn, *args, timeout: float = 1800.0, **kwargs):
+        if world_size not in self.pools:
+            self.pools[world_size] = RankPool(world_size, threads_per_rank=self.threads_per_rank)
+        return self.pools[world_size].run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+def torchrun_runner(world_size: int, fn, *args, timeout: float = 0.0, **kwargs):
+    """Run on this already-launched rank (torchrun), gather every rank's result."""
+    import torch.distributed as dist
+
+    if world_size != dist.get_world_size():
+        raise ValueError(f"under torchrun C is the launched world size ({dist.get_world_size()}), not {world_size}")
+    rows = [None] * world_size
+    dist.all_gather_object(rows, fn(*args, **kwargs))
+    return rows

@@ -30,40 +30,33 @@ add its name to :data:`PLUGIN_MODULES`). A variant is, per rank::
 ``warmup`` says how many untimed steps it needs: a compiled variant compiles its
 backward lazily on the first backward and settles after a few steps.
 
-Modules: ``core`` (registry, measurement and its definitions), ``builtin`` (ours eager,
+Modules: ``variants`` (configurations, inputs, the variant registry), ``core`` (measurement and its
+definitions), ``trace`` (one rank's comm and compute spans), ``builtin`` (ours eager,
 PyTorch's ring, one device), ``cli`` (report, command line), the plugins named in
 ``PLUGIN_MODULES`` and ``virtual`` (``--device cuda``: the ring taken apart on one device).
 """
 
+from ..launch import LocalPools, torchrun_runner  # noqa: F401
 from .builtin import _ours_meter, _ours_setup, _stub_our_kernels  # noqa: F401  (and registers the built-in variants)
 from .cli import add_arguments, main, options_from_args, plot, table, write_outputs  # noqa: F401
-from .core import (  # noqa: F401
+from .core import TINY, BenchOptions, Runner, bench_rank, run_benchmark, summarise  # noqa: F401
+from .trace import OP_KINDS, OpTracer, op_kind  # noqa: F401
+from .variants import (  # noqa: F401
     CONFIG_HOOKS,
     DTYPES,
-    OP_KINDS,
     OURS,
     PLUGIN_MODULES,
     SINGLE,
-    TINY,
     TORCH_A2A,
     TORCH_AG,
     TORCH_RINGS,
     VARIANTS,
-    BenchOptions,
     Inputs,
-    LocalPools,
-    OpTracer,
     Problem,
-    Runner,
     Variant,
     _take_grads,
-    bench_rank,
     fwd_bwd_step,
     load_plugins,
     make_inputs,
-    op_kind,
     register_variant,
-    run_benchmark,
-    summarise,
-    torchrun_runner,
 )

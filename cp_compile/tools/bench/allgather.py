@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .core import Inputs, Problem, Variant, fwd_bwd_step, register_variant
+from .variants import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_ALLGATHER = "ours allgather"
 

@@ -23,7 +23,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .core import OURS, SINGLE, TORCH_A2A, TORCH_AG, Inputs, Problem, Variant, _scale, fwd_bwd_step, register_variant
+from .variants import (
+    OURS,
+    SINGLE,
+    TORCH_A2A,
+    TORCH_AG,
+    Inputs,
+    Problem,
+    Variant,
+    _scale,
+    fwd_bwd_step,
+    register_variant,
+)
 
 # -- single device -------------------------------------------------------------
 
@@ -66,15 +77,15 @@ def _stub_our_kernels():
 def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
     """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
     from ...comm import group_name_of
+    from ...kinds.base import Call
     from ...schedules.ring import ring_backward, ring_forward
-    from ...schedules.whole import Setting
 
-    s = Setting((group_name_of(None),), p.causal, "zigzag", _scale(p), "sdpa", "")
+    call = Call("sdpa", (group_name_of(None),), p.causal, "zigzag", _scale(p), "")
 
     def step():
         with _stub_our_kernels() if stub else contextlib.nullcontext():
-            out, lse = ring_forward(x.q, x.k, x.v, [], s, x.world_size, False)
-            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, [], s, x.world_size)
+            out, lse = ring_forward(x.q, x.k, x.v, [], call, x.world_size, False)
+            dq, dk, dv = ring_backward(x.do, x.q, x.k, x.v, out, lse, None, [], call, x.world_size)
         return out, dq, dk, dv
 
     return step

@@ -10,21 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .core import (
-    DTYPES,
-    OURS,
-    SINGLE,
-    TINY,
-    TORCH_A2A,
-    TORCH_AG,
-    VARIANTS,
-    BenchOptions,
-    LocalPools,
-    Problem,
-    load_plugins,
-    run_benchmark,
-    torchrun_runner,
-)
+from ..launch import LocalPools, torchrun_runner
+from .core import TINY, BenchOptions, run_benchmark
+from .variants import DTYPES, OURS, SINGLE, TORCH_A2A, TORCH_AG, VARIANTS, Problem, load_plugins
 
 # ----------------------------------------------------------------------------
 # Report: table and figure.

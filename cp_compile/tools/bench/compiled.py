@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .builtin import _ours_meter, _stub_our_kernels
-from .core import Inputs, Problem, Variant, fwd_bwd_step, register_variant
+from .variants import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_COMPILED = "ours compiled"
 

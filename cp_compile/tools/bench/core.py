@@ -71,272 +71,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..memory import PeakMemory, release_heap
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-SINGLE = "single device"
-OURS = "ours eager"
-TORCH_A2A = "torch ring (alltoall)"
-TORCH_AG = "torch ring (allgather)"
-TORCH_RINGS = (TORCH_A2A, TORCH_AG)
-
-# Modules imported (if present) before variants are listed, so a later file can
-# register e.g. "ours compiled" without restructuring this one.
-PLUGIN_MODULES: list[str] = [
-    "cp_compile.tools.bench.compiled",
-    "cp_compile.tools.bench.allgather",
-    "cp_compile.tools.bench.schedules",
-    "cp_compile.tools.bench.packed",
-]
-
-# name -> hook(problem, summarised variants, runner) -> dict kept in the config's "extras" and
-# printed under it (e.g. the cost model's choice against the measured times)
-CONFIG_HOOKS: dict[str, Callable] = {}
-
-
-# ----------------------------------------------------------------------------
-# Configurations, inputs, variants.
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One benchmark configuration. ``seq_len`` is the global sequence length."""
-
-    batch: int
-    heads: int
-    head_dim: int
-    seq_len: int
-    world_size: int
-    causal: bool
-    dtype: str = "float32"
-
-    @property
-    def local_len(self) -> int:
-        return self.seq_len // self.world_size
-
-    @property
-    def flops(self) -> float:
-        """Model FLOPs of full-sequence attention fwd+bwd (see module docstring)."""
-        fwd = 4.0 * self.batch * self.heads * self.seq_len**2 * self.head_dim
-        return 3.0 * fwd * (0.5 if self.causal else 1.0)
-
-    def label(self) -> str:
-        return f"{'causal' if self.causal else 'full  '} C={self.world_size} S={self.seq_len}"
-
-
-@dataclass
-class Inputs:
-    """Per rank: global tensors (identical on every rank) and this rank's zigzag shards."""
-
-    q_full: Tensor
-    k_full: Tensor
-    v_full: Tensor
-    do_full: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    do: Tensor
-    rank: int
-    world_size: int
-    device: torch.device
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A way of computing attention fwd+bwd, run on every rank (or rank 0 only)."""
-
-    name: str
-    setup: Callable[[Problem, Inputs], Callable[[], tuple]]
-    description: str = ""
-    single_rank: bool = False  # True: rank 0 runs the full sequence, others wait
-    traced_setup: Optional[Callable[[Problem, Inputs, bool], Callable[[], tuple]]] = None
-    meter: Optional[Callable[[], AbstractContextManager]] = None
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    warmup: int = 2
-    stub: Optional[Callable[[], AbstractContextManager]] = None
-
-
-VARIANTS: dict[str, Variant] = {}
-
-
-def register_variant(variant: Variant) -> Variant:
-    """Add (or replace) a variant; the registry order is the report order."""
-    VARIANTS[variant.name] = variant
-    return variant
-
-
-def load_plugins(modules: list[str] = ()) -> None:
-    """Import variant plugins; the ones in PLUGIN_MODULES only if they exist."""
-    for name in PLUGIN_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-    for name in modules:
-        importlib.import_module(name)
-
-
-def make_inputs(p: Problem, rank: int, world_size: int, device: torch.device, seed: int = 0) -> Inputs:
-    from ... import layout
-
-    g = torch.Generator().manual_seed(seed)
-    shape = (p.batch, p.heads, p.seq_len, p.head_dim)
-    full = [torch.randn(shape, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4)]
-    local = [layout.shard(t, 2, rank, world_size, "zigzag") for t in full]
-    return Inputs(*full, *local, rank=rank, world_size=world_size, device=device)
-
-
-def _scale(p: Problem) -> float:
-    return 1.0 / math.sqrt(p.head_dim)
-
-
-def _take_grads(leaves: list[Tensor]) -> list[Tensor]:
-    """The leaves' gradients, detached from the leaves.
-
-    A step must hold nothing once its results are dropped: the harness frees
-    them before the memory measurement, so every variant's peak includes
-    allocating its own outputs and gradients.
-    """
-    grads = [t.grad for t in leaves]
-    for t in leaves:
-        t.grad = None
-    return grads
-
-
-def fwd_bwd_step(attention, inputs, dout):
-    """A variant's ``step``: ``attention(q, k, v) -> out`` forward and backward on
-    fresh leaf copies of ``inputs``; returns (out, dq, dk, dv), detached."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-
-    def step():
-        out = attention(*leaves)
-        out.backward(dout)
-        return (out.detach(), *_take_grads(leaves))
-
-    return step
-
-
-# ----------------------------------------------------------------------------
-# Tracing: comm issue / wait / compute spans of one rank.
-# ----------------------------------------------------------------------------
-
-# op name -> kind; names not listed are classified by ``op_kind``. Plugins may add.
-OP_KINDS: dict[str, str] = {
-    "_c10d_functional::wait_tensor": "wait",
-    # torch 2.13 wraps every functional collective's result with this op (no transfer)
-    "_c10d_functional::_wrap_tensor_autograd": "other",
-    "cp::ring_shift": "comm",
-    "cp::agree": "comm",
-    "cp::attend": "compute",
-    "cp::attend_backward": "compute",
-    "cp::block_attn": "compute",
-    "cp::block_attn_backward": "compute",
-    "cp::merge": "merge",
-    "cp::merge_": "merge",
-}
-
-
-def op_kind(name: str) -> str:
-    if name in OP_KINDS:
-        return OP_KINDS[name]
-    if name.startswith(("_c10d_functional::", "c10d::")):
-        return "comm"
-    if "scaled_dot_product" in name:
-        return "compute"
-    return "other"
-
-
-def _storage_keys(value) -> list[int]:
-    if isinstance(value, Tensor):
-        inner = getattr(value, "elem", None)  # AsyncCollectiveTensor: key by the wrapped buffer
-        if type(value) is not Tensor and isinstance(inner, Tensor):
-            value = inner
-        try:
-            return [value.untyped_storage().data_ptr()] if value.numel() else []
-        except RuntimeError:  # a wrapper subclass without storage of its own
-            return []
-    if isinstance(value, (list, tuple)):
-        return [k for v in value for k in _storage_keys(v)]
-    return []
-
-
-def _nbytes(value) -> int:
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
-class OpTracer(TorchDispatchMode):
-    """Time every dispatched op with ``perf_counter``; link waits to their comm issue.
-
-    ``events``: dicts with kind, op, t0, t1 (seconds, ``perf_counter`` clock, which
-    is CLOCK_MONOTONIC and thus shared by the processes of one machine), and for
-    comm/wait the id of the transfer. Ops inside a custom op are not seen.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.events: list[dict] = []
-        self._inflight: dict[int, int] = {}  # storage ptr of a receive buffer -> comm id
-        self._next_id = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        kind = op_kind(name)
-        t0 = time.perf_counter()
-        result = func(*args, **(kwargs or {}))
-        t1 = time.perf_counter()
-        event = {"kind": kind, "op": name, "t0": t0, "t1": t1}
-        if kind == "comm":
-            event["id"], event["bytes"] = self._next_id, _nbytes(args[0] if args else None)
-            for key in _storage_keys(result):
-                self._inflight[key] = self._next_id
-            self._next_id += 1
-        elif kind == "wait":
-            keys = _storage_keys(args[0] if args else None)
-            event["id"] = self._inflight.get(keys[0], -1) if keys else -1
-        self.events.append(event)
-        return result
-
-    def summary(self) -> dict:
-        spent: dict[str, float] = {}
-        for e in self.events:
-            spent[e["kind"]] = spent.get(e["kind"], 0.0) + e["t1"] - e["t0"]
-        return {
-            "exposed_comm_s": spent.get("comm", 0.0) + spent.get("wait", 0.0),
-            "wait_s": spent.get("wait", 0.0),
-            "issue_s": spent.get("comm", 0.0),
-            "compute_s": spent.get("compute", 0.0),
-            "merge_s": spent.get("merge", 0.0),
-            "other_s": spent.get("other", 0.0),
-            "transfers": len({e["id"] for e in self.events if e["kind"] == "comm"}),
-        }
-
-    def timeline(self, origin: float, min_other_s: float = 50e-6) -> list[dict]:
-        """Events relative to ``origin``; short 'other' ops are dropped (they only clutter)."""
-        out = []
-        for e in self.events:
-            if e["kind"] == "other" and e["t1"] - e["t0"] < min_other_s:
-                continue
-            out.append({**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin})
-        return out
-
+from .trace import OpTracer
+from .variants import (
+    CONFIG_HOOKS,
+    OURS,
+    SINGLE,
+    TORCH_A2A,
+    TORCH_AG,
+    TORCH_RINGS,
+    VARIANTS,
+    Problem,
+    Variant,
+    make_inputs,
+)
 
 # ----------------------------------------------------------------------------
 # The per-rank task: validate, time, measure memory / traffic / overlap.
@@ -421,7 +181,7 @@ def bench_rank(
     """Runs on every rank of a C-rank group; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from ... import layout
+    from ...layout import Zigzag
 
     rank, world = dist.get_rank(), dist.get_world_size()
     release_heap()
@@ -443,7 +203,7 @@ def bench_rank(
     reference = [t.detach().contiguous() for t in reference]
     for t in reference:
         dist.broadcast(t, src=0)
-    local_ref = [layout.shard(t, 2, rank, world, "zigzag") for t in reference]
+    local_ref = [Zigzag().shard(t, 2, rank, world) for t in reference]
     errs = torch.zeros(len(variants), dtype=torch.float64, device=device)
     for i, v in enumerate(variants):
         if v.single_rank:
@@ -525,37 +285,6 @@ def bench_rank(
 # runner(world_size, fn, *args, timeout=...) -> per-rank results (the tests'
 # ``ranks`` fixture has this signature; LocalPools is the CLI's).
 Runner = Callable[..., list]
-
-
-class LocalPools:
-    """One ``RankPool`` per world size (gloo, CPU), created on first use."""
-
-    def __init__(self, threads_per_rank: int = 1):
-        self.threads_per_rank = threads_per_rank
-        self.pools: dict = {}
-
-    def __call__(self, world_size: int, fn, *args, timeout: float = 1800.0, **kwargs):
-        from ..launch import RankPool
-
-        if world_size not in self.pools:
-            self.pools[world_size] = RankPool(world_size, threads_per_rank=self.threads_per_rank)
-        return self.pools[world_size].run(fn, *args, timeout=timeout, **kwargs)
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
-
-
-def torchrun_runner(world_size: int, fn, *args, timeout: float = 0.0, **kwargs):
-    """Run on this already-launched rank (torchrun), gather every rank's result."""
-    import torch.distributed as dist
-
-    if world_size != dist.get_world_size():
-        raise ValueError(f"under torchrun C is the launched world size ({dist.get_world_size()}), not {world_size}")
-    rows = [None] * world_size
-    dist.all_gather_object(rows, fn(*args, **kwargs))
-    return rows
 
 
 def _median(xs: list[float]) -> Optional[float]:

@@ -16,8 +16,8 @@ import functools
 import torch
 
 from .builtin import _ours_meter
-from .core import Inputs, Problem, Variant, register_variant
 from .packed import documents, packed_step
+from .variants import Inputs, Problem, Variant, register_variant
 
 OURS_PACKED_STATIC = "ours packed static"
 OURS_PACKED_DYNAMIC = "ours packed dynamic"

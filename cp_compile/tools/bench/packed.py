@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import Inputs, Problem, Variant, fwd_bwd_step, register_variant
+from .variants import Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_PACKED = "ours packed"
 

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from .core import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, fwd_bwd_step, register_variant
+from .variants import CONFIG_HOOKS, OURS, Inputs, Problem, Variant, fwd_bwd_step, register_variant
 
 OURS_ULYSSES = "ours ulysses"
 OURS_HYBRID = "ours hybrid"

@@ -29,22 +29,14 @@ from pathlib import Path
 import torch
 
 from ..breakdown import collectives_issued
-from ..generate import comma_ints, mark_crossover, report
+from ..generate import comma_ints, config_sizes, mark_crossover, report
 from ..launch import RankPool
 
 
 def _model(args, attn: str):
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.lengths),
-    )
+    config = transformers.LlamaConfig(**config_sizes(args, max(args.lengths)))
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
 

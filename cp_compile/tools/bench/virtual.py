@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import layout
 from ...comm import TAG_KV
 from ...kinds.sdpa import ring_section, section_attn, section_attn_backward
+from ...layout import Zigzag
 from ...schedules.ring import ring_pass_backward, ring_pass_forward
 from ..memory import PeakMemory
 from .builtin import _stub_our_kernels
-from .core import DTYPES, Problem
+from .variants import DTYPES, Problem
 
 CUDA_DEFAULTS = dict(
     world_sizes=(2, 4, 8), seq_lens=(8192, 32768, 131072), batch=1, heads=32, head_dim=128, dtype="bfloat16"
@@ -212,7 +212,7 @@ def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2)
     single_s = _median_time(single, clock, repeats)
     del single
 
-    shard = lambda t, r: layout.shard(t, 2, r, p.world_size, "zigzag")  # noqa: E731
+    shard = lambda t, r: Zigzag().shard(t, 2, r, p.world_size)  # noqa: E731
     kv = [(shard(k, r), shard(v, r)) for r in range(p.world_size)]
     del k, v
     per_rank = []

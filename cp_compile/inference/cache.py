@@ -31,10 +31,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .comm.gather import gather_dim0
-from .kernels.masked import EMPTY_POSITION
-from .kernels.merge import acc_dtype
-from .schedules.cached import cached_attention, payload_numel
+from ..comm.gather import gather_dim0
+from ..kernels.masked import EMPTY_POSITION
+from ..kernels.merge import acc_dtype
+from .cached import cached_attention, payload_numel
 
 
 def capacity_for(max_tokens: int, world_size: int) -> int:
@@ -302,7 +302,7 @@ class CacheShard:
 
     def attend(self, q: Tensor, step: Step, scale: float, options: str = "") -> tuple[Tensor, Tensor]:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
-        ``options`` from ``schedules.cached.cached_options``."""
+        ``options`` from ``inference.cached.cached_options``."""
         left = -1 if self.window is None else self.window - 1
         check = self.agreement
         tag = check.tag(acc_dtype(q.dtype)) if check is not None and self.index == 0 else None

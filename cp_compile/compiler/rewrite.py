@@ -13,7 +13,7 @@ The pass is match -> check -> rewrite:
 - the kind's ``check`` raises ``UnsupportedAttention`` (naming the argument)
   for what CP cannot reproduce exactly (for SDPA: ``dropout_p > 0``, an
   ``attn_mask`` tensor);
-- ``passes.choose.choose_schedule`` picks the schedule, and the kind's
+- ``compiler.choose.choose_schedule`` picks the schedule, and the kind's
   ``rewrite`` inserts that schedule's CP op, reroutes the users of the old
   output and erases the attention node.
 """

@@ -52,7 +52,7 @@ def cached_attention(
     cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]``; returns the attention over every
     rank's cache, (out in q's dtype, lse in the accumulator dtype), and every rank's ``tag [n]`` (in the
     accumulator dtype) as ``[C, n]``: a few numbers that ride on the collective, for checks between ranks
-    that then cost no collective of their own (``kv_cache.Agreement``). Collective: every rank of
+    that then cost no collective of their own (``inference.cache.Agreement``). Collective: every rank of
     ``group_name`` calls it with the same ``q``."""
     chunk, softcap = _cached_settings(options)
     out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)

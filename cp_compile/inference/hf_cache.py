@@ -1,7 +1,7 @@
 """``ShardedCache``: a transformers ``Cache`` whose layers keep this rank's share of the K/V.
 
 Passed the documented way (``model.generate(..., cache=ShardedCache(...))``,
-or made by ``cp_compile.hf.generate``). Each layer is a ``kv_cache.CacheShard``.
+or made by ``cp_compile.hf.generate``). Each layer is a ``inference.cache.CacheShard``.
 ``update`` stores the new K/V and hands the attention function (``"cp_compile"``)
 what it needs through the attention kwargs that transformers passes to both:
 the layer, and the positions of the tokens just stored.
@@ -12,7 +12,7 @@ the layer, and the positions of the tokens just stored.
 - Otherwise the tokens are the same on every rank (decoding, drafts, a
   follow-up prompt): one rank keeps each, and the attention is
   ``cp::cached_attention`` over every rank's share. A sliding-window layer
-  keeps a bounded share (``kv_cache``).
+  keeps a bounded share (``inference.cache``).
 
 Mask sizes are reported as if there were no cache: under a plan the mask
 function builds no mask, and attention masks by the positions the cache holds.
@@ -29,10 +29,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..kernels.masked import EMPTY_POSITION
-from ..kv_cache import Agreement, CacheShard
 from ..plan import ContextParallel, active_plan
+from .cache import Agreement, CacheShard
 
-# Key of the attention kwargs under which ``update`` leaves (layer, its kv_cache.Step, or None in a sharded prefill).
+# Key of the attention kwargs under which ``update`` leaves (layer, its ``cache.Step``, or None in a sharded prefill).
 CACHE_STEP = "cp_compile_cache_step"
 
 
@@ -129,7 +129,7 @@ class ShardedCache(Cache):
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if kind == "sliding_attention" else None
             layers.append(ShardedLayer(plan, max_cache_len, window))
-        # whether the ranks decode the same tokens rides on the first layer's gather (kv_cache.Agreement)
+        # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)
         for index, layer in enumerate(layers):
             layer.agreement, layer.index = self.agreement, index

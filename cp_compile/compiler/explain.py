@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .cost.model import fmt_bytes as _fmt_bytes
-from .kernels.merge import acc_dtype
+from ..cost.model import fmt_bytes as _fmt_bytes
+from ..kernels.merge import acc_dtype
 
 
 @dataclass

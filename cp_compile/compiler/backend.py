@@ -1,9 +1,9 @@
 """The torch.compile backend: stage 1 on the Dynamo graph, stage 2 after partitioning.
 
 ``ContextParallel.backend(inner)`` returns a ``CPBackend``. Dynamo hands it each
-captured graph; it rewrites attention into CP ops (``passes.rewrite``), then
+captured graph; it rewrites attention into CP ops (``compiler.rewrite``), then
 compiles with the inner compiler, expanding the CP ops into their schedules in
-the partitioned forward and backward graphs (``passes.expand``):
+the partitioned forward and backward graphs (``compiler.expand``):
 
 - ``inner="inductor"``: as custom post-grad passes, which carry a uuid so
   Inductor's FX graph cache stays valid (and shareable by all ranks, since the
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .passes.expand import Expansion, expand_cp_ops
-from .passes.order import pin_overlap_order, schedule_listing
-from .passes.partition import CPPartitioner, save_cp_outputs
-from .passes.rewrite import AttentionSite, CPOptions, rewrite_attention
+from .expand import Expansion, expand_cp_ops
+from .order import pin_overlap_order, schedule_listing
+from .partition import CPPartitioner, save_cp_outputs
+from .rewrite import AttentionSite, CPOptions, rewrite_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager")
 
@@ -58,7 +58,7 @@ def _plan_key(options: CPOptions) -> tuple:
     shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
     steps) differs. Every cache key of ours therefore carries C (and the mesh's sizes).
     """
-    from .comm import resolve_group
+    from ..comm import resolve_group
 
     size = resolve_group(options.group_name).size()
     settings = tuple(getattr(options, f.name) for f in dataclasses.fields(options) if f.compare)
@@ -114,7 +114,7 @@ class CPBackend:
         machine=None,
         sharded_masks: dict | None = None,
     ):
-        from .cost.model import check_schedule
+        from ..cost.model import check_schedule
 
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
@@ -133,8 +133,8 @@ class CPBackend:
         then print ``backend.explain()``. Graph breaks are not counted here
         (compile with ``fullgraph=True`` to rule them out).
         """
-        from .comm import resolve_group
-        from .inspect import ExplainReport, site_report
+        from ..comm import resolve_group
+        from .explain import ExplainReport, site_report
 
         world_size = resolve_group(self.options.group_name).size()
         report = ExplainReport(graphs=len(self.records))
@@ -167,7 +167,7 @@ class CPBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
-        from .torch_compat import partitioners
+        from ..torch_compat import partitioners
 
         def expand_and_run(graph_module: fx.GraphModule, _inputs):
             record.expansions += expand_cp_ops(graph_module.graph)

@@ -1,0 +1,14 @@
+"""Every attention kind, schedule and kernel op of ``torch.ops.cp``, registered in this one place.
+
+Each module below defines its custom ops (``torch.library.custom_op``) and enters its kind
+(``kinds.base.register_kind``) or schedule (``schedules.registry.register_schedule``) when it is
+imported. ``import cp_compile`` imports this module first, so every op, kind and schedule exists
+before any other part of the package runs; nothing else imports a module for that effect. A new
+kind or schedule is one module plus its line here. (The collectives of ``comm`` and the marker of
+``compiler.unrewritten`` are defined with the functions that call them, and imported for those.)
+"""
+
+from .inference import cached  # noqa: F401  cp::cached_attention
+from .kernels import block, merge, triton_merge  # noqa: F401  cp::block_attn, cp::merge, cp::merge_
+from .kinds import flex, packed, sdpa  # noqa: F401  the kinds cp::attend dispatches to
+from .schedules import allgather, hybrid, ring, ulysses  # noqa: F401  cp::<schedule>_attention (+ _backward)
