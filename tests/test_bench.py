@@ -96,8 +96,8 @@ def test_timeline_and_png(tiny_results):
     timeline = cfg["variants"][bench.OURS]["timeline"]
     assert len(timeline) == tl["world_size"]
     for events in timeline:
-        kinds = {e["kind"] for e in events}
-        assert {"comm", "wait", "compute"} <= kinds
+        classes = {e["class"] for e in events}
+        assert {"comm", "wait", "compute"} <= classes
         assert all(e["t1"] >= e["t0"] for e in events)
     assert png.exists() and png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

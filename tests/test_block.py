@@ -5,7 +5,7 @@ import torch
 from helpers import max_err
 
 import cp_compile  # noqa: F401  (registers torch.ops.cp)
-from cp_compile.kernels.block import MASK_KINDS
+from cp_compile.kernels.block import MASKS
 
 
 def visible_mask(lq, lk, mask):
@@ -37,7 +37,7 @@ def inputs(lq, lk, hq=4, hkv=2, d=10, dtype=torch.float64, seed=0):
     return mk(2, hq, lq, d), mk(2, hkv, lk, d), mk(2, hkv, lk, d), mk(2, hq, lq, d), mk(2, hq, lq)
 
 
-@pytest.mark.parametrize("mask", MASK_KINDS)
+@pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("lq,lk", [(8, 8), (5, 12), (12, 5), (1, 7)])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
 def test_block_attn_matches_dense_fp64(mask, lq, lk, heads):

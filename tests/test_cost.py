@@ -125,7 +125,7 @@ def packed_choice(lengths, window, hq, hkv, c=8, machine="cuda"):
     facts = packed_facts(cu, local, c, window)
     shapes = [(local, h, 128) for h in (hq, hkv, hkv)]
     schedule, why, estimates = choose_masked(
-        "varlen", *shapes, torch.bfloat16, c, facts, causal=window[1] == 0, backward=True, machine=MACHINES[machine]
+        "packed", *shapes, torch.bfloat16, c, facts, causal=window[1] == 0, backward=True, machine=MACHINES[machine]
     )
     return schedule, why, {e.schedule: e for e in estimates}
 

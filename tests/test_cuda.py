@@ -44,7 +44,7 @@ def _sdpa_grads(q, k, v, do, visible):
 
 
 # ----------------------------------------------------------------------------
-# Block ops: one tile, every mask kind, through the kernel each device dispatches to.
+# Block ops: one tile, every mask, through the kernel each device dispatches to.
 # ----------------------------------------------------------------------------
 
 

@@ -305,7 +305,7 @@ def compiled_ulysses_varlen(mesh=None):
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
     return {
         "errs": errs,
-        "decisions": [(s.kind, s.decision["schedule"]) for r in backend.records for s in r.sites],
+        "decisions": [(s.pattern, s.decision["schedule"]) for r in backend.records for s in r.sites],
         "graph_breaks": sum(counters["graph_break"].values()),
         "all_to_alls": (all_to_alls(backend, "forward"), all_to_alls(backend, "backward")),
         "listings": [listing for r in backend.records for listing in r.schedules],

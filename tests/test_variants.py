@@ -169,12 +169,12 @@ def test_bf16_within_twice_one_device_error(ranks, world_size):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["none", "causal", "band"])
-def test_capped_math_tile_matches_autograd(kind):
+@pytest.mark.parametrize("mask", ["none", "causal", "band"])
+def test_capped_math_tile_matches_autograd(mask):
     from cp_compile.kernels.block import math_attn_backward_impl, math_attn_impl, tile_visible
 
     q, k, v, do = make_qkv(1, 4, 2, 7, 8)
-    visible = tile_visible(kind, 7, 7, 0, (2, 0), None)
+    visible = tile_visible(mask, 7, 7, 0, (2, 0), None)
     ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
     s = torch.einsum("bhqd,bhkd->bhqk", ref_q, ref_k.repeat_interleave(2, 1)) * 0.4
     s = torch.tanh(s / 1.5) * 1.5

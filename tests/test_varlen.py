@@ -125,9 +125,9 @@ def test_tiles_in_sequence_order_equal_per_document_attention(world_size, window
     for rank in range(world_size):
         plan, (_, dk, dv), (ref_dk, ref_dv) = _tiles_case(LENGTHS, world_size, window, [rank], sequence)
         if window[0] < 0:  # unbounded behind: fused kernels only
-            assert {t.kind for t in plan} <= {"none", "causal"}
+            assert {t.mask for t in plan} <= {"none", "causal"}
         for t in plan:  # math-path tiles stay within the window's reach
-            if t.kind == "band" and window[1] >= 0:
+            if t.mask == "band" and window[1] >= 0:
                 assert t.k_len <= t.q_len + window[0] + window[1]
 
 
@@ -146,7 +146,7 @@ def test_tiles_over_rank_ordered_chunks(window):
     slots = lambda t: torch.cat([packed.shard_packed(t, 0, cu, r, c) for r in ranks])  # noqa: E731
     assert max_err(dk, slots(ref_dk)) < 1e-12 and max_err(dv, slots(ref_dv)) < 1e-12
     if window[0] < 0:
-        assert all(t.kind != "band" for t in plan)  # causal or full: no math-path tile
+        assert all(t.mask != "band" for t in plan)  # causal or full: no math-path tile
 
 
 def test_runs_cover_exactly_the_real_slots():
@@ -327,7 +327,7 @@ def compiled_varlen(inner: str):
         and max_err(lse.t()[real], ref_lse[real]) < 1e-5
     )
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
-    decisions = [(s.kind, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
+    decisions = [(s.pattern, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
     from cp_compile.compiler.explain import site_report
 
     reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
@@ -379,7 +379,10 @@ def test_compiled_varlen_attn_rewrite(ranks, inner):
         for report in reports:  # the cost model's table, as for SDPA sites
             assert "candidates (cpu (default)" in report and "ulysses   not possible: 4 query heads" in report
         assert "* allgather" in reports[0] and "* ring" in reports[1]
-        assert [(kind, schedule) for kind, schedule, _ in decisions] == [("varlen", "allgather"), ("varlen", "ring")]
+        assert [(pattern, schedule) for pattern, schedule, _ in decisions] == [
+            ("varlen", "allgather"),
+            ("varlen", "ring"),
+        ]
         assert "run-time input" in decisions[0][2] and "one document of" in decisions[0][2]
         assert eager == ["allgather", "ring"]
         assert max(errs) < 1e-10, errs

@@ -2,7 +2,7 @@
 
 - ``backend``: ``CPBackend``, the ``torch.compile`` backend that runs the stages below around
   AOTAutograd and hands the graphs to Inductor.
-- Stage 1, on the Dynamo graph: ``rewrite`` finds attention calls through the site kinds
+- Stage 1, on the Dynamo graph: ``rewrite`` finds attention calls through the site patterns
   (``sdpa_site``, ``flex_site``, ``varlen_site``, ``cp_site`` over ``site``) and replaces each by
   the whole op of the schedule ``choose`` picked; ``unrewritten`` marks what it left alone.
 - Stage 2, on the partitioned graphs: ``partition`` keeps what the backward needs, ``expand``

@@ -1,7 +1,7 @@
 """The cost model's view of a compiled site: the workload and the mask facts read off the graph node, then
 ``cost`` chooses (the same choice eager calls make from their tensors).
 
-``choose_schedule(site, options)`` is what each site kind's rewrite asks; the estimates land in
+``choose_schedule(site, options)`` is what each site pattern's rewrite asks; the estimates land in
 ``site.decision`` for ``explain``.
 """
 
@@ -56,15 +56,15 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     backward = any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
-    if site.kind == "varlen":
-        window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site kind
+    if site.pattern == "varlen":
+        window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site pattern
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
     else:
         has_mask = bool(site.args["mask_mod_buffers"])
         facts = flex_facts(options.sharded_masks.get((q[2], c)) if has_mask else None, has_mask, q[2], c)
         causal = False
     return choose_masked(
-        site.kind,
+        "packed" if site.pattern == "varlen" else "flex",
         q,
         k,
         v,
@@ -85,7 +85,7 @@ def choose_schedule(site, options) -> tuple[str, str]:
     check_schedule(options.schedule)
     example = _example(site.query)
     machine = machine_for(options, example.device.type if example is not None else "cpu")
-    if site.kind in ("varlen", "flex"):
+    if site.pattern in ("varlen", "flex"):
         schedule, why, estimates = choose_site(site, options, machine)
     else:
         schedule, why, estimates = decide(workload(site, options), machine, options.schedule, None, site.source)

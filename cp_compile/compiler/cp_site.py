@@ -1,4 +1,4 @@
-"""Attention site kind "cp": a schedule's whole op the model called itself, already in the graph.
+"""Attention site pattern "cp": a schedule's whole op the model called itself, already in the graph.
 
 Attention that torch's calls cannot express (chunked attention, soft-capped
 scores, attention sinks through the returned lse; ``cp_compile.hf`` runs them
@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..kinds.packed import parse_packed_options
 from ..schedules.registry import FORWARD_OPS
-from .site import AttentionSite, CPOptions, SiteKind
+from .site import AttentionSite, CPOptions, SitePattern
 
 
 def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
@@ -62,4 +62,4 @@ def _record_cp(site: AttentionSite, options: CPOptions) -> None:
     )
 
 
-CP_KIND = SiteKind("cp", _match_cp, _check_cp, _record_cp)
+CP_PATTERN = SitePattern("cp", _match_cp, _check_cp, _record_cp)

@@ -23,7 +23,7 @@ from ..errors import UnsupportedAttention
 from ..kinds.flex import Mods, flex_options, register_mods
 from ..layout.blockmask import HEADER
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, _example, constant, insert_schedule, traced_value
+from .site import AttentionSite, CPOptions, SitePattern, _example, constant, insert_schedule, traced_value
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = (
@@ -151,4 +151,4 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key})
 
 
-FLEX_KIND = SiteKind("flex", _match_flex, _check_flex, _rewrite_flex)
+FLEX_PATTERN = SitePattern("flex", _match_flex, _check_flex, _rewrite_flex)

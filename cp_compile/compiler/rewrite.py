@@ -9,11 +9,11 @@ as submodules.
 The pass is match -> check -> rewrite:
 
 - ``find_sites`` returns one ``AttentionSite`` per attention call, of any of
-  the ``SITE_KINDS`` (each kind knows how to match, check and rewrite its op);
-- the kind's ``check`` raises ``UnsupportedAttention`` (naming the argument)
+  the ``SITE_PATTERNS`` (each pattern knows how to match, check and rewrite its op);
+- the pattern's ``check`` raises ``UnsupportedAttention`` (naming the argument)
   for what CP cannot reproduce exactly (for SDPA: ``dropout_p > 0``, an
   ``attn_mask`` tensor);
-- ``compiler.choose.choose_schedule`` picks the schedule, and the kind's
+- ``compiler.choose.choose_schedule`` picks the schedule, and the pattern's
   ``rewrite`` inserts that schedule's CP op, reroutes the users of the old
   output and erases the attention node.
 """
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .cp_site import CP_KIND
-from .flex_site import FLEX_KIND
-from .sdpa_site import SDPA_KIND
-from .site import AttentionSite, CPOptions, SiteKind, _graph_modules
+from .cp_site import CP_PATTERN
+from .flex_site import FLEX_PATTERN
+from .sdpa_site import SDPA_PATTERN
+from .site import AttentionSite, CPOptions, SitePattern, _graph_modules
 from .unrewritten import strip_unrewritten
-from .varlen_site import VARLEN_KIND
+from .varlen_site import VARLEN_PATTERN
 
-SITE_KINDS: list[SiteKind] = [SDPA_KIND, VARLEN_KIND, FLEX_KIND, CP_KIND]
+SITE_PATTERNS: list[SitePattern] = [SDPA_PATTERN, VARLEN_PATTERN, FLEX_PATTERN, CP_PATTERN]
 
 
 def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:
@@ -38,16 +38,18 @@ def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:
         for node in module.graph.nodes:
             if node.op != "call_function":
                 continue
-            for kind in SITE_KINDS:
-                args = kind.match(node)
+            for pattern in SITE_PATTERNS:
+                args = pattern.match(node)
                 if args is not None:
-                    sites.append(AttentionSite(owner=module, owner_path=path, node=node, args=args, kind=kind.name))
+                    sites.append(
+                        AttentionSite(owner=module, owner_path=path, node=node, args=args, pattern=pattern.name)
+                    )
                     break
     return sites
 
 
-def handler(site: AttentionSite) -> SiteKind:
-    return next(k for k in SITE_KINDS if k.name == site.kind)
+def handler(site: AttentionSite) -> SitePattern:
+    return next(p for p in SITE_PATTERNS if p.name == site.pattern)
 
 
 def check_site(site: AttentionSite) -> None:

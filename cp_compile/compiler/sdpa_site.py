@@ -1,4 +1,4 @@
-"""Attention site kind "sdpa": ``F.scaled_dot_product_attention`` with ``is_causal`` or no mask.
+"""Attention site pattern "sdpa": ``F.scaled_dot_product_attention`` with ``is_causal`` or no mask.
 
 The rewrite inserts the chosen schedule's whole op with the ``"sdpa"`` kind.
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedAttention
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, constant, insert_schedule
+from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -107,4 +107,4 @@ def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:
     return dict(bound.arguments)
 
 
-SDPA_KIND = SiteKind("sdpa", _match_sdpa, _check_sdpa, _rewrite_sdpa)
+SDPA_PATTERN = SitePattern("sdpa", _match_sdpa, _check_sdpa, _rewrite_sdpa)

@@ -1,8 +1,8 @@
-"""What Stage 1 works with: an attention call found in a graph, the plan's options, one kind of call.
+"""What Stage 1 works with: an attention call found in a graph, the plan's options, one pattern of call.
 
-``SiteKind``s (``sdpa_site``, ``flex_site``, ``varlen_site``) match, check and
+``SitePattern``s (``sdpa_site``, ``flex_site``, ``varlen_site``) match, check and
 rewrite their op; ``insert_schedule`` is the rewrite they share: the chosen
-schedule's whole op, with the site kind's attention ``kind`` and settings.
+schedule's whole op, with the attention ``kind`` the pattern's op means (``kinds``) and its settings.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class AttentionSite:
     owner_path: str  # its path under the top-level module, "" for the top level
     node: fx.Node
     args: dict[str, Any]  # SDPA arguments by name
-    kind: str = "sdpa"
+    pattern: str = "sdpa"  # the site pattern that matched it (``SitePattern.name``)
     decision: dict = field(default_factory=dict)  # filled by the rewrite: schedule and why
 
     @property
@@ -174,8 +174,8 @@ def insert_schedule(
 
 
 @dataclass(frozen=True)
-class SiteKind:
-    """One kind of attention call: how to find it, check it and rewrite it."""
+class SitePattern:
+    """One pattern of attention call in a graph (a torch op): how to find it, check it and rewrite it."""
 
     name: str
     match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None

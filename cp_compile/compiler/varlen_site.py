@@ -1,4 +1,4 @@
-"""Attention site kind "varlen": torch's ``varlen_attn`` over packed documents.
+"""Attention site pattern "varlen": torch's ``varlen_attn`` over packed documents.
 
 In a Dynamo graph ``torch.nn.attention.varlen.varlen_attn`` appears as its
 custom op ``torch.ops.torch_attn._varlen_attn`` (the Python wrapper is traced
@@ -30,7 +30,7 @@ from ..errors import UnsupportedAttention
 from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SiteKind, constant, insert_schedule
+from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
 
 
 @functools.cache
@@ -133,4 +133,4 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     )
 
 
-VARLEN_KIND = SiteKind("varlen", _match_varlen, _check_varlen, _rewrite_varlen)
+VARLEN_PATTERN = SitePattern("varlen", _match_varlen, _check_varlen, _rewrite_varlen)

@@ -21,7 +21,7 @@ same workload and picks the same schedule:
 ``choose_packed`` and ``choose_flex`` serve the eager API, ``choose_site`` the
 compiled rewrite; all three end in ``choose_masked``, so eager and compiled
 calls with the same facts choose the same. ``choose_schedule`` is Stage 1's
-entry for every site kind.
+entry for every site pattern.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def masked_workload(
     mesh: tuple = (),
 ) -> Workload:
     """Packed shapes are [T, H, D], flex shapes [B, H, S, D] (local)."""
-    if kind == "varlen":
+    if kind == "packed":
         batch, (local, q_heads, head_dim), kv_heads, v_dim = 1, q_shape, k_shape[1], v_shape[-1]
     else:
         (batch, q_heads, local, head_dim), kv_heads, v_dim = q_shape, k_shape[1], v_shape[-1]
@@ -220,7 +220,7 @@ def masked_workload(
         backward,
         tuple(mesh),
         tiles=facts.tiles,
-        head_halves=kind == "varlen",
+        head_halves=kind == "packed",
     )
 
 
@@ -240,7 +240,7 @@ def choose_masked(
     schedule: str = "auto",
     where: str = "",
 ) -> tuple[str, str, list[Estimate]]:
-    """(schedule, reason, estimates) of a packed (``kind="varlen"``) or flex site."""
+    """(schedule, reason, estimates) of a call of attention kind ``"packed"`` or ``"flex"``."""
     w = masked_workload(
         kind, q_shape, k_shape, v_shape, dtype, world_size, facts, causal=causal, backward=backward, mesh=mesh
     )
@@ -257,7 +257,7 @@ def choose_packed(
     """Eager ``varlen_attention(schedule="auto")``: [T, H, D] q, k, v and the global ``cu_seqlens``."""
     facts = packed_facts(cu_seqlens, q.shape[0], world_size, window)
     return choose_masked(
-        "varlen",
+        "packed",
         tuple(q.shape),
         tuple(k.shape),
         tuple(v.shape),

@@ -120,14 +120,14 @@ class ShardedCache(Cache):
             raise ValueError("ShardedCache needs a plan: pass plan= or construct it inside `with plan:`")
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = []
-        for index, (kind, extra) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind not in ("full_attention", "sliding_attention", "chunked_attention"):
+        for index, (layer_type, extra) in enumerate(zip(layer_types, layer_kwargs)):
+            if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
                 raise UnsupportedAttention(
-                    f"ShardedCache: layer {index} is {kind!r}; only full, sliding-window and "
+                    f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and "
                     "chunked attention layers can be sharded"
                 )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
-            window = extra.get("sliding_window") if kind == "sliding_attention" else None
+            window = extra.get("sliding_window") if layer_type == "sliding_attention" else None
             layers.append(ShardedLayer(plan, max_cache_len, window))
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)

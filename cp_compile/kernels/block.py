@@ -1,11 +1,11 @@
-"""Block attention: one (query block, key/value block) tile with a mask kind.
+"""Block attention: one (query block, key/value block) tile under one of a few masks.
 
 ``cp::block_attn(q, k, v, mask, scale) -> (out, lse)`` is the unit every CP
 schedule is built from. ``out`` is normalised over this block's keys only and
 ``lse`` (fp32, fp64 for fp64 input) is its log-sum-exp, so partial results
 from several blocks merge exactly (see ``merge.py``).
 
-Mask kinds, for a query block of length Lq against a key block of length Lk:
+Masks, for a query block of length Lq against a key block of length Lk:
 
 ``none``                 every query sees every key
 ``causal``               query i sees keys j <= i (top-left aligned)
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .merge import acc_dtype, merge_partial
 
-MASK_KINDS = ("none", "causal", "causal_bottom_right", "empty")
+MASKS = ("none", "causal", "causal_bottom_right", "empty")
 
 aten = torch.ops.aten
 
@@ -241,7 +241,7 @@ def _lse_grad(dlse, q, k, lse, causal, scale):
 
 
 # ----------------------------------------------------------------------------
-# Mask kinds as compositions of dense tiles.
+# Masks as compositions of dense tiles.
 # ----------------------------------------------------------------------------
 
 
@@ -350,12 +350,12 @@ def band_visible(lq: int, lk: int, offset: int, left: int, right: int, device=No
     return visible
 
 
-def tile_visible(kind: str, lq: int, lk: int, offset: int, window: tuple[int, int], device=None) -> Optional[Tensor]:
-    """[Lq, Lk] bool of a tile of ``kind`` ``"none"`` (None: everything), ``"causal"`` (top-left) or
+def tile_visible(mask: str, lq: int, lk: int, offset: int, window: tuple[int, int], device=None) -> Optional[Tensor]:
+    """[Lq, Lk] bool of a tile of ``mask`` ``"none"`` (None: everything), ``"causal"`` (top-left) or
     ``"band"`` (``band_visible``)."""
-    if kind == "none":
+    if mask == "none":
         return None
-    if kind == "causal":
+    if mask == "causal":
         return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
     return band_visible(lq, lk, offset, *window, device)
 
@@ -373,8 +373,8 @@ def math_attn_backward_impl(
 
 
 def check_block_args(q: Tensor, k: Tensor, v: Tensor, mask: str) -> None:
-    if mask not in MASK_KINDS:
-        raise ValueError(f"unknown mask kind {mask!r}; expected one of {MASK_KINDS}")
+    if mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}; expected one of {MASKS}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, H, L, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:

@@ -4,7 +4,7 @@ Packed tensors are ``[T, H, D]``; which rows hold which document positions
 is described by runs (``layout.packed.Segment``: storage row, document, position,
 length), computed from ``cu_seqlens`` alone. A query run and a key run of the
 same document form a tile; the tile is trimmed to the rows that see some key
-and the columns some row sees, then given the cheapest kind that is exact:
+and the columns some row sees, then given the cheapest mask that is exact:
 
 ``none``    every pair visible (other documents' runs never pair)
 ``causal``  top-left causal: query a sees key b <= a
@@ -48,7 +48,7 @@ class Tile(NamedTuple):
     k_row: int
     q_len: int
     k_len: int
-    kind: str  # "none" | "causal" | "band"
+    mask: str  # "none" | "causal" | "band"
     offset: int  # position of the tile's first query minus that of its first key
     window: tuple[int, int]  # (left, right) as given: what a "band" tile evaluates
 
@@ -68,8 +68,8 @@ def _tiles(qs: Segment, ks: Segment, left: int, right: int) -> list[Tile]:
     if right >= 0:
         k_hi = min(k_hi, q_hi + right)
 
-    def tile(q0, q1, k0, k1, kind):
-        return Tile(qs.row + q0 - qs.pos, ks.row + k0 - ks.pos, q1 - q0, k1 - k0, kind, q0 - k0, (left, right))
+    def tile(q0, q1, k0, k1, mask):
+        return Tile(qs.row + q0 - qs.pos, ks.row + k0 - ks.pos, q1 - q0, k1 - k0, mask, q0 - k0, (left, right))
 
     if (left < 0 or q_hi - 1 - k_lo <= left) and (right < 0 or k_hi - 1 - q_lo <= right):
         return [tile(q_lo, q_hi, k_lo, k_hi, "none")]
@@ -89,7 +89,7 @@ def _coalesce(tiles: list[Tile], along_keys: bool) -> list[Tile]:
     joined: list[Tile] = []
     for t in sorted(tiles, key=key):
         last = joined[-1] if joined else None
-        if last is not None and last.kind == t.kind == "none":
+        if last is not None and last.mask == t.mask == "none":
             if along_keys and (last.q_row, last.q_len) == (t.q_row, t.q_len) and last.k_row + last.k_len == t.k_row:
                 joined[-1] = last._replace(k_len=last.k_len + t.k_len)
                 continue
@@ -122,11 +122,11 @@ def _bhld(t: Tensor, row: int, length: int) -> Tensor:
 
 def _math(t: Tile, softcap: float) -> bool:
     """Band tiles, and every tile of soft-capped scores (no fused kernel caps), take the math path."""
-    return t.kind == "band" or softcap > 0
+    return t.mask == "band" or softcap > 0
 
 
 def _visible(t: Tile, device):
-    return tile_visible(t.kind, t.q_len, t.k_len, t.offset, t.window, device)
+    return tile_visible(t.mask, t.q_len, t.k_len, t.offset, t.window, device)
 
 
 def tiles_attn(
@@ -142,7 +142,7 @@ def tiles_attn(
         if _math(t, softcap):
             part_out, part_lse = math_attn_impl(qt, kt, vt, _visible(t, q.device), scale, softcap)
         else:
-            part_out, part_lse = block_attn_impl(qt, kt, vt, t.kind, scale)
+            part_out, part_lse = block_attn_impl(qt, kt, vt, t.mask, scale)
         merge_into_(_bhld(out, t.q_row, t.q_len), _bhld(lse, t.q_row, t.q_len), part_out, part_lse)
     return out.to(q.dtype), lse
 
@@ -159,7 +159,7 @@ def tiles_attn_backward(dout, q, k, v, out, lse, dlse, tiles: Sequence[Tile], sc
         if _math(t, softcap):
             tq, tk, tv = math_attn_backward_impl(*args, _visible(t, q.device), scale, tile_dlse, softcap)
         else:
-            tq, tk, tv = block_attn_backward_parts(*args, t.kind, scale, tile_dlse)
+            tq, tk, tv = block_attn_backward_parts(*args, t.mask, scale, tile_dlse)
         rows(dq).add_(tq)
         cols(dk).add_(tk)
         cols(dv).add_(tv)

@@ -40,7 +40,7 @@ from ..launch import LocalPools, torchrun_runner  # noqa: F401
 from .builtin import _ours_meter, _ours_setup, _stub_our_kernels  # noqa: F401  (and registers the built-in variants)
 from .cli import add_arguments, main, options_from_args, plot, table, write_outputs  # noqa: F401
 from .core import TINY, BenchOptions, Runner, bench_rank, run_benchmark, summarise  # noqa: F401
-from .trace import OP_KINDS, OpTracer, op_kind  # noqa: F401
+from .trace import OP_CLASSES, OpTracer, op_class  # noqa: F401
 from .variants import (  # noqa: F401
     CONFIG_HOOKS,
     DTYPES,

@@ -96,9 +96,9 @@ def plot(results: dict, path: Path) -> None:
                 ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
                 if name != SINGLE:
                     ax_m.plot([w for w, _ in pts], [e["peak_q_units"] for _, e in pts], label=label, **style)
-        kind = "causal" if causal else "non-causal"
-        ax_t.set(title=f"fwd+bwd time, {kind}", xlabel="C (ranks)", ylabel="seconds (median)", yscale="log")
-        ax_m.set(title=f"peak memory growth, {kind}", xlabel="C (ranks)", ylabel="local q units")
+        mask = "causal" if causal else "non-causal"
+        ax_t.set(title=f"fwd+bwd time, {mask}", xlabel="C (ranks)", ylabel="seconds (median)", yscale="log")
+        ax_m.set(title=f"peak memory growth, {mask}", xlabel="C (ranks)", ylabel="local q units")
         for ax in (ax_t, ax_m):
             ax.set_xticks(sorted({c["config"]["world_size"] for c in configs}))
             ax.grid(alpha=0.3)
@@ -136,17 +136,17 @@ def _plot_timeline(ax, results: dict) -> None:
         issued = {}
         for e in events:
             t0, t1 = e["t0"] - origin, e["t1"] - origin
-            if e["kind"] == "comm":
+            if e["class"] == "comm":
                 issued[e["id"]] = t0
-            kind = "wait" if e["kind"] in ("wait", "comm") else e["kind"]
-            color, label = _SPAN_STYLE[kind]
+            lane = "wait" if e["class"] in ("wait", "comm") else e["class"]
+            color, label = _SPAN_STYLE[lane]
             ax.broken_barh(
-                [(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color, label=None if kind in used else label
+                [(t0, max(t1 - t0, 1e-5))], (y - 0.35, 0.5), color=color, label=None if lane in used else label
             )
-            used.add(kind)
+            used.add(lane)
         ends: dict[int, float] = {}
         for e in events:
-            if e["kind"] == "wait" and e.get("id", -1) in issued:
+            if e["class"] == "wait" and e.get("id", -1) in issued:
                 ends[e["id"]] = max(ends.get(e["id"], 0.0), e["t1"] - origin)
         spans = [(issued[i], end - issued[i]) for i, end in ends.items()]
         ax.broken_barh(

@@ -112,8 +112,8 @@ def run_family(run: Callable, name: str, timeout: float = FAMILY_TIMEOUT_S) -> d
         per_rank = run(family_on_rank, name, timeout=timeout)
     except (RankError, TimeoutError) as e:
         if isinstance(e, RankError):
-            rank, (kind, message, _) = sorted(e.errors.items())[0]
-            detail = f"rank {rank} raised {kind}: {(message.strip().splitlines() or [''])[0][:160]}"
+            rank, (error_type, message, _) = sorted(e.errors.items())[0]
+            detail = f"rank {rank} raised {error_type}: {(message.strip().splitlines() or [''])[0][:160]}"
         else:
             detail = f"{type(e).__name__}: {_first_line(e)}"
         phase = {"status": "failed", "detail": detail}

@@ -8,8 +8,8 @@ import time
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# op name -> kind; names not listed are classified by ``op_kind``. Plugins may add.
-OP_KINDS: dict[str, str] = {
+# op name -> class (comm, wait, compute, merge, other); names not listed go through ``op_class``. Plugins may add.
+OP_CLASSES: dict[str, str] = {
     "_c10d_functional::wait_tensor": "wait",
     # torch 2.13 wraps every functional collective's result with this op (no transfer)
     "_c10d_functional::_wrap_tensor_autograd": "other",
@@ -24,9 +24,9 @@ OP_KINDS: dict[str, str] = {
 }
 
 
-def op_kind(name: str) -> str:
-    if name in OP_KINDS:
-        return OP_KINDS[name]
+def op_class(name: str) -> str:
+    if name in OP_CLASSES:
+        return OP_CLASSES[name]
     if name.startswith(("_c10d_functional::", "c10d::")):
         return "comm"
     if "scaled_dot_product" in name:
@@ -59,7 +59,7 @@ def _nbytes(value) -> int:
 class OpTracer(TorchDispatchMode):
     """Time every dispatched op with ``perf_counter``; link waits to their comm issue.
 
-    ``events``: dicts with kind, op, t0, t1 (seconds, ``perf_counter`` clock, which
+    ``events``: dicts with class, op, t0, t1 (seconds, ``perf_counter`` clock, which
     is CLOCK_MONOTONIC and thus shared by the processes of one machine), and for
     comm/wait the id of the transfer. Ops inside a custom op are not seen.
     """
@@ -72,17 +72,17 @@ class OpTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        kind = op_kind(name)
+        span_class = op_class(name)
         t0 = time.perf_counter()
         result = func(*args, **(kwargs or {}))
         t1 = time.perf_counter()
-        event = {"kind": kind, "op": name, "t0": t0, "t1": t1}
-        if kind == "comm":
+        event = {"class": span_class, "op": name, "t0": t0, "t1": t1}
+        if span_class == "comm":
             event["id"], event["bytes"] = self._next_id, _nbytes(args[0] if args else None)
             for key in _storage_keys(result):
                 self._inflight[key] = self._next_id
             self._next_id += 1
-        elif kind == "wait":
+        elif span_class == "wait":
             keys = _storage_keys(args[0] if args else None)
             event["id"] = self._inflight.get(keys[0], -1) if keys else -1
         self.events.append(event)
@@ -91,7 +91,7 @@ class OpTracer(TorchDispatchMode):
     def summary(self) -> dict:
         spent: dict[str, float] = {}
         for e in self.events:
-            spent[e["kind"]] = spent.get(e["kind"], 0.0) + e["t1"] - e["t0"]
+            spent[e["class"]] = spent.get(e["class"], 0.0) + e["t1"] - e["t0"]
         return {
             "exposed_comm_s": spent.get("comm", 0.0) + spent.get("wait", 0.0),
             "wait_s": spent.get("wait", 0.0),
@@ -99,14 +99,14 @@ class OpTracer(TorchDispatchMode):
             "compute_s": spent.get("compute", 0.0),
             "merge_s": spent.get("merge", 0.0),
             "other_s": spent.get("other", 0.0),
-            "transfers": len({e["id"] for e in self.events if e["kind"] == "comm"}),
+            "transfers": len({e["id"] for e in self.events if e["class"] == "comm"}),
         }
 
     def timeline(self, origin: float, min_other_s: float = 50e-6) -> list[dict]:
         """Events relative to ``origin``; short 'other' ops are dropped (they only clutter)."""
         out = []
         for e in self.events:
-            if e["kind"] == "other" and e["t1"] - e["t0"] < min_other_s:
+            if e["class"] == "other" and e["t1"] - e["t0"] < min_other_s:
                 continue
             out.append({**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin})
         return out
