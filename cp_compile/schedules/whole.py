@@ -28,6 +28,7 @@ The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -103,6 +104,19 @@ def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Ca
     return Traceable("backward", world_size, fn, [*first, *extra] + ([dlse] if dlse is not None else []))
 
 
+def _unpack(args: tuple, n_tensors: int, n_groups: int) -> tuple[tuple, Call, Any]:
+    """A whole op's arguments ``(*tensors, *groups, is_causal, layout, scale[, flag], kind, options)`` as
+    (tensors, the call, the op's own flag: ``enable_gqa`` or ``kv_heads``, None where its schema has none)."""
+    tensors, groups, rest = args[:n_tensors], args[n_tensors : n_tensors + n_groups], args[n_tensors + n_groups :]
+    is_causal, layout, scale, *flag, kind, options = rest
+    return tuple(tensors), Call(kind, tuple(groups), is_causal, layout, scale, options), (flag[0] if flag else None)
+
+
+def _packed(call: Call, *flag) -> tuple:
+    """The call as a whole op's non-tensor arguments (the inverse of ``_unpack``)."""
+    return (*call.groups, call.is_causal, call.layout, call.scale, *flag, call.kind, call.options)
+
+
 # ----------------------------------------------------------------------------
 # Sequence schedules: (out, lse); the backward keeps q, k, v, out, lse.
 # ----------------------------------------------------------------------------
@@ -116,14 +130,14 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
     returns the forward op.
     """
 
-    def forward_impl(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
-        call = Call(kind, (group_name,), is_causal, layout, scale, options)
-        out, lse = forward(q, k, v, list(extra), call, world_size_of(group_name), enable_gqa)
+    def forward_impl(*args):
+        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, 1)
+        out, lse = forward(q, k, v, list(extra), call, world_size_of(call.group_name), enable_gqa)
         return out.contiguous(), lse.contiguous()
 
-    def backward_impl(dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options):
-        call = Call(kind, (group_name,), is_causal, layout, scale, options)
-        grads = backward(dout, q, k, v, out, lse, dlse, list(extra), call, world_size_of(group_name))
+    def backward_impl(*args):
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = _unpack(args, 8, 1)
+        grads = backward(dout, q, k, v, out, lse, dlse, list(extra), call, world_size_of(call.group_name))
         return tuple(g.contiguous() for g in grads)
 
     forward_op, backward_op = _op_pair(
@@ -138,8 +152,9 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
     )
 
     @forward_op.register_fake
-    def _(q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options):
-        kind_entry(kind)
+    def _(*args):
+        (q, _, v, _), call, _ = _unpack(args, 4, 1)
+        kind_entry(call.kind)
         return result_like(q, v)
 
     @backward_op.register_fake
@@ -147,9 +162,9 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return dense_like(q), dense_like(k), dense_like(v)
 
     def setup(ctx, inputs, output):
-        q, k, v, extra, group_name, is_causal, layout, scale, _, kind, options = inputs
+        (q, k, v, extra), ctx.call, _ = _unpack(inputs, 4, 1)
         ctx.save_for_backward(q, k, v, *output, *extra)
-        ctx.options = (group_name, is_causal, layout, scale, kind, options)
+        ctx.n_options = len(inputs) - 4
         # an unused lse must arrive as None, not zeros: its gradient path is dense
         ctx.set_materialize_grads(False)
 
@@ -157,15 +172,14 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         q, k, v, out, lse, *extra = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *ctx.options)
-        return dq, dk, dv, [None] * len(extra), None, None, None, None, None, None, None
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *_packed(ctx.call))
+        return (dq, dk, dv, [None] * len(extra)) + (None,) * ctx.n_options
 
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        q, k, v, extra, group_name, is_causal, layout, scale, enable_gqa, kind, options = args
-        call = Call(kind, (group_name,), is_causal, layout, scale, options)
-        world_size = world_size_of(group_name)
+        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, 1)
+        world_size = world_size_of(call.group_name)
 
         def fn(q, k, v, *extra):
             return forward(q, k, v, list(extra), call, world_size, enable_gqa)
@@ -173,9 +187,8 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return Traceable("forward", world_size, fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
-        dout, q, k, v, out, lse, dlse, extra, group_name, is_causal, layout, scale, kind, options = args
-        call = Call(kind, (group_name,), is_causal, layout, scale, options)
-        world_size = world_size_of(group_name)
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = _unpack(args, 8, 1)
+        world_size = world_size_of(call.group_name)
         return _backward_traceable(
             world_size,
             [dout, q, k, v, out, lse],
@@ -211,25 +224,13 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     n = len(group_names)
     groups_schema = ", ".join(f"str {g}" for g in group_names)
 
-    def forward_impl(q, k, v, extra, *rest):
-        groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
-        res = forward(q, k, v, list(extra), Call(kind, tuple(groups), is_causal, layout, scale, options), enable_gqa)
-        return _distinct(res, (q, k, v))
+    def forward_impl(*args):
+        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, n)
+        return _distinct(forward(q, k, v, list(extra), call, enable_gqa), (q, k, v))
 
-    def backward_impl(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
-        groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
-        res = backward(
-            dout,
-            dlse,
-            qh,
-            kh,
-            vh,
-            out_h,
-            lse_h,
-            list(extra),
-            Call(kind, tuple(groups), is_causal, layout, scale, options),
-            kv_heads,
-        )
+    def backward_impl(*args):
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = _unpack(args, 8, n)
+        res = backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra), call, kv_heads)
         return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
     forward_op, backward_op = _op_pair(
@@ -244,9 +245,10 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     )
 
     @forward_op.register_fake
-    def _(q, k, v, extra, *rest):
-        kind_entry(rest[n + 4])
-        c = world_size_of(rest[a2a_index])
+    def _(*args):
+        (q, k, v, _), call, _ = _unpack(args, 4, n)
+        kind_entry(call.kind)
+        c = world_size_of(call.groups[a2a_index])
         out, lse = result_like(q, v)
         kv_heads = k.shape[1] * replicate_kv_heads(k.shape[1], q.shape[1], c)
         return (
@@ -260,8 +262,9 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         )
 
     @backward_op.register_fake
-    def _(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest):
-        c, kv_heads = world_size_of(rest[a2a_index]), rest[n + 3]
+    def _(*args):
+        (dout, _, qh, kh, vh, _, _, _), call, kv_heads = _unpack(args, 8, n)
+        c = world_size_of(call.groups[a2a_index])
         b, s = dout.shape[0], dout.shape[2]
         return (
             dout.new_empty(b, qh.shape[1] * c, s, qh.shape[-1]),
@@ -270,12 +273,11 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         )
 
     def setup(ctx, inputs, output):
-        q, k, v, extra, *rest = inputs
+        (_, k, _, extra), call, _ = _unpack(inputs, 4, n)
         ctx.save_for_backward(*output[2:], *extra)
-        ctx.n_extra, ctx.n_options = len(extra), len(rest)
-        groups, (is_causal, layout, scale, _, kind, options) = rest[:n], rest[n:]
-        ctx.a2a_group = groups[a2a_index]
-        ctx.args = (*groups, is_causal, layout, scale, k.shape[1], kind, options)
+        ctx.n_extra, ctx.n_options = len(extra), len(inputs) - 4
+        ctx.a2a_group = call.groups[a2a_index]
+        ctx.args = _packed(call, k.shape[1])
         ctx.set_materialize_grads(False)
 
     def grad(ctx, dout, dlse, *_unused):
@@ -289,21 +291,17 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        q, k, v, extra, *rest = args
-        groups, (is_causal, layout, scale, enable_gqa, kind, options) = rest[:n], rest[n:]
-        call = Call(kind, tuple(groups), is_causal, layout, scale, options)
+        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, n)
 
         def fn(q, k, v, *extra):
             return forward(q, k, v, list(extra), call, enable_gqa)
 
-        return Traceable("forward", world_size_of(groups[0]), fn, [q, k, v, *extra])
+        return Traceable("forward", world_size_of(call.group_name), fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
-        dout, dlse, qh, kh, vh, out_h, lse_h, extra, *rest = args
-        groups, (is_causal, layout, scale, kv_heads, kind, options) = rest[:n], rest[n:]
-        call = Call(kind, tuple(groups), is_causal, layout, scale, options)
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = _unpack(args, 8, n)
         return _backward_traceable(
-            world_size_of(groups[0]),
+            world_size_of(call.group_name),
             [dout, qh, kh, vh, out_h, lse_h],
             extra,
             dlse,
