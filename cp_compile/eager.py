@@ -9,7 +9,7 @@ cost model (``cost.masked``) for the choice a compiled site would make.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import Tensor
@@ -18,6 +18,10 @@ from .comm import group_name_of, is_2d_mesh, mesh_groups, resolve_group
 from .kinds.flex import eager_mods, flex_options
 from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from .schedules import HEAD_SCHEDULES, whole_op
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _groups(group, schedule: str) -> tuple[str, tuple]:
@@ -66,7 +70,7 @@ def ring_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    group=None,
+    group: Union[ProcessGroup, DeviceMesh, str, None] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
@@ -77,7 +81,27 @@ def ring_attention(
 
     ``q, k, v`` are this rank's ``[B, H, S_local, D]`` shards, laid out as
     ``layout`` says (``ContextParallel.shard`` produces them). ``is_causal``
-    means causal over the whole global sequence. Differentiable.
+    means causal over the whole global sequence. Differentiable. A collective:
+    every rank of ``group`` calls it with the same shapes and arguments.
+
+    Args:
+        q: this rank's query shard.
+        k: this rank's key shard; fewer heads than ``q`` with ``enable_gqa``.
+        v: this rank's value shard, as ``k``.
+        group: a process group, a 1-D DeviceMesh or its group name; None: the default group.
+        is_causal: causal over the global sequence.
+        scale: the softmax scale; None: ``1 / sqrt(D)``.
+        enable_gqa: grouped-query attention (query heads a multiple of key/value heads).
+        layout: the load balance the shards were made with (``"zigzag"`` or ``"contiguous"``).
+        dropout_p: must be 0.
+
+    Returns:
+        This rank's ``[B, H, S_local, D]`` output, in q's dtype.
+
+    Raises:
+        NotImplementedError: ``dropout_p`` is not 0.
+        ValueError: shapes, dtypes or arguments that differ between ranks or that CP cannot run
+            (raised on every rank, before the first transfer).
     """
     if dropout_p:
         raise NotImplementedError(

@@ -17,6 +17,8 @@ from .layout.packed import Packed, check_cu_seqlens, packed_local_len
 from .torch_compat import resolve_process_group
 
 if TYPE_CHECKING:
+    from .compiler.backend import CPBackend
+    from .cost.model import Machine
     from .layout.blockmask import ShardInfo
 
 # (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
@@ -93,6 +95,18 @@ class ContextParallel:
     ``machine`` (a ``cp_compile.Machine``) is what the cost model assumes;
     by default the profile of the device type, or with ``calibrate=True`` one
     measured now on this group (every rank must construct the plan).
+
+    Args:
+        group_or_mesh: the ranks the sequence is sharded over; None: the default process group.
+        load_balance: ``"zigzag"``, ``"contiguous"`` or a global ``BlockMask`` (see above).
+        schedule: ``"auto"`` or a schedule name for every attention site.
+        machine: the ``cp_compile.Machine`` the cost model assumes; None: the device type's profile.
+        calibrate: measure the machine now, on this group (a collective: every rank calls it).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an unknown load balance or schedule, ``"hybrid"`` without a 2-D mesh, or a
+            BlockMask whose blocks do not split evenly over the ranks.
     """
 
     def __init__(
@@ -100,7 +114,7 @@ class ContextParallel:
         group_or_mesh: Union[dist.ProcessGroup, torch.distributed.DeviceMesh, None] = None,
         load_balance: str = "zigzag",
         schedule: str = "auto",
-        machine=None,
+        machine: Optional[Machine] = None,
         calibrate: bool = False,
     ):
         from .cost.model import check_schedule
@@ -201,6 +215,19 @@ class ContextParallel:
 
         A FlexAttention ``BlockMask`` built for the global sequence gives this
         rank's BlockMask: valid for the local q/k, meaning the global mask.
+
+        Args:
+            x: the global tensor (or ``BlockMask``), the same on every rank.
+            seq_dim: the sequence dimension of a tensor.
+            cu_seqlens: global document offsets of a packed sequence (``[0, ..., total]``).
+
+        Returns:
+            This rank's shard: a tensor, or a ``BlockMask`` for the local queries and keys.
+
+        Raises:
+            TypeError: ``seq_dim`` is missing for a tensor.
+            ValueError: the length does not split into the layout's chunks, or ``cu_seqlens`` does not
+                start at 0, decreases, or does not end at the sequence's length.
         """
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -223,18 +250,47 @@ class ContextParallel:
         return _made(self, self.layout.shard(x, seq_dim, self.rank, self.world_size), "shard")
 
     def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
-        """The full tensor, on every rank, from each rank's shard (packed: without padding)."""
+        """The full tensor, on every rank, from each rank's shard (packed: without padding).
+
+        A collective: every rank of the plan calls it with its own shard.
+
+        Args:
+            x_local: this rank's shard, as ``shard`` made it.
+            seq_dim: its sequence dimension.
+            cu_seqlens: the global document offsets the shard was made with, for packed documents.
+
+        Returns:
+            The global tensor, the same on every rank.
+        """
         parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
         return (self.layout if cu_seqlens is None else Packed(cu_seqlens)).unshard(parts, seq_dim)
 
-    def positions(self, seq_len: Optional[int] = None, device=None, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    def positions(
+        self,
+        seq_len: Optional[int] = None,
+        device: Union[torch.device, str, None] = None,
+        cu_seqlens: Optional[Tensor] = None,
+    ) -> Tensor:
         """Global positions (LongTensor) of this rank's tokens; with ``cu_seqlens``, each
         local slot's position inside its document (padding slots continue their document).
 
         The call also records what the batch is (``documents``): packed documents with
         ``cu_seqlens``, one sequence per row without. ``cp_compile.hf`` reads it when a
-        model is given only ``position_ids``."""
+        model is given only ``position_ids``.
+
+        Args:
+            seq_len: the global sequence length (without ``cu_seqlens``).
+            device: where the positions are made.
+            cu_seqlens: global document offsets of a packed sequence.
+
+        Returns:
+            A 1-D LongTensor, one entry per local token (slot).
+
+        Raises:
+            ValueError: neither ``seq_len`` nor ``cu_seqlens`` is given, or the length does not split
+                into the layout's chunks.
+        """
         if cu_seqlens is not None:
             cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int32)
             self._documents = (_dynamic(cu, 0), packed_local_len(cu, self.world_size))
@@ -245,10 +301,14 @@ class ContextParallel:
         self._documents = None
         return _made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
 
-    def backend(self, inner: str = "inductor"):
+    def backend(self, inner: str = "inductor") -> CPBackend:
         """A ``torch.compile`` backend that rewrites attention into CP schedules.
 
         ``inner`` is ``"inductor"`` (default) or ``"aot_eager"`` (no code generation).
+
+        Returns:
+            The backend for ``torch.compile(model, backend=...)``; its ``explain()`` reports what it
+                did to every graph it compiled.
         """
         from .compiler.backend import CPBackend
 
