@@ -8,56 +8,19 @@ cost model (``cost.masked``) for the choice a compiled site would make.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .comm import group_name_of, is_2d_mesh, mesh_groups, resolve_group
+from .comm import group_name_of, is_2d_mesh, resolve_group
 from .kinds.flex import eager_mods, flex_options
 from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
-from .schedules import HEAD_SCHEDULES, whole_op
+from .schedules import HEAD_SCHEDULES, run_schedule, softmax_scale
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-
-
-def _groups(group, schedule: str) -> tuple[str, tuple]:
-    """(group name, mesh groups) of an eager call's ``group``: a group (name) or, for the hybrid,
-    a 2-D (ring, a2a) DeviceMesh or its (flattened, ring, a2a) group names."""
-    if isinstance(group, tuple):
-        return group[0], tuple(group[1:]) if schedule == "hybrid" else ()
-    if schedule != "hybrid":
-        return group_name_of(group), ()
-    names = mesh_groups(group)
-    return names[0], tuple(names[1:])
-
-
-def softmax_scale(q: Tensor, scale: Optional[float]) -> float:
-    """``scale``, or SDPA's default ``1 / sqrt(head dim)``."""
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-
-
-def run_schedule(
-    schedule: str,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    extra: list,
-    group,
-    is_causal: bool,
-    layout: str,
-    scale: float,
-    enable_gqa: bool,
-    kind: str,
-    options: str,
-) -> tuple[Tensor, Tensor]:
-    """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
-    op, groups = whole_op(schedule, *_groups(group, schedule))
-    res = op(q, k, v, list(extra), *groups, bool(is_causal), layout, scale, bool(enable_gqa), kind, options)
-    return res[0], res[1]
 
 
 def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout) -> Tensor:

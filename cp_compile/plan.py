@@ -326,7 +326,7 @@ class ContextParallel:
         enable_gqa: bool = False,
     ) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
-        from .eager import run_schedule, softmax_scale
+        from .schedules import run_schedule, softmax_scale
 
         schedule = "ring" if self.schedule == "auto" else self.schedule
         return run_schedule(

@@ -63,12 +63,12 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from ..eager import softmax_scale
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
 from ..inference.hf_cache import CACHE_STEP
 from ..kernels.merge import fold_sinks
 from ..plan import ContextParallel, active_plan
+from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
 
