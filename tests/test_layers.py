@@ -157,3 +157,27 @@ def test_import_cp_compile_loads_no_instrument():
     code = "import sys, cp_compile; print(sorted(m for m in sys.modules if m.startswith('cp_compile.tools')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", loaded
+
+
+def test_every_kind_and_schedule_module_is_registered_in_one_place():
+    """A module that enters a kind or a schedule when imported is imported by ``registration.py``, the one place
+    ``import cp_compile`` registers them; and no other module imports one only for that (``noqa: F401``), save
+    the package importing ``registration`` itself."""
+    registering = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.Expr)) else None
+            func = getattr(value, "func", None)
+            if getattr(func, "id", None) in ("register_kind", "sequence_schedule", "heads_schedule"):
+                registering.add(_module_name(path))
+    registration = PACKAGE / "registration.py"
+    imported = _imports(registration, "cp_compile.registration", False)
+    assert registering and registering <= imported, sorted(registering - imported)
+    side_effect_imports = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in PACKAGE.rglob("*.py")
+        if path != registration
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if line.startswith("from . import") and "noqa: F401" in line and line.split()[3] != "registration"
+    ]
+    assert not side_effect_imports, side_effect_imports
