@@ -84,14 +84,18 @@ _active_traffic: list[Traffic] = []
 
 
 @contextlib.contextmanager
-def count_traffic():
-    """Count ring transfers issued by this process inside the block."""
-    traffic = Traffic()
-    _active_traffic.append(traffic)
+def open_count(active: list, count):
+    """``count`` kept in ``active`` (what this process's ops add to) for the block; yields it."""
+    active.append(count)
     try:
-        yield traffic
+        yield count
     finally:
-        _active_traffic.remove(traffic)
+        active.remove(count)
+
+
+def count_traffic() -> contextlib.AbstractContextManager[Traffic]:
+    """Count ring transfers issued by this process inside the block."""
+    return open_count(_active_traffic, Traffic())
 
 
 def _record(tensors: list[Tensor], tag: int) -> None:

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..comm import open_count
 from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, shard_info
@@ -85,15 +86,9 @@ class BlockCount:
 _active_counts: list[BlockCount] = []
 
 
-@contextlib.contextmanager
-def count_blocks():
+def count_blocks() -> contextlib.AbstractContextManager[BlockCount]:
     """Count (query chunk, key chunk) pairs this process computes and skips inside the block."""
-    count = BlockCount()
-    _active_counts.append(count)
-    try:
-        yield count
-    finally:
-        _active_counts.remove(count)
+    return open_count(_active_counts, BlockCount())
 
 
 def _record(direction: str, computed: int, skipped: int) -> None:
