@@ -1,6 +1,6 @@
 """The private torch APIs cp_compile depends on, in one place.
 
-Tested with torch 2.13 and 2.14 (``pyproject.toml`` admits ``>=2.13,<2.15``;
+Tested with torch 2.13 and 2.15 (``pyproject.toml`` admits ``>=2.13,<2.16``;
 CI runs the suite on both). Everything here is something torch does not promise
 to keep. When a release moves or changes one, this is the file to change, and
 ``missing()`` makes the failure name the API and the torch version instead of
@@ -17,7 +17,7 @@ import importlib
 
 import torch
 
-TESTED_TORCH = ("2.13", "2.14")
+TESTED_TORCH = ("2.13", "2.15")
 
 # c10d: a Python-side Work, registered on tensors, is what lets the functional
 # ``wait_tensor`` complete our own asynchronous transfers.
@@ -29,6 +29,13 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E
 def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
     """The process group registered under ``group_name`` (torch types the name as its own ``GroupName``)."""
     return _resolve_process_group(group_name)  # type: ignore[arg-type]
+
+
+def assume_constant_result(fn):
+    """What ``torch.compiler.assume_constant_result`` does (Dynamo calls ``fn`` while tracing and keeps its
+    result as a constant), without importing Dynamo, which that function does and ``import cp_compile`` must not."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def missing(what: str) -> RuntimeError:

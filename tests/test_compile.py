@@ -227,6 +227,35 @@ def test_noncausal_scale_and_gqa_compiled(ranks, inner):
         assert max(errs) < 1e-10, errs
 
 
+def eager_call_compiled():
+    """``cp_compile.ring_attention`` with the default group (``group=None``) called inside ``torch.compile``: the
+    whole op lands in the graph as the model called it; forward and gradients against one device."""
+    import torch.nn.functional as F
+    from helpers import make_qkv, max_err
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    q, k, v, do = make_qkv(1, 4, 2, 8 * plan.world_size, 8)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True).backward(do)
+    torch._dynamo.reset()
+    local = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+
+    def attention(q, k, v):
+        return cp_compile.ring_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    out = torch.compile(attention, backend=plan.backend("aot_eager"), fullgraph=True)(*local)
+    out.backward(plan.shard(do, 2))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return [max_err(out, plan.shard(want, 2))] + [max_err(a.grad, plan.shard(b.grad, 2)) for a, b in zip(local, ref)]
+
+
+def test_eager_function_with_default_group_inside_compile(ranks):
+    for errs in ranks(2, eager_call_compiled, timeout=300):
+        assert max(errs) < 1e-10, errs
+
+
 def attention_with_cache(cache_dir: str, local_len: int):
     """Causal SDPA fwd+bwd compiled with Inductor and a given cache directory; (max error, FX cache hits)."""
     import os

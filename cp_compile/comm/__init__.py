@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..torch_compat import PythonCallbackWork, register_work, resolve_process_group
+from ..torch_compat import PythonCallbackWork, assume_constant_result, register_work, resolve_process_group
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -302,12 +302,19 @@ def is_2d_mesh(group) -> bool:
     return hasattr(group, "get_group") and group.ndim == 2
 
 
+@assume_constant_result
+def _default_group_name() -> str:
+    # Dynamo cannot read a ProcessGroup's name while tracing (an eager function called with group=None inside
+    # torch.compile); the default group's name is fixed for the process and the same on every rank
+    return dist.group.WORLD.group_name
+
+
 def group_name_of(group) -> str:
     """Name of a ProcessGroup, a 1-D DeviceMesh, a group name, or None (the default group)."""
     if isinstance(group, str):
         return group
     if group is None:
-        group = dist.group.WORLD
+        return _default_group_name()
     if hasattr(group, "get_group"):  # DeviceMesh
         if group.ndim != 1:
             raise ValueError(f"ring attention needs a 1-D DeviceMesh, got {group.ndim}-D")
