@@ -21,14 +21,13 @@ def visible_fraction(site, seq_len: int) -> float:
     return (seq_len + 1) / (2 * seq_len) if site.args.get("is_causal") else 1.0
 
 
+def _needs_backward(site) -> bool:
+    return any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
+
+
 def workload(site, options) -> Workload:
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     c = resolve_group(options.group_name).size()
-    example = site.query.meta.get("example_value", site.query.meta.get("val"))
-    backward = any(
-        getattr(n.meta.get("example_value", n.meta.get("val")), "requires_grad", False)
-        for n in (site.args["query"], site.args["key"], site.args["value"])
-    )
     return (
         Workload(
             batch=q[0],
@@ -41,10 +40,10 @@ def workload(site, options) -> Workload:
             world_size=c,
             visible=visible_fraction(site, q[2] * c),
             causal=bool(site.args.get("is_causal")),
-            backward=backward,
+            backward=_needs_backward(site),
             mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
         )
-        if example is not None
+        if _example(site.query) is not None
         else None
     )
 
@@ -55,7 +54,6 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
     c = resolve_group(options.group_name).size()
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
-    backward = any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
     if site.pattern == "varlen":
         window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site pattern
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
@@ -72,7 +70,7 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
         c,
         facts,
         causal=causal,
-        backward=backward,
+        backward=_needs_backward(site),
         machine=machine,
         mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
         schedule=options.schedule,

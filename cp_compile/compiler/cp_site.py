@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from ..kinds.base import Call
 from ..kinds.packed import parse_packed_options
 from ..schedules.registry import FORWARD_OPS
 from .site import AttentionSite, CPOptions, SitePattern
@@ -23,20 +24,19 @@ def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
     target = getattr(node.target, "default", node.target)  # an op packet or its overload
     if target not in FORWARD_OPS:
         return None
-    q, k, v, extra, *rest = node.args
-    is_causal, layout, scale, enable_gqa, kind, options = rest[-6:]
+    (q, k, v, extra), call, enable_gqa = Call.from_op_args(node.args, 4, len(node.args) - 10)
     return {
         "query": q,
         "key": k,
         "value": v,
         "extra": extra,
-        "groups": tuple(rest[:-6]),
-        "is_causal": is_causal,
-        "layout": layout,
-        "scale": scale,
+        "groups": call.groups,
+        "is_causal": call.is_causal,
+        "layout": call.layout,
+        "scale": call.scale,
         "enable_gqa": enable_gqa,
-        "kind": kind,
-        "options": options,
+        "kind": call.kind,
+        "options": call.options,
         "schedule": target.__name__.split(".")[0].removesuffix("_attention"),
     }
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ..comm import resolve_group
 from ..errors import UnsupportedAttention
+from ..kinds.base import Call
 from ..schedules import whole_op
 
 
@@ -165,11 +166,9 @@ def insert_schedule(
         target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
     except ValueError as e:
         raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
+    call = Call(kind, groups, bool(is_causal), layout, float(scale), kind_options)
     return replace_node(
-        site,
-        target,
-        (q, k, v, list(extra), *groups, bool(is_causal), layout, float(scale), bool(enable_gqa), kind, kind_options),
-        n_outputs_used=outputs_used,
+        site, target, (q, k, v, list(extra), *call.op_args(bool(enable_gqa))), n_outputs_used=outputs_used
     )
 
 

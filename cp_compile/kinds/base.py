@@ -27,7 +27,7 @@ size, never the rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -59,6 +59,18 @@ class Call:
     @property
     def group_name(self) -> str:
         return self.groups[0]
+
+    @classmethod
+    def from_op_args(cls, args: tuple, n_tensors: int, n_groups: int) -> tuple[tuple, Call, Any]:
+        """A whole op's arguments ``(*tensors, *groups, is_causal, layout, scale[, flag], kind, options)`` as
+        (tensors, the call, the op's own flag: ``enable_gqa`` or ``kv_heads``, None where its schema has none)."""
+        tensors, groups, rest = args[:n_tensors], args[n_tensors : n_tensors + n_groups], args[n_tensors + n_groups :]
+        is_causal, layout, scale, *flag, kind, options = rest
+        return tuple(tensors), cls(kind, tuple(groups), is_causal, layout, scale, options), (flag[0] if flag else None)
+
+    def op_args(self, *flag) -> tuple:
+        """The call as a whole op's non-tensor arguments (the inverse of ``from_op_args``)."""
+        return (*self.groups, self.is_causal, self.layout, self.scale, *flag, self.kind, self.options)
 
     def attend_args(self, step: int, a2a_size: int) -> tuple:
         """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""

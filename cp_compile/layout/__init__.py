@@ -93,8 +93,8 @@ class Contiguous(Chunked):
         return [rank]
 
 
-LOAD_BALANCERS = ("zigzag", "contiguous")
-_NAMED: dict[str, Chunked] = {"zigzag": Zigzag(), "contiguous": Contiguous()}
+_NAMED: dict[str, Chunked] = {layout.name: layout for layout in (Zigzag(), Contiguous())}
+LOAD_BALANCERS = tuple(_NAMED)
 
 
 def layout_named(name: str) -> Chunked:

@@ -22,6 +22,7 @@ from typing import Optional
 from torch import Tensor
 
 from ..comm import group_name_of, mesh_groups
+from ..kinds.base import Call
 
 SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
 HEAD_SCHEDULES = ("ulysses", "hybrid")
@@ -75,5 +76,6 @@ def run_schedule(
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
     op, groups = whole_op(schedule, *_groups(group, schedule))
-    res = op(q, k, v, list(extra), *groups, bool(is_causal), layout, scale, bool(enable_gqa), kind, options)
+    call = Call(kind, groups, bool(is_causal), layout, scale, options)
+    res = op(q, k, v, list(extra), *call.op_args(bool(enable_gqa)))
     return res[0], res[1]

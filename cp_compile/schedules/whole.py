@@ -28,7 +28,6 @@ The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -104,19 +103,6 @@ def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Ca
     return Traceable("backward", world_size, fn, [*first, *extra] + ([dlse] if dlse is not None else []))
 
 
-def _unpack(args: tuple, n_tensors: int, n_groups: int) -> tuple[tuple, Call, Any]:
-    """A whole op's arguments ``(*tensors, *groups, is_causal, layout, scale[, flag], kind, options)`` as
-    (tensors, the call, the op's own flag: ``enable_gqa`` or ``kv_heads``, None where its schema has none)."""
-    tensors, groups, rest = args[:n_tensors], args[n_tensors : n_tensors + n_groups], args[n_tensors + n_groups :]
-    is_causal, layout, scale, *flag, kind, options = rest
-    return tuple(tensors), Call(kind, tuple(groups), is_causal, layout, scale, options), (flag[0] if flag else None)
-
-
-def _packed(call: Call, *flag) -> tuple:
-    """The call as a whole op's non-tensor arguments (the inverse of ``_unpack``)."""
-    return (*call.groups, call.is_causal, call.layout, call.scale, *flag, call.kind, call.options)
-
-
 # ----------------------------------------------------------------------------
 # Sequence schedules: (out, lse); the backward keeps q, k, v, out, lse.
 # ----------------------------------------------------------------------------
@@ -131,12 +117,12 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
     """
 
     def forward_impl(*args):
-        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, 1)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, 1)
         out, lse = forward(q, k, v, list(extra), call, world_size_of(call.group_name), enable_gqa)
         return out.contiguous(), lse.contiguous()
 
     def backward_impl(*args):
-        (dout, q, k, v, out, lse, dlse, extra), call, _ = _unpack(args, 8, 1)
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8, 1)
         grads = backward(dout, q, k, v, out, lse, dlse, list(extra), call, world_size_of(call.group_name))
         return tuple(g.contiguous() for g in grads)
 
@@ -153,7 +139,7 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
 
     @forward_op.register_fake
     def _(*args):
-        (q, _, v, _), call, _ = _unpack(args, 4, 1)
+        (q, _, v, _), call, _ = Call.from_op_args(args, 4, 1)
         kind_entry(call.kind)
         return result_like(q, v)
 
@@ -162,7 +148,7 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return dense_like(q), dense_like(k), dense_like(v)
 
     def setup(ctx, inputs, output):
-        (q, k, v, extra), ctx.call, _ = _unpack(inputs, 4, 1)
+        (q, k, v, extra), ctx.call, _ = Call.from_op_args(inputs, 4, 1)
         ctx.save_for_backward(q, k, v, *output, *extra)
         ctx.n_options = len(inputs) - 4
         # an unused lse must arrive as None, not zeros: its gradient path is dense
@@ -172,13 +158,13 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         q, k, v, out, lse, *extra = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *_packed(ctx.call))
+        dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *ctx.call.op_args())
         return (dq, dk, dv, [None] * len(extra)) + (None,) * ctx.n_options
 
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, 1)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, 1)
         world_size = world_size_of(call.group_name)
 
         def fn(q, k, v, *extra):
@@ -187,7 +173,7 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return Traceable("forward", world_size, fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
-        (dout, q, k, v, out, lse, dlse, extra), call, _ = _unpack(args, 8, 1)
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8, 1)
         world_size = world_size_of(call.group_name)
         return _backward_traceable(
             world_size,
@@ -225,11 +211,11 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     groups_schema = ", ".join(f"str {g}" for g in group_names)
 
     def forward_impl(*args):
-        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, n)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, n)
         return _distinct(forward(q, k, v, list(extra), call, enable_gqa), (q, k, v))
 
     def backward_impl(*args):
-        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = _unpack(args, 8, n)
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8, n)
         res = backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra), call, kv_heads)
         return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
@@ -246,7 +232,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     @forward_op.register_fake
     def _(*args):
-        (q, k, v, _), call, _ = _unpack(args, 4, n)
+        (q, k, v, _), call, _ = Call.from_op_args(args, 4, n)
         kind_entry(call.kind)
         c = world_size_of(call.groups[a2a_index])
         out, lse = result_like(q, v)
@@ -263,7 +249,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     @backward_op.register_fake
     def _(*args):
-        (dout, _, qh, kh, vh, _, _, _), call, kv_heads = _unpack(args, 8, n)
+        (dout, _, qh, kh, vh, _, _, _), call, kv_heads = Call.from_op_args(args, 8, n)
         c = world_size_of(call.groups[a2a_index])
         b, s = dout.shape[0], dout.shape[2]
         return (
@@ -273,11 +259,11 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         )
 
     def setup(ctx, inputs, output):
-        (_, k, _, extra), call, _ = _unpack(inputs, 4, n)
+        (_, k, _, extra), call, _ = Call.from_op_args(inputs, 4, n)
         ctx.save_for_backward(*output[2:], *extra)
         ctx.n_extra, ctx.n_options = len(extra), len(inputs) - 4
         ctx.a2a_group = call.groups[a2a_index]
-        ctx.args = _packed(call, k.shape[1])
+        ctx.args = call.op_args(k.shape[1])
         ctx.set_materialize_grads(False)
 
     def grad(ctx, dout, dlse, *_unused):
@@ -291,7 +277,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = _unpack(args, 4, n)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, n)
 
         def fn(q, k, v, *extra):
             return forward(q, k, v, list(extra), call, enable_gqa)
@@ -299,7 +285,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         return Traceable("forward", world_size_of(call.group_name), fn, [q, k, v, *extra])
 
     def expand_backward(args) -> Traceable:
-        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = _unpack(args, 8, n)
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8, n)
         return _backward_traceable(
             world_size_of(call.group_name),
             [dout, qh, kh, vh, out_h, lse_h],
