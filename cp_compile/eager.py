@@ -148,7 +148,9 @@ def flex_attention(
     ``"allgather"``, ``"ulysses"`` (query heads must divide by C) or ``"hybrid"``
     (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
     size); ``layout`` matters only without a block_mask.
-    Differentiable (mask and score mods; tensors the mods capture get no gradient).
+    Differentiable (mask and score mods; tensors the mods capture get no gradient). Called inside
+    ``torch.compile``, Dynamo breaks the graph where it creates the mods (an opaque object); a compiled
+    model calls torch's ``flex_attention``, which the CP backend rewrites.
     """
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(
@@ -156,7 +158,7 @@ def flex_attention(
         )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
-    key, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
+    mods, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
     if schedule == "auto":
         from .cost.masked import choose_flex
 
@@ -177,7 +179,8 @@ def flex_attention(
         softmax_scale(q, scale),
         q.shape[1] != k.shape[1],
         "flex",
-        flex_options(key, mask_b, mask_h),
+        flex_options(mask_b, mask_h),
+        mods,
     )
     return (out, lse) if return_lse else out
 

@@ -23,12 +23,23 @@ TESTED_TORCH = ("2.13", "2.15")
 # ``wait_tensor`` complete our own asynchronous transfers.
 from torch._C._distributed_c10d import PythonCallbackWork  # noqa: E402, F401  (re-exported)
 from torch._C._distributed_c10d import _register_work as register_work  # noqa: E402, F401  (re-exported)
+
+# Opaque objects: a Python object a custom op takes as an argument, eager and compiled (a compiled
+# graph holds it as a constant).
+from torch._library.opaque_object import get_opaque_type_name, register_opaque_type  # noqa: E402
+from torch._opaque_base import OpaqueBase  # noqa: E402, F401  (re-exported)
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
 
 
 def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
     """The process group registered under ``group_name`` (torch types the name as its own ``GroupName``)."""
     return _resolve_process_group(group_name)  # type: ignore[arg-type]
+
+
+def opaque_reference_type(cls: type) -> str:
+    """Register ``cls`` (an ``OpaqueBase``) as an opaque reference type; returns its name in op schemas."""
+    register_opaque_type(cls, typ="reference")
+    return get_opaque_type_name(cls)
 
 
 def assume_constant_result(fn):

@@ -147,6 +147,35 @@ def test_empty_blocks_skipped_with_identical_collectives(ranks, world_size):
     assert all(r["shifts"] == results[0]["shifts"] for r in results)
 
 
+def run_flex_eager_inside_compile():
+    """cp_compile.flex_attention called in a compiled function runs eagerly (a graph break): the same
+    results as one device, forward and backward."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    seq = 2 * plan.world_size * CHUNK
+    mask_mod, score_mod = mask_case("bias-score", seq)
+    q, k, v, do = make_qkv(1, 2, 2, seq, 8, seed=7)
+    ref = reference(q, k, v, do, mask_mod, score_mod, 0.3)
+    local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
+
+    def attention(q, k, v):
+        return cp_compile.flex_attention(q * 1.0, k, v, score_mod=score_mod, block_mask=local_mask, scale=0.3)
+
+    leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
+    out = torch.compile(attention, backend="aot_eager")(*leaves)
+    out.backward(plan.shard(do, 2))
+    got = [out.detach()] + [t.grad for t in leaves]
+    return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, [ref[0], *ref[2:]])]
+
+
+def test_eager_function_inside_compile(ranks):
+    for errors in ranks(2, run_flex_eager_inside_compile):
+        assert max(errors) < 1e-10, errors
+
+
 def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkpoint: bool = False):
     """The compiled rewrite of torch's flex_attention (forward: CPU flex refuses grads under Dynamo)."""
     from torch._dynamo.utils import counters
@@ -235,15 +264,15 @@ def opcheck_flex_ops():
     # mask-only: a score_mod's gradient is taken with torch.func, which cannot run under opcheck's dispatch modes
     mask_mod, _ = mask_case("document-causal", seq)
     local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
-    key, buffers, mb, mh = eager_mods(local_mask, None)
+    mods, buffers, mb, mh = eager_mods(local_mask, None)
     name = dist.group.WORLD.group_name
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
     settings = (name, False, "zigzag", 0.3)
-    kind = ("flex", flex_options(key, mb, mh))
+    kind = ("flex", flex_options(mb, mh), mods)
     out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     k_all, v_all = (torch.cat([t] * plan.world_size, 2) for t in (k, v))
-    step = lambda i: ("flex", i, name, 1, False, "zigzag", 0.3, kind[1])  # noqa: E731
+    step = lambda i: ("flex", i, name, 1, False, "zigzag", 0.3, *kind[1:])  # noqa: E731
     cases = [
         (torch.ops.cp.ring_attention.default, (*req(q, k, v), buffers, *settings, True, *kind)),
         (torch.ops.cp.allgather_attention.default, (*req(q, k, v), buffers, *settings, True, *kind)),
@@ -270,9 +299,9 @@ def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
 
     mask_mod, score_mod = mask_case("bias-score", seq)
     local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
-    key, buffers, mb, mh = eager_mods(local_mask, score_mod)
+    mods, buffers, mb, mh = eager_mods(local_mask, score_mod)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
-    settings, kind = (name, False, "zigzag", 0.3), ("flex", flex_options(key, mb, mh))
+    settings, kind = (name, False, "zigzag", 0.3), ("flex", flex_options(mb, mh), mods)
     out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     try:
         with PassThrough():
@@ -378,11 +407,11 @@ def test_expanded_flex_schedules(fake_group):
 
     from cp_compile.compiler.expand import expand_cp_ops
     from cp_compile.compiler.order import schedule_listing
-    from cp_compile.kinds.flex import Mods, flex_options, register_mods
+    from cp_compile.kinds.base import Mods
+    from cp_compile.kinds.flex import flex_options
 
     c, name = fake_group
-    key = register_mods("test:none", Mods(None, None, 0))
-    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(key, 1, 1))
+    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(1, 1), Mods(None, None, 0))
 
     def traced(fn, *shapes):
         with FakeTensorMode():

@@ -447,21 +447,22 @@ def opcheck_ulysses_mask_ops():
     return len(cases)
 
 
-def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a):
+def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a, mods=None):
     """opcheck cases of a head-sharding whole op (Ulysses: one group; hybrid: flat, ring, a2a), its
     backward and (Ulysses) the inner kernel ops."""
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     forward = torch.ops.cp.ulysses_attention if len(groups) == 1 else torch.ops.cp.hybrid_attention
     backward = torch.ops.cp.ulysses_attention_backward if len(groups) == 1 else torch.ops.cp.hybrid_attention_backward
     settings = (False, layout, 0.4)
-    out, lse, qh, kh, vh, out_h, lse_h = forward(q, k, v, extra, *groups, *settings, True, inner, options)
+    kind = (inner, options) if mods is None else (inner, options, mods)
+    out, lse, qh, kh, vh, out_h, lse_h = forward(q, k, v, extra, *groups, *settings, True, *kind)
     cases = [
-        (forward.default, (*req(q, k, v), extra, *groups, *settings, True, inner, options)),
-        (backward.default, (do, lse, qh, kh, vh, out_h, lse_h, extra, *groups, *settings, k.shape[1], inner, options)),
+        (forward.default, (*req(q, k, v), extra, *groups, *settings, True, *kind)),
+        (backward.default, (do, lse, qh, kh, vh, out_h, lse_h, extra, *groups, *settings, k.shape[1], *kind)),
     ]
     if len(groups) == 1:
         doh = torch.cat([do[:, : do.shape[1] // a2a]] * a2a, 2)
-        heads = (extra, inner, -2, groups[0], a2a, False, layout, 0.4, options)  # step WHOLE
+        heads = (extra, inner, -2, groups[0], a2a, False, layout, 0.4, *kind[1:])  # step WHOLE
         cases += [
             (torch.ops.cp.attend.default, (qh, kh, vh, *heads)),
             (torch.ops.cp.attend_backward.default, (doh, qh, kh, vh, out_h, lse_h, None, *heads)),
@@ -477,9 +478,9 @@ def flex_head_sharding_cases(plan, groups, a2a):
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
-    key, buffers, mb, mh = eager_mods(block_mask, None)
+    mods, buffers, mb, mh = eager_mods(block_mask, None)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", flex_options(key, mb, mh), a2a)
+    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", flex_options(mb, mh), a2a, mods)
 
 
 def test_opcheck(ranks):
@@ -527,11 +528,11 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
-    key, buffers, mb, mh = eager_mods(block_mask, None)
+    mods, buffers, mb, mh = eager_mods(block_mask, None)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
     # one all-to-all group's tokens for this rank's heads
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    step_opts = ("flex", 1, flat, 2, False, "zigzag", 0.3, flex_options(key, mb, mh))
+    step_opts = ("flex", 1, flat, 2, False, "zigzag", 0.3, flex_options(mb, mh), mods)
     out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, buffers, *step_opts)
     return cases + [
         (torch.ops.cp.attend.default, (qh, kh, vh, buffers, *step_opts)),

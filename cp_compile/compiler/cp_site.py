@@ -24,7 +24,7 @@ def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
     target = getattr(node.target, "default", node.target)  # an op packet or its overload
     if target not in FORWARD_OPS:
         return None
-    (q, k, v, extra), call, enable_gqa = Call.from_op_args(node.args, 4, len(node.args) - 10)
+    (q, k, v, extra), call, enable_gqa = Call.from_op_args(node.args, 4)
     return {
         "query": q,
         "key": k,

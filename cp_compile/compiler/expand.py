@@ -42,11 +42,18 @@ class Expansion:
         return sum(1 for n in self.nodes if n.target == target)
 
 
+def _value(node: fx.Node):
+    """A node's traced value: its fake tensor, or the object a ``get_attr`` holds (a flex call's mods)."""
+    if node.op == "get_attr":
+        return getattr(node.graph.owning_module, node.target)
+    return node.meta["val"]
+
+
 def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
     """make_fx of a schedule function over the graph's own fake tensors."""
     from torch._inductor.decomposition import select_decomp_table
 
-    vals = [n.meta["val"] for n in inputs]
+    vals = [_value(n) for n in inputs]
     # post-grad graphs hold decomposed aten only (Inductor rejects e.g. aten.transpose.int there)
     with detect_fake_mode(vals):
         return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
@@ -85,8 +92,8 @@ def expand_cp_ops(graph: fx.Graph) -> list[Expansion]:
     expansions = []
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in EXPANSIONS]:
         call = EXPANSIONS[node.target](node.args)
-        schedule = _trace(call.fn, call.tensors)
-        expansions.append(Expansion(call.direction, call.world_size, _inline(graph, node, schedule, call.tensors)))
+        schedule = _trace(call.fn, call.inputs)
+        expansions.append(Expansion(call.direction, call.world_size, _inline(graph, node, schedule, call.inputs)))
     if expansions:
         fold_agreements(graph)
         graph.lint()

@@ -2,9 +2,9 @@
 whole op with the ``"flex"`` kind.
 
 The HOP carries its mods as subgraphs (``get_attr`` submodules) and the
-tensors they read as explicit buffers. The rewrite registers the subgraphs
-under a key made from their code (the same text on every rank, so the graph
-and its cache key are too) and passes the buffers as op arguments; the
+tensors they read as explicit buffers. The rewrite passes the subgraphs to the
+op as a ``Mods`` constant of the graph (pickled by their code, the same on
+every rank, so Inductor's cache key is too) and the buffers as op arguments; the
 BlockMask must come from ``ContextParallel.shard``, whose index table is the
 mask's first buffer. The HOP's lse is base 2 (the traced ``flex_attention``
 scales it by ln 2 afterwards), so the rewrite returns ours divided by ln 2.
@@ -12,7 +12,7 @@ scales it by ln 2 afterwards), so the rewrite returns ours divided by ln 2.
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import math
 from typing import Any, Optional
 
@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.flex import Mods, flex_options, register_mods
+from ..kinds.base import Mods
+from ..kinds.flex import flex_options
 from ..layout.blockmask import HEADER
 from .choose import choose_schedule
 from .site import AttentionSite, CPOptions, SitePattern, _example, constant, insert_schedule, traced_value
@@ -100,8 +101,13 @@ def _check_flex(site: AttentionSite) -> None:
         )
 
 
-def _key(*graphs: fx.GraphModule) -> str:
-    return "graph:" + hashlib.sha256("\n".join(g.code for g in graphs).encode()).hexdigest()[:20]
+def _constant(site: AttentionSite, value: Any) -> fx.Node:
+    """``value`` as a constant of the site's graph: an attribute of its module, read by a ``get_attr`` node."""
+    owner = site.owner
+    name = next(f"cp_mods_{i}" for i in itertools.count() if not hasattr(owner, f"cp_mods_{i}"))
+    setattr(owner, name, value)
+    with owner.graph.inserting_before(site.node):
+        return owner.graph.get_attr(name)
 
 
 def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
@@ -111,7 +117,7 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     mask_buffers, score_buffers = list(args["mask_mod_buffers"]), list(args["score_mod_buffers"])
     mask = None if _is_noop_mask(mask_gm) and not mask_buffers else mask_gm
     score = None if _is_identity_score(score_gm) else score_gm
-    key = register_mods(_key(mask_gm, score_gm), Mods(mask, score, len(mask_buffers)))
+    mods = _constant(site, Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
     scale = float(constant(args["scale"]))
@@ -129,7 +135,8 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
         scale=scale,
         enable_gqa=enable_gqa,
         kind="flex",
-        kind_options=flex_options(key, mask_b, mask_h),
+        kind_options=flex_options(mask_b, mask_h),
+        mods=mods,
     )
     graph = site.owner.graph
     with graph.inserting_before(site.node):
@@ -148,7 +155,7 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
         if not attr.users:
             graph.erase_node(attr)
     site.args = {**args, "is_causal": False, "enable_gqa": enable_gqa}
-    site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale, "mods": key})
+    site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale})
 
 
 FLEX_PATTERN = SitePattern("flex", _match_flex, _check_flex, _rewrite_flex)

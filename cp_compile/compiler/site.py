@@ -159,6 +159,7 @@ def insert_schedule(
     enable_gqa: bool,
     kind: str,
     kind_options: str,
+    mods: Optional[fx.Node] = None,
     outputs_used: int = 2,
 ) -> list[fx.Node]:
     """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out(, lse)]."""
@@ -166,7 +167,7 @@ def insert_schedule(
         target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
     except ValueError as e:
         raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
-    call = Call(kind, groups, bool(is_causal), layout, float(scale), kind_options)
+    call = Call(kind, groups, bool(is_causal), layout, float(scale), kind_options, mods)
     return replace_node(
         site, target, (q, k, v, list(extra), *call.op_args(bool(enable_gqa))), n_outputs_used=outputs_used
     )

@@ -26,6 +26,7 @@ size, never the rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,10 +37,24 @@ from ..comm import resolve_group
 from ..comm.gather import gather_sequence, scatter_sequence
 from ..kernels.block import dense_like, result_like
 from ..kernels.merge import acc_dtype
-from ..torch_compat import node_argument
+from ..torch_compat import OpaqueBase, node_argument, opaque_reference_type
 
 GATHERED = -1
 WHOLE = -2
+
+
+@dataclass(frozen=True, eq=False)
+class Mods(OpaqueBase):
+    """A FlexAttention call's mask_mod and score_mod, which ops take as an argument of their own (an
+    opaque object: eager calls pass the user's callables, a compiled graph holds its traced mods as a
+    constant), the tensors they read travelling as the call's ``extra``."""
+
+    mask: Optional[Callable]  # (b, h, i, j, *mask_buffers) -> bool; None: every pair visible
+    score: Optional[Callable]  # (score, b, h, q_pos, kv_pos, *score_buffers) -> score
+    n_mask_buffers: int  # buffers[:n] belong to the mask (the index table first), the rest to the score
+
+
+MODS_SCHEMA = f"{opaque_reference_type(Mods)}? mods=None"
 
 
 @dataclass(frozen=True)
@@ -55,26 +70,35 @@ class Call:
     layout: str  # the plan's layout of the sequence shards
     scale: float
     options: str  # the kind's own settings, "key=value key=value"
+    mods: Any = None  # the flex kind's ``Mods`` (in a graph being expanded: the node that holds them)
 
     @property
     def group_name(self) -> str:
         return self.groups[0]
 
     @classmethod
-    def from_op_args(cls, args: tuple, n_tensors: int, n_groups: int) -> tuple[tuple, Call, Any]:
-        """A whole op's arguments ``(*tensors, *groups, is_causal, layout, scale[, flag], kind, options)`` as
-        (tensors, the call, the op's own flag: ``enable_gqa`` or ``kv_heads``, None where its schema has none)."""
-        tensors, groups, rest = args[:n_tensors], args[n_tensors : n_tensors + n_groups], args[n_tensors + n_groups :]
-        is_causal, layout, scale, *flag, kind, options = rest
-        return tuple(tensors), cls(kind, tuple(groups), is_causal, layout, scale, options), (flag[0] if flag else None)
+    def from_op_args(cls, args: tuple, n_tensors: int) -> tuple[tuple, Call, Any]:
+        """A whole op's arguments ``(*tensors, *groups, is_causal, layout, scale[, flag], kind, options[, mods])``
+        as (tensors, the call, the op's own flag: ``enable_gqa`` or ``kv_heads``, None where its schema has none).
+        The groups are the strings ahead of ``is_causal``."""
+        tensors, rest = tuple(args[:n_tensors]), tuple(args[n_tensors:])
+        n_groups = next(i for i, a in enumerate(rest) if not isinstance(a, str))
+        groups, rest = rest[:n_groups], rest[n_groups:]
+        mods = None if isinstance(rest[-1], str) else rest[-1]
+        is_causal, layout, scale, *flag, kind, options = rest if isinstance(rest[-1], str) else rest[:-1]
+        return tensors, cls(kind, groups, is_causal, layout, scale, options, mods), (flag[0] if flag else None)
 
     def op_args(self, *flag) -> tuple:
         """The call as a whole op's non-tensor arguments (the inverse of ``from_op_args``)."""
-        return (*self.groups, self.is_causal, self.layout, self.scale, *flag, self.kind, self.options)
+        return (*self.groups, self.is_causal, self.layout, self.scale, *flag, self.kind, self.options, *self._mods())
 
     def attend_args(self, step: int, a2a_size: int) -> tuple:
         """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""
-        return (self.kind, step, self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
+        settings = (self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
+        return (self.kind, step, *settings, *self._mods())
+
+    def _mods(self) -> tuple:
+        return () if self.mods is None else (self.mods,)
 
     def option(self, key: str) -> str:
         items = parse_options(self.options)
@@ -196,7 +220,17 @@ def kind_entry(name: str) -> Kind:
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cp::attend", mutates_args=())
+_STEP_SCHEMA = (
+    f"str kind, int step, str group_name, int a2a_size, bool is_causal, str layout, float scale, str options, "
+    f"{MODS_SCHEMA}"
+)
+
+
+@torch.library.custom_op(
+    "cp::attend",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor[] extra, {_STEP_SCHEMA}) -> (Tensor, Tensor)",
+)
 def attend(
     q: Tensor,
     k: Tensor,
@@ -210,20 +244,26 @@ def attend(
     layout: str,
     scale: float,
     options: str,
+    mods: Optional[Mods] = None,
 ) -> tuple[Tensor, Tensor]:
     """The queries of this rank's unit against the keys ``step`` names: (out, lse)."""
-    call = Call(kind, (group_name,), is_causal, layout, scale, options)
+    call = Call(kind, (group_name,), is_causal, layout, scale, options, mods)
     out, lse = kind_entry(kind).attend(q, k, v, list(extra), units_at(group_name, a2a_size, step), call)
     return out.contiguous(), lse.contiguous()
 
 
 @attend.register_fake
-def _(q, k, v, extra, kind, step, group_name, a2a_size, is_causal, layout, scale, options):
+def _(q, k, v, extra, kind, *_settings):
     kind_entry(kind)
     return result_like(q, v)
 
 
-@torch.library.custom_op("cp::attend_backward", mutates_args=())
+@torch.library.custom_op(
+    "cp::attend_backward",
+    mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, Tensor[] extra, "
+    f"{_STEP_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
 def attend_backward(
     dout: Tensor,
     q: Tensor,
@@ -241,12 +281,13 @@ def attend_backward(
     layout: str,
     scale: float,
     options: str,
+    mods: Optional[Mods] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one ``cp::attend`` tile, each its exact share given the final out and lse.
 
     At ``WHOLE`` (Ulysses) they leave in the inputs' dtype: the exchange back then moves no more
     bytes than the forward's, and no accumulator-dtype copy outlives the op."""
-    call = Call(kind, (group_name,), is_causal, layout, scale, options)
+    call = Call(kind, (group_name,), is_causal, layout, scale, options, mods)
     grads = kind_entry(kind).attend_backward(
         dout, q, k, v, out, lse, dlse, list(extra), units_at(group_name, a2a_size, step), call
     )
@@ -256,7 +297,7 @@ def attend_backward(
 
 
 @attend_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, extra, kind, step, group_name, a2a_size, is_causal, layout, scale, options):
+def _(dout, q, k, v, out, lse, dlse, extra, kind, step, *_settings):
     if step == WHOLE:
         return dense_like(q), dense_like(k), dense_like(v)
     return kind_entry(kind).grads_like(q, k, v, step)

@@ -1,11 +1,10 @@
 """FlexAttention masks under CP: any mask_mod / score_mod over global indices.
 
-The mods cannot travel as op arguments, so a call names them by a string key
-into ``MODS`` (filled by ``eager_mods`` with the user's callables, and by the
-compiled rewrite with the flex op's traced subgraphs; ``options`` carries
-``mods=<key> mask=<B>x<H>``) and passes the tensors the mods read as the
-call's ``extra`` (mask buffers first, the shard's index table leading them,
-then score buffers). The index table (``layout.blockmask``) gives every
+A call's mods reach the ops as an argument of their own (``kinds.base.Mods``,
+``Call.mods``: the user's callables in an eager call, the flex op's traced
+subgraphs in a compiled one; ``options`` carries ``mask=<B>x<H>``), and the
+tensors the mods read as the call's ``extra`` (mask buffers first, the
+shard's index table leading them, then score buffers). The index table (``layout.blockmask``) gives every
 token's global position, so a tile between one unit's queries and another's
 keys is the global mask and score at those positions. Every exchange and
 gather keeps rank order: the table's all-ranks region is in that order.
@@ -27,10 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,37 +37,7 @@ from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, shard_info
 from ..torch_compat import flex_index_helpers
-from .base import Call, Kind, Units, register_kind
-
-# ----------------------------------------------------------------------------
-# The mods a key names.
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mods:
-    mask: Optional[Callable]  # (b, h, i, j, *mask_buffers) -> bool; None: every pair visible
-    score: Optional[Callable]  # (score, b, h, q_pos, kv_pos, *score_buffers) -> score
-    n_mask_buffers: int  # buffers[:n] belong to the mask (the index table first), the rest to the score
-
-
-MODS: dict[str, Mods] = {}
-# Eager keys hold the ids of the user's mods, so the objects are kept alive while their key is
-# registered; only the most recent ones are, so fresh masks per batch do not pile up.
-_EAGER_KEYS: OrderedDict[str, tuple] = OrderedDict()
-MAX_EAGER_KEYS = 1024
-
-
-def register_mods(key: str, mods: Mods) -> str:
-    MODS[key] = mods
-    return key
-
-
-def _mods(key: str) -> Mods:
-    if key not in MODS:
-        raise KeyError(f"no FlexAttention mods registered under {key!r} in this process")
-    return MODS[key]
-
+from .base import Call, Kind, Mods, Units, register_kind
 
 # ----------------------------------------------------------------------------
 # Counting the work: (query chunk, key chunk) pairs computed and skipped.
@@ -121,9 +88,8 @@ class MaskCall:
 
 
 def _resolve(
-    q: Tensor, buffers: list, key: str, world_size: int, layout: str, mask_b: int, mask_h: int, scale: float
+    q: Tensor, buffers: list, mods: Mods, world_size: int, layout: str, mask_b: int, mask_h: int, scale: float
 ) -> MaskCall:
-    mods = _mods(key)
     local = q.shape[2]
     if mods.mask is not None:
         table = buffers[0]
@@ -286,23 +252,24 @@ def tile_backward(call: MaskCall, dout, q, k, v, out, lse, dlse, rows: Tensor, c
 # ----------------------------------------------------------------------------
 
 
-def flex_options(mods: str, mask_b: int, mask_h: int) -> str:
-    """The ``options`` of a flex call: the mods key and the BlockMask's (B, H)."""
-    return f"mods={mods} mask={int(mask_b)}x{int(mask_h)}"
+def flex_options(mask_b: int, mask_h: int) -> str:
+    """The ``options`` of a flex call: the BlockMask's (B, H)."""
+    return f"mask={int(mask_b)}x{int(mask_h)}"
 
 
-def _settings(call: Call) -> tuple[str, int, int]:
+def _mask_shape(call: Call) -> tuple[int, int]:
     mask_b, mask_h = call.option("mask").split("x")
-    return call.option("mods"), int(mask_b), int(mask_h)
+    return int(mask_b), int(mask_h)
 
 
 def _mask_call(q: Tensor, buffers: list, units: Units, call: Call) -> MaskCall:
     """The tile description for this rank's unit and heads."""
-    key, mask_b, mask_h = _settings(call)
+    if not isinstance(call.mods, Mods):
+        raise ValueError(f"a flex call needs its mods (a cp_compile.kinds.base.Mods); got {call.mods!r}")
+    mask_b, mask_h = _mask_shape(call)
     # _resolve validates the index table against the local length: a unit's tokens / its ranks
-    tile = _resolve(
-        q.narrow(2, 0, q.shape[2] // units.a2a), buffers, key, units.world_size, call.layout, mask_b, mask_h, call.scale
-    )
+    local = q.narrow(2, 0, q.shape[2] // units.a2a)
+    tile = _resolve(local, buffers, call.mods, units.world_size, call.layout, mask_b, mask_h, call.scale)
     if units.a2a == 1:
         return tile
     heads = q.shape[1]
@@ -340,9 +307,7 @@ class Flex(Kind):
         return tile_backward(_mask_call(q, extra, units, call), dout, q, k, v, out, lse, dlse, *_spans(q, k, units))
 
     def agreed(self, call: Call) -> str:
-        # the mods key is per process (eager keys hold object ids): not compared
-        _, mask_b, mask_h = _settings(call)
-        return f"mask={mask_b}x{mask_h} layout={call.layout} scale={call.scale!r}"
+        return f"{call.options} layout={call.layout} scale={call.scale!r}"
 
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
         if q.shape[1] != k.shape[1] and not enable_gqa:
@@ -356,8 +321,8 @@ class Flex(Kind):
 FLEX = register_kind(Flex())
 
 
-def eager_mods(block_mask, score_mod) -> tuple[str, list[Tensor], int, int]:
-    """Register the user's callables; returns (key, buffers, mask B, mask H)."""
+def eager_mods(block_mask, score_mod) -> tuple[Mods, list[Tensor], int, int]:
+    """The user's callables as a call's mods; returns (mods, buffers, mask B, mask H)."""
     info = shard_info(block_mask)
     if block_mask is not None and info is None:
         raise ValueError(
@@ -373,11 +338,4 @@ def eager_mods(block_mask, score_mod) -> tuple[str, list[Tensor], int, int]:
         buffers = [info.table]
         mask_b, mask_h = block_mask.kv_num_blocks.shape[:2]
     score = None if score_mod is None else (lambda s, b, h, i, j, *bufs: score_mod(s, b, h, i, j))
-    key = f"eager:{id(block_mask.mask_mod) if block_mask is not None else 0}:{id(score_mod)}"
-    register_mods(key, Mods(mask, score, len(buffers)))
-    _EAGER_KEYS[key] = (block_mask, score_mod)
-    _EAGER_KEYS.move_to_end(key)
-    while len(_EAGER_KEYS) > MAX_EAGER_KEYS:
-        old, _ = _EAGER_KEYS.popitem(last=False)
-        MODS.pop(old, None)
-    return key, buffers, int(mask_b), int(mask_h)
+    return Mods(mask, score, len(buffers)), buffers, int(mask_b), int(mask_h)

@@ -73,9 +73,10 @@ def run_schedule(
     enable_gqa: bool,
     kind: str,
     options: str,
+    mods=None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``schedule`` over ``group`` for any kind: the whole op, differentiable."""
     op, groups = whole_op(schedule, *_groups(group, schedule))
-    call = Call(kind, groups, bool(is_causal), layout, scale, options)
+    call = Call(kind, groups, bool(is_causal), layout, scale, options, mods)
     res = op(q, k, v, list(extra), *call.op_args(bool(enable_gqa)))
     return res[0], res[1]

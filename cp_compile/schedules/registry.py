@@ -28,12 +28,12 @@ COMPUTE_OPS: set[OpOverload] = {torch.ops.cp.attend.default, torch.ops.cp.attend
 
 @dataclass(frozen=True)
 class Traceable:
-    """A whole-op call as a function of its tensor arguments."""
+    """A whole-op call as a function of its graph inputs."""
 
     direction: str  # "forward" | "backward"
     world_size: int
-    fn: Callable[..., Any]  # takes ``tensors`` positionally; returns the op's outputs
-    tensors: list  # the op's tensor arguments in ``fn``'s order (fx nodes, in a graph)
+    fn: Callable[..., Any]  # takes ``inputs`` positionally; returns the op's outputs
+    inputs: list  # the op's tensor arguments in ``fn``'s order, then a flex call's mods (fx nodes, in a graph)
 
 
 def register_schedule(

@@ -27,6 +27,7 @@ The ops that really talk (``cp::ring_shift``, ``cp::agree``) are side-effectful.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -34,11 +35,11 @@ import torch
 from ..comm import resolve_group
 from ..comm.exchange import replicate_kv_heads
 from ..kernels.block import dense_like, result_like
-from ..kinds.base import Call, kind_entry
+from ..kinds.base import MODS_SCHEMA, Call, kind_entry
 from .registry import Traceable, register_schedule
 
 _SETTINGS = "bool is_causal, str layout, float scale"
-_KIND = "str kind, str options"
+_KIND = f"str kind, str options, {MODS_SCHEMA}"
 
 
 def world_size_of(group_name: str) -> int:
@@ -81,6 +82,12 @@ def _op_pair(
     return forward_op, backward_op
 
 
+def _settings_count(inputs: tuple) -> int:
+    """How many Nones a backward returns for the arguments after q, k, v, extra: the dispatcher hands
+    autograd the arguments without a trailing default (``mods=None``)."""
+    return len(inputs) - 4 - (inputs[-1] is None)
+
+
 def _register(name: str, expand_forward: Callable, expand_backward: Callable) -> None:
     ops = torch.ops.cp
     register_schedule(
@@ -91,16 +98,29 @@ def _register(name: str, expand_forward: Callable, expand_backward: Callable) ->
     )
 
 
-def _backward_traceable(world_size: int, first: list, extra: list, dlse, run: Callable) -> Traceable:
+def _traceable(direction: str, call: Call, inputs: list, run: Callable) -> Traceable:
+    """A whole op as ``run(call, *inputs)``; a flex call's mods (the graph's node holding them) are traced
+    as one more input, so the expanded steps take the graph's own."""
+    world_size = world_size_of(call.group_name)
+    if call.mods is None:
+        return Traceable(direction, world_size, lambda *xs: run(call, *xs), inputs)
+
+    def with_mods(*xs):
+        return run(dataclasses.replace(call, mods=xs[-1]), *xs[:-1])
+
+    return Traceable(direction, world_size, with_mods, [*inputs, call.mods])
+
+
+def _backward_traceable(call: Call, first: list, extra: list, dlse, run: Callable) -> Traceable:
     """A backward whole op as a function of ``(*first, *extra[, dlse])``: a fixed arity for tracing
-    (dlse is there or not); ``run(*first, extra, dlse)`` runs the schedule's backward."""
+    (dlse is there or not); ``run(call, *first, extra, dlse)`` runs the schedule's backward."""
     n_first, n_extra = len(first), len(extra)
 
-    def fn(*tensors):
+    def fn(call, *tensors):
         rest = tensors[n_first + n_extra :]
-        return run(*tensors[:n_first], list(tensors[n_first : n_first + n_extra]), rest[0] if rest else None)
+        return run(call, *tensors[:n_first], list(tensors[n_first : n_first + n_extra]), rest[0] if rest else None)
 
-    return Traceable("backward", world_size, fn, [*first, *extra] + ([dlse] if dlse is not None else []))
+    return _traceable("backward", call, [*first, *extra] + ([dlse] if dlse is not None else []), fn)
 
 
 # ----------------------------------------------------------------------------
@@ -117,12 +137,12 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
     """
 
     def forward_impl(*args):
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, 1)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
         out, lse = forward(q, k, v, list(extra), call, world_size_of(call.group_name), enable_gqa)
         return out.contiguous(), lse.contiguous()
 
     def backward_impl(*args):
-        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8, 1)
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8)
         grads = backward(dout, q, k, v, out, lse, dlse, list(extra), call, world_size_of(call.group_name))
         return tuple(g.contiguous() for g in grads)
 
@@ -139,7 +159,7 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
 
     @forward_op.register_fake
     def _(*args):
-        (q, _, v, _), call, _ = Call.from_op_args(args, 4, 1)
+        (q, _, v, _), call, _ = Call.from_op_args(args, 4)
         kind_entry(call.kind)
         return result_like(q, v)
 
@@ -148,9 +168,9 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         return dense_like(q), dense_like(k), dense_like(v)
 
     def setup(ctx, inputs, output):
-        (q, k, v, extra), ctx.call, _ = Call.from_op_args(inputs, 4, 1)
+        (q, k, v, extra), ctx.call, _ = Call.from_op_args(inputs, 4)
         ctx.save_for_backward(q, k, v, *output, *extra)
-        ctx.n_options = len(inputs) - 4
+        ctx.n_settings = _settings_count(inputs)
         # an unused lse must arrive as None, not zeros: its gradient path is dense
         ctx.set_materialize_grads(False)
 
@@ -159,29 +179,27 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = backward_op(dout, q, k, v, out, lse, dlse, extra, *ctx.call.op_args())
-        return (dq, dk, dv, [None] * len(extra)) + (None,) * ctx.n_options
+        return (dq, dk, dv, [None] * len(extra)) + (None,) * ctx.n_settings
 
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, 1)
-        world_size = world_size_of(call.group_name)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
 
-        def fn(q, k, v, *extra):
-            return forward(q, k, v, list(extra), call, world_size, enable_gqa)
+        def fn(call, q, k, v, *extra):
+            return forward(q, k, v, list(extra), call, world_size_of(call.group_name), enable_gqa)
 
-        return Traceable("forward", world_size, fn, [q, k, v, *extra])
+        return _traceable("forward", call, [q, k, v, *extra], fn)
 
     def expand_backward(args) -> Traceable:
-        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8, 1)
-        world_size = world_size_of(call.group_name)
+        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8)
         return _backward_traceable(
-            world_size,
+            call,
             [dout, q, k, v, out, lse],
             extra,
             dlse,
-            lambda dout, q, k, v, out, lse, extra, dlse: backward(
-                dout, q, k, v, out, lse, dlse, extra, call, world_size
+            lambda call, dout, q, k, v, out, lse, extra, dlse: backward(
+                dout, q, k, v, out, lse, dlse, extra, call, world_size_of(call.group_name)
             ),
         )
 
@@ -207,15 +225,14 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
     ``backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra, call, kv_heads) -> (dq, dk, dv)``;
     returns the forward op.
     """
-    n = len(group_names)
     groups_schema = ", ".join(f"str {g}" for g in group_names)
 
     def forward_impl(*args):
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, n)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
         return _distinct(forward(q, k, v, list(extra), call, enable_gqa), (q, k, v))
 
     def backward_impl(*args):
-        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8, n)
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8)
         res = backward(dout, dlse, qh, kh, vh, out_h, lse_h, list(extra), call, kv_heads)
         return _distinct(res, (dout, dlse, qh, kh, vh, out_h, lse_h))
 
@@ -232,7 +249,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     @forward_op.register_fake
     def _(*args):
-        (q, k, v, _), call, _ = Call.from_op_args(args, 4, n)
+        (q, k, v, _), call, _ = Call.from_op_args(args, 4)
         kind_entry(call.kind)
         c = world_size_of(call.groups[a2a_index])
         out, lse = result_like(q, v)
@@ -249,7 +266,7 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     @backward_op.register_fake
     def _(*args):
-        (dout, _, qh, kh, vh, _, _, _), call, kv_heads = Call.from_op_args(args, 8, n)
+        (dout, _, qh, kh, vh, _, _, _), call, kv_heads = Call.from_op_args(args, 8)
         c = world_size_of(call.groups[a2a_index])
         b, s = dout.shape[0], dout.shape[2]
         return (
@@ -259,9 +276,9 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
         )
 
     def setup(ctx, inputs, output):
-        (_, k, _, extra), call, _ = Call.from_op_args(inputs, 4, n)
+        (_, k, _, extra), call, _ = Call.from_op_args(inputs, 4)
         ctx.save_for_backward(*output[2:], *extra)
-        ctx.n_extra, ctx.n_options = len(extra), len(inputs) - 4
+        ctx.n_extra, ctx.n_settings = len(extra), _settings_count(inputs)
         ctx.a2a_group = call.groups[a2a_index]
         ctx.args = call.op_args(k.shape[1])
         ctx.set_materialize_grads(False)
@@ -272,26 +289,26 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
             c = world_size_of(ctx.a2a_group)
             dout = out_h.new_zeros(out_h.shape[0], out_h.shape[1] * c, out_h.shape[2] // c, out_h.shape[3])
         dq, dk, dv = backward_op(dout, dlse, qh, kh, vh, out_h, lse_h, extra, *ctx.args)
-        return (dq, dk, dv, [None] * ctx.n_extra) + (None,) * ctx.n_options
+        return (dq, dk, dv, [None] * ctx.n_extra) + (None,) * ctx.n_settings
 
     forward_op.register_autograd(grad, setup_context=setup)
 
     def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4, n)
+        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
 
-        def fn(q, k, v, *extra):
+        def fn(call, q, k, v, *extra):
             return forward(q, k, v, list(extra), call, enable_gqa)
 
-        return Traceable("forward", world_size_of(call.group_name), fn, [q, k, v, *extra])
+        return _traceable("forward", call, [q, k, v, *extra], fn)
 
     def expand_backward(args) -> Traceable:
-        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8, n)
+        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8)
         return _backward_traceable(
-            world_size_of(call.group_name),
+            call,
             [dout, qh, kh, vh, out_h, lse_h],
             extra,
             dlse,
-            lambda dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(
+            lambda call, dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(
                 dout, dlse, qh, kh, vh, out_h, lse_h, extra, call, kv_heads
             ),
         )
