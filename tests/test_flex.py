@@ -246,10 +246,14 @@ def test_compiled_fp64_aot_eager(ranks):
 
 
 def test_compiled_fp32_inductor(ranks):
-    for (result,) in ranks(2, run_compiled_cases, [("inductor", "window-large", "float32")], timeout=600):
-        assert result["graph_breaks"] == 0
-        for cp, single in zip(result["err"], result["single_err"]):
-            assert cp <= 2 * single, result
+    """Compiled twice: the second compile of the same graph may find the first in Inductor's caches, which
+    must hand the ops the mods again (a cache hit restores no opaque constant: the flex graph is not cached)."""
+    cases = [("inductor", "window-large", "float32")] * 2
+    for results in ranks(2, run_compiled_cases, cases, timeout=600):
+        for result in results:
+            assert result["graph_breaks"] == 0
+            for cp, single in zip(result["err"], result["single_err"]):
+                assert cp <= 2 * single, result
 
 
 def opcheck_flex_ops():

@@ -163,6 +163,10 @@ class CPBackend:
                 "post_grad_custom_post_pass": _PinPass(record, key),
                 "custom_partitioner_fn": CPPartitioner(key),
             }
+            if any(site.pattern == "flex" for site in record.sites):
+                # a cache hit restores a graph's tensor constants but not its opaque objects (torch 2.13 to
+                # 2.15): the flex mods would arrive as None
+                patches["fx_graph_cache"] = False
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
