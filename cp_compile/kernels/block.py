@@ -105,8 +105,11 @@ def _causal(q: Tensor, k: Tensor, causal: bool) -> Optional[Tensor]:
     return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril() if causal else None
 
 
-def _math_fwd(q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor], scale: float, softcap: float = 0.0):
-    """Every row must see some key (true of every tile this module builds)."""
+def math_attn_impl(
+    q: Tensor, k: Tensor, v: Tensor, visible: Optional[Tensor], scale: float, softcap: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """A tile no fused kernel expresses (a window edge, soft-capped scores): the math path, memory Lq x Lk.
+    Every row must see some key."""
     b, hq, lq, _ = q.shape
     s = _math_scores(q, k, visible, scale, softcap)
     lse = torch.logsumexp(s, dim=-1)
@@ -122,7 +125,8 @@ def _math_probs(q, k, lse, visible, scale, softcap: float = 0.0):
     return torch.exp(s - lse.to(s.dtype).view(b, hkv, hq // hkv, lq, 1)), s
 
 
-def _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse=None, softcap: float = 0.0):
+def math_attn_backward_impl(dout, q, k, v, out, lse, visible, scale, dlse=None, softcap: float = 0.0):
+    """(dq, dk, dv) of a math tile, in the accumulator dtype."""
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     dt = acc_dtype(q.dtype)
@@ -163,7 +167,7 @@ def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
         kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
         res = aten._scaled_dot_product_efficient_attention(q, kr, vr, None, True, 0.0, causal, scale=scale)
         return res[0], res[1][..., : q.shape[2]].to(acc_dtype(q.dtype))
-    return _math_fwd(q, k, v, _causal(q, k, causal), scale)
+    return math_attn_impl(q, k, v, _causal(q, k, causal), scale)
 
 
 def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
@@ -224,7 +228,7 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             scale=scale,
         )
         return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
-    return _math_bwd(dout, q, k, v, out, lse, _causal(q, k, causal), scale)
+    return math_attn_backward_impl(dout, q, k, v, out, lse, _causal(q, k, causal), scale)
 
 
 def _lse_grad(dlse, q, k, lse, causal, scale):
@@ -358,18 +362,6 @@ def tile_visible(mask: str, lq: int, lk: int, offset: int, window: tuple[int, in
     if mask == "causal":
         return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
     return band_visible(lq, lk, offset, *window, device)
-
-
-def math_attn_impl(q, k, v, visible: Optional[Tensor], scale: float, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """A tile no fused kernel expresses (a window edge, soft-capped scores): the math path, memory Lq x Lk."""
-    return _math_fwd(q, k, v, visible, scale, softcap)
-
-
-def math_attn_backward_impl(
-    dout, q, k, v, out, lse, visible: Optional[Tensor], scale: float, dlse: Optional[Tensor], softcap: float = 0.0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of a math tile, in the accumulator dtype."""
-    return _math_bwd(dout, q, k, v, out, lse, visible, scale, dlse, softcap)
 
 
 def check_block_args(q: Tensor, k: Tensor, v: Tensor, mask: str) -> None:
