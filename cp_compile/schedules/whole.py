@@ -88,39 +88,36 @@ def _settings_count(inputs: tuple) -> int:
     return len(inputs) - 4 - (inputs[-1] is None)
 
 
-def _register(name: str, expand_forward: Callable, expand_backward: Callable) -> None:
+def _expansion(direction: str, impl: Callable, n_tensors: int) -> Callable[[tuple], Traceable]:
+    """A whole op's expansion: its own implementation traced over its graph inputs (the tensors there are, then
+    the extra tensors, then a flex call's mods), its other arguments constants of the trace."""
+
+    def expand(args) -> Traceable:
+        (*fixed, extra), call, flag = Call.from_op_args(args, n_tensors)
+        present = [i for i, t in enumerate(fixed) if t is not None]  # an absent dlse stays None
+        given = dataclasses.replace(call, mods=None).op_args(*(() if flag is None else (flag,)))
+        mods = [] if call.mods is None else [call.mods]
+
+        def fn(*inputs):
+            tensors = list(fixed)
+            for i, t in zip(present, inputs):
+                tensors[i] = t
+            rest = inputs[len(present) :]
+            return impl(*tensors, list(rest[: len(extra)]), *given, *rest[len(extra) :])
+
+        return Traceable(direction, world_size_of(call.group_name), fn, [*(fixed[i] for i in present), *extra, *mods])
+
+    return expand
+
+
+def _register(name: str, forward_impl: Callable, backward_impl: Callable) -> None:
     ops = torch.ops.cp
     register_schedule(
         getattr(ops, f"{name}_attention").default,
-        expand_forward,
+        _expansion("forward", forward_impl, 4),
         getattr(ops, f"{name}_attention_backward").default,
-        expand_backward,
+        _expansion("backward", backward_impl, 8),
     )
-
-
-def _traceable(direction: str, call: Call, inputs: list, run: Callable) -> Traceable:
-    """A whole op as ``run(call, *inputs)``; a flex call's mods (the graph's node holding them) are traced
-    as one more input, so the expanded steps take the graph's own."""
-    world_size = world_size_of(call.group_name)
-    if call.mods is None:
-        return Traceable(direction, world_size, lambda *xs: run(call, *xs), inputs)
-
-    def with_mods(*xs):
-        return run(dataclasses.replace(call, mods=xs[-1]), *xs[:-1])
-
-    return Traceable(direction, world_size, with_mods, [*inputs, call.mods])
-
-
-def _backward_traceable(call: Call, first: list, extra: list, dlse, run: Callable) -> Traceable:
-    """A backward whole op as a function of ``(*first, *extra[, dlse])``: a fixed arity for tracing
-    (dlse is there or not); ``run(call, *first, extra, dlse)`` runs the schedule's backward."""
-    n_first, n_extra = len(first), len(extra)
-
-    def fn(call, *tensors):
-        rest = tensors[n_first + n_extra :]
-        return run(call, *tensors[:n_first], list(tensors[n_first : n_first + n_extra]), rest[0] if rest else None)
-
-    return _traceable("backward", call, [*first, *extra] + ([dlse] if dlse is not None else []), fn)
 
 
 # ----------------------------------------------------------------------------
@@ -183,27 +180,7 @@ def sequence_schedule(name: str, forward: Callable, backward: Callable):
 
     forward_op.register_autograd(grad, setup_context=setup)
 
-    def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
-
-        def fn(call, q, k, v, *extra):
-            return forward(q, k, v, list(extra), call, world_size_of(call.group_name), enable_gqa)
-
-        return _traceable("forward", call, [q, k, v, *extra], fn)
-
-    def expand_backward(args) -> Traceable:
-        (dout, q, k, v, out, lse, dlse, extra), call, _ = Call.from_op_args(args, 8)
-        return _backward_traceable(
-            call,
-            [dout, q, k, v, out, lse],
-            extra,
-            dlse,
-            lambda call, dout, q, k, v, out, lse, extra, dlse: backward(
-                dout, q, k, v, out, lse, dlse, extra, call, world_size_of(call.group_name)
-            ),
-        )
-
-    _register(name, expand_forward, expand_backward)
+    _register(name, forward_impl, backward_impl)
     return forward_op
 
 
@@ -293,25 +270,5 @@ def heads_schedule(name: str, group_names: tuple[str, ...], a2a_index: int, forw
 
     forward_op.register_autograd(grad, setup_context=setup)
 
-    def expand_forward(args) -> Traceable:
-        (q, k, v, extra), call, enable_gqa = Call.from_op_args(args, 4)
-
-        def fn(call, q, k, v, *extra):
-            return forward(q, k, v, list(extra), call, enable_gqa)
-
-        return _traceable("forward", call, [q, k, v, *extra], fn)
-
-    def expand_backward(args) -> Traceable:
-        (dout, dlse, qh, kh, vh, out_h, lse_h, extra), call, kv_heads = Call.from_op_args(args, 8)
-        return _backward_traceable(
-            call,
-            [dout, qh, kh, vh, out_h, lse_h],
-            extra,
-            dlse,
-            lambda call, dout, qh, kh, vh, out_h, lse_h, extra, dlse: backward(
-                dout, dlse, qh, kh, vh, out_h, lse_h, extra, call, kv_heads
-            ),
-        )
-
-    _register(name, expand_forward, expand_backward)
+    _register(name, forward_impl, backward_impl)
     return forward_op
