@@ -56,20 +56,22 @@ def _issues(name: str) -> bool:
     return any(k in name for k in _ISSUE)
 
 
+def wall_time(run: Callable[[], object]) -> float:
+    """Seconds of one ``run()``, by the wall clock."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str, float]:
     """Per-step costs of ``prepare()()``, which makes ``steps`` steps; ``prepare()`` (untimed, unprofiled) sets up
     what the steps start from (a prefilled cache) and returns them. See the module docstring."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = prepare()
-    start = time.perf_counter()
-    run()
-    wall = time.perf_counter() - start
+    wall = wall_time(prepare())
     run = prepare()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        run()
-        profiled = time.perf_counter() - start
+        profiled = wall_time(run)
     collective_us, compute_us, issued = 0.0, 0.0, 0
     for event in prof.events():
         name = event.name

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .launch import RankPool
+from .launch import RankPool, torchrun_runner
 from .memory import PeakMemory
 
 MiB = 2**20
@@ -67,14 +67,12 @@ def demo_rank(batch, heads, kv_heads, seq_len, head_dim, dtype_name, causal, ste
     ref = F.scaled_dot_product_attention(*ref_leaves, is_causal=causal, enable_gqa=heads != kv_heads)
     ref.backward(do.double())
     pairs = [(out, ref)] + [(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
-    err = max((a.double() - plan.shard(b.detach(), 2)).abs().max().item() for a, b in pairs)
-    q_local_bytes = leaves[0].numel() * leaves[0].element_size()
     return {
         "rank": plan.rank,
         "step_s": statistics.median(times),
-        "max_err": err,
+        "max_err": max((a.double() - plan.shard(b.detach(), 2)).abs().max().item() for a, b in pairs),
         "peak_bytes": mem.peak_bytes,
-        "q_local_bytes": q_local_bytes,
+        "q_local_bytes": leaves[0].numel() * leaves[0].element_size(),
     }
 
 
@@ -85,11 +83,11 @@ def _attention_table(rows: list[dict], args) -> str:
         f"D={args.head_dim} {args.dtype} {'causal' if args.causal else 'full'}; fwd+bwd, median of {args.steps}",
         f"{'rank':>4} {'step (s)':>9} {'tokens/s':>10} {'max err vs fp64':>16} {'peak MiB':>9} {'peak / local q':>15}",
     ]
-    for r in rows:
-        lines.append(
-            f"{r['rank']:>4} {r['step_s']:>9.3f} {tokens / r['step_s']:>10.0f} {r['max_err']:>16.2e} "
-            f"{r['peak_bytes'] / MiB:>9.1f} {r['peak_bytes'] / r['q_local_bytes']:>15.1f}"
-        )
+    lines += [
+        f"{r['rank']:>4} {r['step_s']:>9.3f} {tokens / r['step_s']:>10.0f} {r['max_err']:>16.2e} "
+        f"{r['peak_bytes'] / MiB:>9.1f} {r['peak_bytes'] / r['q_local_bytes']:>15.1f}"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -181,15 +179,19 @@ def _train_table(rows, ref_losses, ref_times, args) -> str:
         f"B={args.batch} S={args.seq_len} {args.dtype}, {args.steps} SGD steps, C={len(rows)}, inner={args.inner}",
         f"{'step':>4} {'loss (CP)':>12} {'loss (1 proc)':>14} {'|diff|':>10}",
     ]
-    for i, (a, b) in enumerate(zip(rows[0]["losses"], ref_losses)):
-        lines.append(f"{i:>4} {a:>12.6f} {b:>14.6f} {abs(a - b):>10.2e}")
+    lines += [
+        f"{i:>4} {a:>12.6f} {b:>14.6f} {abs(a - b):>10.2e}"
+        for i, (a, b) in enumerate(zip(rows[0]["losses"], ref_losses))
+    ]
     lines.append(f"{'rank':>4} {'step (s)':>9} {'tokens/s':>10} {'peak MiB':>9}   (steady state, after compilation)")
     for r in rows:
         t = steady(r["times"])
         lines.append(f"{r['rank']:>4} {t:>9.3f} {tokens / t:>10.0f} {r['peak_bytes'] / MiB:>9.1f}")
     t = steady(ref_times)
-    lines.append(f"{'1 proc':>6} {t:>7.3f} {tokens / t:>10.0f}   (eager, {args.threads_per_rank} thread)")
-    lines.append(f"max loss difference {worst:.2e}")
+    lines += [
+        f"{'1 proc':>6} {t:>7.3f} {tokens / t:>10.0f}   (eager, {args.threads_per_rank} thread)",
+        f"max loss difference {worst:.2e}",
+    ]
     return "\n".join(lines), worst
 
 
@@ -221,9 +223,7 @@ def _run_on_ranks(args, fn, *fn_args):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
-        row = fn(*fn_args)
-        rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, row)
+        rows = torchrun_runner(dist.get_world_size(), fn, *fn_args)
         rank = dist.get_rank()
         dist.destroy_process_group()
         return rows if rank == 0 else None
@@ -247,7 +247,9 @@ def main(args: argparse.Namespace) -> int:
         table, worst = _train_table(rows, ref_losses, ref_times, args)
     else:
         device = "cuda" if "WORLD_SIZE" in os.environ and torch.cuda.is_available() else "cpu"
-        config = (
+        rows = _run_on_ranks(
+            args,
+            demo_rank,
             args.batch,
             args.heads,
             args.kv_heads,
@@ -258,7 +260,6 @@ def main(args: argparse.Namespace) -> int:
             args.steps,
             device,
         )
-        rows = _run_on_ranks(args, demo_rank, *config)
         if rows is None:
             return 0
         table, worst = _attention_table(rows, args), max(r["max_err"] for r in rows)

@@ -22,6 +22,7 @@ decode ms/token against prompt length, one line per C.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -51,6 +52,12 @@ def config_sizes(args, max_positions: int) -> dict:
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=max_positions,
     )
+
+
+def add_size_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """The command-line model's sizes, as ``config_sizes`` reads them: ``--hidden --layers ...`` with ``defaults``."""
+    for name, default in defaults.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
 
 
 def build_model(args, attn: str):
@@ -217,15 +224,12 @@ def rank_runs(args) -> dict:
             cp_compile.hf.sharded_prefill(model, plan, cache, ids)
         return cache
 
-    def generate(ids, **kwargs):  # what a user calls; the prefill is done, so it decodes from the cache
-        return cp_compile.hf.generate(model, ids, **kwargs)
+    # what a user calls; the prefill is done, so it decodes from the cache
+    generate = functools.partial(cp_compile.hf.generate, model)
 
     runs = {}
     for length in [args.prompts[0]] + args.prompts:  # the first run warms up, unrecorded
-
-        def cache():
-            return cp_compile.hf.ShardedCache(model.config, length + args.new, plan)
-
+        cache = functools.partial(cp_compile.hf.ShardedCache, model.config, length + args.new, plan)
         ids = _prompt(args, length)
         decode_s, floor_s = [], []
         for _ in range(args.repeats):  # CP and its floor in turn: both meet the machine in the same state
@@ -261,13 +265,8 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
                 ).item()
                 for m in mine
             )
-            prefill_s = max(m["prefill_s"] for m in mine)
-            decode_s = max(m["decode_s"] for m in mine)
+            prefill_s, allgather_s = max(m["prefill_s"] for m in mine), max(m["allgather_s"] for m in mine)
             slowest = max(mine, key=lambda m: m["costs"]["wall_ms"])
-            # one process's step plus the one collective per layer that a decode step under CP needs: timed back to
-            # back, and in its place inside a step (in turn with the CP decode, on the same ranks)
-            floor_ms = 1e3 * (ref["decode_s"] + args.layers * max(m["allgather_s"] for m in mine))
-            in_step_floor_ms = 1e3 * max(m["floor_s"] for m in mine)
             rows.append(
                 dict(
                     C=world_size,
@@ -276,13 +275,15 @@ def _rows(args, reference: dict, per_world: dict) -> list[dict]:
                     logits_rel_err=err,
                     prefill_tok_s=(length - 1) / prefill_s if length > 1 else None,
                     ref_prefill_tok_s=(length - 1) / ref["prefill_s"] if length > 1 else None,
-                    decode_ms=1e3 * decode_s,
+                    decode_ms=1e3 * max(m["decode_s"] for m in mine),
                     ref_decode_ms=1e3 * ref["decode_s"],
                     cache_MiB_per_rank=max(m["cache_bytes"] for m in mine) / 2**20,
                     ref_cache_MiB=ref["cache_bytes"] / 2**20,
-                    decode_floor_ms=floor_ms,
-                    decode_in_step_floor_ms=in_step_floor_ms,
-                    allgather_ms=1e3 * max(m["allgather_s"] for m in mine),
+                    # one process's step plus the one collective per layer that a decode step under CP needs: timed
+                    # back to back, and in its place inside a step (in turn with the CP decode, on the same ranks)
+                    decode_floor_ms=1e3 * (ref["decode_s"] + args.layers * allgather_s),
+                    decode_in_step_floor_ms=1e3 * max(m["floor_s"] for m in mine),
+                    allgather_ms=1e3 * allgather_s,
                     costs=slowest["costs"],
                     ref_costs=ref["costs"],
                     floor_costs=slowest["floor_costs"],
@@ -316,12 +317,12 @@ def _table(rows: list[dict]) -> str:
         "run on each rank with that all-gather after each attention layer, timed in turn with CP"
     )
     lines.append("decode step (per token, from a profile of the slowest rank):")
-    for r in rows:
-        lines.append(
-            f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
-            f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
-            f"all-gather {r['allgather_ms']:.3f} ms"
-        )
+    lines += [
+        f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
+        f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
+        f"all-gather {r['allgather_ms']:.3f} ms"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -369,20 +370,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     right.plot(prompts, [r["ref_decode_ms"] for r in first], "k--o", label="one process")
     for world_size in sorted({r["C"] for r in rows}):
         mine = [r for r in rows if r["C"] == world_size]
-        left.plot([r["prompt"] for r in mine], [r["prefill_tok_s"] for r in mine], "-o", label=f"CP, C={world_size}")
-        (line,) = right.plot(
-            [r["prompt"] for r in mine], [r["decode_ms"] for r in mine], "-o", label=f"CP, C={world_size}"
-        )
+        lengths, cp_ms = [r["prompt"] for r in mine], [r["decode_ms"] for r in mine]
+        left.plot(lengths, [r["prefill_tok_s"] for r in mine], "-o", label=f"CP, C={world_size}")
+        (line,) = right.plot(lengths, cp_ms, "-o", label=f"CP, C={world_size}")
         right.plot(
-            [r["prompt"] for r in mine],
+            lengths,
             [r["decode_in_step_floor_ms"] for r in mine],
             ":",
             color=line.get_color(),
             label=f"its floor (one process + all-gathers), C={world_size}",
         )
-        prompts = [r["prompt"] for r in mine]
-        cp_ms, one_ms = [r["decode_ms"] for r in mine], [r["ref_decode_ms"] for r in mine]
-        mark_crossover(right, prompts, cp_ms, one_ms, line.get_color(), 0.02)
+        mark_crossover(right, lengths, cp_ms, [r["ref_decode_ms"] for r in mine], line.get_color(), 0.02)
     for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
@@ -399,11 +397,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-sizes", "-C", type=comma_ints, default=[2], help="comma list (default 2)")
     p.add_argument("--prompts", "-P", type=comma_ints, default=[257, 1025], help="prompt lengths, comma list")
     p.add_argument("--new", type=int, default=64, help="tokens to generate (greedy)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
+    add_size_arguments(p, hidden=256, layers=4, heads=8, kv_heads=2, vocab=1024)
     p.add_argument("--window", type=int, default=128, help="sliding window of qwen2's and mistral's window layers")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--repeats", type=int, default=3, help="CP and in-step floor decode runs, in turn (best kept)")
@@ -416,11 +410,8 @@ def main(args: argparse.Namespace) -> int:
     reference = reference_runs(args)
     per_world = {}
     for world_size in args.world_sizes:
-        pool = RankPool(world_size)
-        try:
+        with RankPool(world_size) as pool:
             per_world[world_size] = pool.run(rank_runs, args, timeout=3600)
-        finally:
-            pool.close()
     rows = _rows(args, reference, per_world)
     decoding = "compiled" if args.compile else "eager"
     report(

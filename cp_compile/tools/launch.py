@@ -176,18 +176,14 @@ class RankPool:
                 if dead or remaining <= 0:
                     self.close(force=True)
                     why = f"ranks {dead} died" if dead else f"timed out after {timeout:.0f}s"
-                    done = sorted(set(values) | set(errors))
-                    msg = f"{why}; ranks {done} had finished"
+                    msg = f"{why}; ranks {sorted(set(values) | set(errors))} had finished"
                     if errors:
                         raise TimeoutError(f"{msg}. Errors so far:\n{RankError(errors)}") from None
                     raise TimeoutError(msg) from None
                 continue
             if tid != task_id:
                 continue  # a late answer to a call that already failed
-            if ok:
-                values[rank] = value
-            else:
-                errors[rank] = value
+            (values if ok else errors)[rank] = value
         if errors:
             raise RankError(errors)
         return [values[r] for r in range(self.world_size)]

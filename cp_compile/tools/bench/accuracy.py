@@ -195,8 +195,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'C':>2} {'one device':>11} " + " ".join(f"{s + ' ratio':>15} {s + ' fp64':>15}" for s in args.schedules))
     for size in (int(c) for c in args.world_sizes.split(",") if c):
         with RankPool(size) as pool:
-            row = pool.run(errors_rank, args, timeout=3600)[0]
-        row["C"] = size
+            row = {**pool.run(errors_rank, args, timeout=3600)[0], "C": size}
         rows.append(row)
         print(
             f"{size:>2} {row['single']:>11.2e} "

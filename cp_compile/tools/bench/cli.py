@@ -25,21 +25,20 @@ def table(results: dict) -> str:
         f"{'peak q':>7} {'MiB/rank':>9} {'hidden':>7} {'GF/s/r':>7} {'host ms/step':>12}"
     )
     lines = [head, "-" * len(head)]
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    fmt = lambda v, f, unit=1: "-" if v is None else format(v * unit, f)  # noqa: E731
     for cfg in results["configs"]:
         p = Problem(**cfg["config"])
         for name, e in cfg["variants"].items():
             if not e["valid"]:
                 lines.append(f"{p.label():<22} {name:<24} INVALID: max rel err {e['max_rel_err']:.2e}")
                 continue
-            mib = e.get("bytes_per_rank")
             lines.append(
                 f"{p.label():<22} {name:<24} {fmt(e.get('time_s'), '8.3f')} "
                 f"{fmt(e.get('parallel_efficiency'), '5.2f')} {fmt(e.get(f'time_ratio_vs {TORCH_A2A}'), '5.2f')} "
                 f"{fmt(e.get(f'time_ratio_vs {TORCH_AG}'), '5.2f')} {fmt(e.get('peak_q_units'), '7.1f')} "
-                f"{fmt(None if mib is None else mib / 2**20, '9.1f')} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
+                f"{fmt(e.get('bytes_per_rank'), '9.1f', 2**-20)} {fmt(e.get('comm_hidden_fraction'), '7.2f')} "
                 f"{fmt(e.get('gflops_per_rank'), '7.1f')} "
-                f"{fmt(None if e.get('host_s_per_step') is None else e['host_s_per_step'] * 1e3, '12.2f')}"
+                f"{fmt(e.get('host_s_per_step'), '12.2f', 1e3)}"
             )
         for name, extra in cfg.get("extras", {}).items():
             if extra and extra.get("line"):
@@ -121,10 +120,14 @@ def _has_timeline(results: dict) -> bool:
 
 def _plot_timeline(ax, results: dict) -> None:
     tl_cfg = results["meta"].get("timeline_config")
-    found = None
-    for c in results["configs"]:
-        if c["config"] == tl_cfg and "timeline" in c["variants"].get(OURS, {}):
-            found = c["variants"][OURS]["timeline"]
+    found = next(
+        (
+            cfg["variants"][OURS]["timeline"]
+            for cfg in results["configs"]
+            if cfg["config"] == tl_cfg and "timeline" in cfg["variants"].get(OURS, {})
+        ),
+        None,
+    )
     if not found:
         ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center")
         ax.set_axis_off()
@@ -158,11 +161,10 @@ def _plot_timeline(ax, results: dict) -> None:
         )
         used.add("inflight")
     ax.set_yticks(range(len(found)), [f"rank {r}" for r in reversed(range(len(found)))])
-    c = tl_cfg
     ax.set(
         xlabel="seconds (instrumented re-run; fwd then bwd)",
-        title=f"ours eager, per-rank timeline: {'causal' if c['causal'] else 'non-causal'} "
-        f"C={c['world_size']} S={c['seq_len']}",
+        title=f"ours eager, per-rank timeline: {'causal' if tl_cfg['causal'] else 'non-causal'} "
+        f"C={tl_cfg['world_size']} S={tl_cfg['seq_len']}",
     )
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=4)
 
@@ -170,6 +172,9 @@ def _plot_timeline(ax, results: dict) -> None:
 # ----------------------------------------------------------------------------
 # Command line.
 # ----------------------------------------------------------------------------
+
+
+_MASKS = {"both": (True, False), "causal": (True,), "full": (False,)}  # --mask: the causal values run
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -186,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--head-dim", type=int, default=d.head_dim)
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
-    p.add_argument("--mask", choices=["both", "causal", "full"], default="both")
+    p.add_argument("--mask", choices=list(_MASKS), default="both")
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--variants", default=None, help="comma list of variant names (default: all registered)")
     p.add_argument(
@@ -241,13 +246,11 @@ def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOpt
         trace=args.trace,
         trace_repeats=args.trace_repeats,
         min_sample_ms=args.min_sample_ms,
-        causal={"both": (True, False), "causal": (True,), "full": (False,)}[args.mask],
+        causal=_MASKS[args.mask],
         variants=tuple(v.strip() for v in args.variants.split(",")) if args.variants else None,
         device=device,
     )
-    if args.tiny:
-        opts = dataclasses.replace(opts, **TINY)
-    return opts
+    return dataclasses.replace(opts, **TINY) if args.tiny else opts
 
 
 def plot_timeline(results: dict, path: Path) -> None:
@@ -291,8 +294,7 @@ def _main_virtual(args: argparse.Namespace) -> int:
         cfg.update({a: val for a, val in virtual.CUDA_DEFAULTS.items() if a not in given})
     if args.tiny:
         cfg.update(world_sizes=(2,), seq_lens=(256,), heads=2, head_dim=32)
-    causal = {"both": (True, False), "causal": (True,), "full": (False,)}[args.mask]
-    rows = virtual.run(device, causal=causal, repeats=args.repeats, out=args.out, **cfg)
+    rows = virtual.run(device, causal=_MASKS[args.mask], repeats=args.repeats, out=args.out, **cfg)
     print(virtual.table(rows))
     print(f"wrote {args.out}")
     return 0
@@ -316,8 +318,11 @@ def main(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if cuda else "gloo")
         import cp_compile  # noqa: F401
 
-        opts = options_from_args(args, "cuda" if cuda else "cpu")
-        opts = dataclasses.replace(opts, world_sizes=(dist.get_world_size(),), trace=opts.trace and not cuda)
+        opts = dataclasses.replace(
+            options_from_args(args, "cuda" if cuda else "cpu"),
+            world_sizes=(dist.get_world_size(),),
+            trace=args.trace and not cuda,
+        )
         main_rank = dist.get_rank() == 0
         results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
         if main_rank:
@@ -332,8 +337,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         runner.close()
     print(table(results))
-    png = write_outputs(results, args.out)
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {args.out} and {write_outputs(results, args.out)}")
     invalid = [(c["config"], n) for c in results["configs"] for n, e in c["variants"].items() if not e["valid"]]
     if invalid:
         print(f"INVALID results (not timed): {invalid}")

@@ -127,8 +127,7 @@ def _timed_sample(step: Callable, n: int, device: torch.device) -> float:
     """Mean wall time of ``n`` back-to-back steps."""
     t0 = time.perf_counter()
     for _ in range(n):
-        out = step()
-        del out
+        step()
     _sync(device)
     return (time.perf_counter() - t0) / n
 
@@ -208,8 +207,7 @@ def bench_rank(
     for i, v in enumerate(variants):
         if v.single_rank:
             continue
-        meter = v.meter() if v.meter is not None else contextlib.nullcontext()
-        with meter as box:
+        with (v.meter or contextlib.nullcontext)() as box:
             got = steps[v.name]()  # first warm-up step: traffic of one fwd+bwd
         for _ in range(v.warmup - 1):
             got = steps[v.name]()
@@ -219,12 +217,10 @@ def bench_rank(
             result["variants"][v.name]["bytes_per_rank"] = box.bytes
         del got
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict
-    valid = []
     for i, v in enumerate(variants):
         ok = bool(errs[i] <= _tolerance(p.dtype))
         result["variants"][v.name].update(max_rel_err=float(errs[i]), valid=ok)
-        if ok:
-            valid.append(v)
+    valid = [v for v in variants if result["variants"][v.name]["valid"]]
     del reference, local_ref
 
     # -- timing: every repeat runs every valid variant once, rotating the order
@@ -314,12 +310,10 @@ def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
                 q_bytes=ranks_with_times[0]["q_bytes"],
             )
             entry["peak_q_units"] = entry["peak_bytes"] / entry["q_bytes"]
-            world = 1 if v.single_rank else p.world_size
-            entry["gflops_per_rank"] = p.flops / world / entry["time_s"] / 1e9
-        if "bytes_per_rank" in first:
-            entry["bytes_per_rank"] = max(r["bytes_per_rank"] for r in per_rank)
-        if "host_s_per_step" in first:
-            entry["host_s_per_step"] = max(r["host_s_per_step"] for r in per_rank)
+            entry["gflops_per_rank"] = p.flops / (1 if v.single_rank else p.world_size) / entry["time_s"] / 1e9
+        for key in ("bytes_per_rank", "host_s_per_step"):
+            if key in first:
+                entry[key] = max(r[key] for r in per_rank)
         if "steps_per_sample" in first:
             entry["steps_per_sample"] = first["steps_per_sample"]
         traces = [r["trace"] for r in per_rank if "trace" in r]
@@ -365,13 +359,15 @@ def _progress_line(index: int, total: int, p: Problem, res: dict, elapsed: float
         elif entry.get("time_s") is not None:
             parts.append(f"{label} {entry['time_s']:.3f}s")
     ours = res.get(OURS, {})
-    extra = ""
-    if ours.get("parallel_efficiency") is not None:
-        extra += f" | eff {ours['parallel_efficiency']:.2f}"
-    if ours.get(f"time_ratio_vs {TORCH_A2A}") is not None:
-        extra += f" | ours/torch-a2a {ours[f'time_ratio_vs {TORCH_A2A}']:.2f}"
-    if ours.get("comm_hidden_fraction") is not None:
-        extra += f" | hidden {ours['comm_hidden_fraction']:.2f}"
+    extra = "".join(
+        f" | {label} {ours[key]:.2f}"
+        for key, label in (
+            ("parallel_efficiency", "eff"),
+            (f"time_ratio_vs {TORCH_A2A}", "ours/torch-a2a"),
+            ("comm_hidden_fraction", "hidden"),
+        )
+        if ours.get(key) is not None
+    )
     hosts = [(short.get(n, n), e["host_s_per_step"]) for n, e in res.items() if e.get("host_s_per_step") is not None]
     if hosts:
         extra += " | host/step " + ", ".join(f"{label} {t * 1e3:.2f} ms" for label, t in hosts)
@@ -416,9 +412,8 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
         for s in opts.seq_lens
     ]
     for p in problems:
-        chunks = 2 * p.world_size
-        if p.seq_len % chunks:
-            raise ValueError(f"S={p.seq_len} does not split into 2C={chunks} zigzag chunks")
+        if p.seq_len % (2 * p.world_size):
+            raise ValueError(f"S={p.seq_len} does not split into 2C={2 * p.world_size} zigzag chunks")
     causal_problems = [p for p in problems if p.causal] or problems
     timeline_problem = max(causal_problems, key=lambda p: (p.world_size, p.seq_len))
     log(
@@ -461,24 +456,22 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
             "timeline_config": dataclasses.asdict(timeline_problem),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": time.perf_counter() - start,
-            "definitions": _definitions(),
+            "definitions": _DEFINITIONS,
         },
         "variants": {v.name: v.description for v in variants},
         "configs": configs,
     }
 
 
-def _definitions() -> dict:
-    return {
-        "time_s": "median over repeats of the slowest rank's fwd+bwd wall time per step (a sample averages "
-        "steps_per_sample back-to-back steps); variants interleaved per repeat",
-        "host_s_per_step": "fwd+bwd time with zero-cost attention kernels / 2C ring steps, slowest rank",
-        "parallel_efficiency": "single-device time / (C * time)",
-        "time_ratio_vs": "time / that torch ring variant's time (< 1: faster)",
-        "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, "
-        "/ bytes of one local q",
-        "bytes_per_rank": "payload bytes arriving at one rank from others in one fwd+bwd",
-        "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); "
-        "mean over ranks",
-        "gflops_per_rank": "12*B*H*S^2*D (x0.5 causal) / C / time",
-    }
+_DEFINITIONS = {
+    "time_s": "median over repeats of the slowest rank's fwd+bwd wall time per step (a sample averages "
+    "steps_per_sample back-to-back steps); variants interleaved per repeat",
+    "host_s_per_step": "fwd+bwd time with zero-cost attention kernels / 2C ring steps, slowest rank",
+    "parallel_efficiency": "single-device time / (C * time)",
+    "time_ratio_vs": "time / that torch ring variant's time (< 1: faster)",
+    "peak_q_units": "peak RSS (or CUDA allocator) growth during one fwd+bwd, max over ranks, / bytes of one local q",
+    "bytes_per_rank": "payload bytes arriving at one rank from others in one fwd+bwd",
+    "comm_hidden_fraction": "1 - (time in comm issue+wait calls) / (same, compute replaced by stand-ins); "
+    "mean over ranks",
+    "gflops_per_rank": "12*B*H*S^2*D (x0.5 causal) / C / time",
+}

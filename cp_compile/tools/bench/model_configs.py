@@ -282,25 +282,17 @@ def skip_reason(name: str) -> Optional[str]:
     if name in SKIP:
         return SKIP[name]
     with _quiet():
-        return _skip_reason(name)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-
-def _skip_reason(name: str) -> Optional[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cls_name = causal_lm_families()[name]
-    if "ConditionalGeneration" in cls_name:
-        return f"{MULTIMODAL} ({cls_name})"
-    cls = model_class(name)
-    family_config = CONFIG_MAPPING[name]
-    config_class = cls.config_class or family_config
-    try:
-        default = config_class()
-    except Exception:  # noqa: BLE001  (reported by tiny_config, which overrides what fails)
-        return None
-    if getattr(default, "is_encoder_decoder", False):
-        return "encoder-decoder config"
-    return None
+        cls_name = causal_lm_families()[name]
+        if "ConditionalGeneration" in cls_name:
+            return f"{MULTIMODAL} ({cls_name})"
+        config_class = model_class(name).config_class or CONFIG_MAPPING[name]
+        try:
+            default = config_class()
+        except Exception:  # noqa: BLE001  (reported by tiny_config, which overrides what fails)
+            return None
+        return "encoder-decoder config" if getattr(default, "is_encoder_decoder", False) else None
 
 
 WINDOWS = (
@@ -323,10 +315,6 @@ def _get(config, key: str):
 def _layer_kinds(config) -> Optional[list[str]]:
     kinds = getattr(config, "layer_types", None)
     return list(kinds) if isinstance(kinds, (list, tuple)) else None
-
-
-def _first_of_each(kinds: list[str]) -> list[str]:
-    return list(dict.fromkeys(kinds))
 
 
 def _shrunk(default) -> dict[str, Any]:
@@ -364,10 +352,7 @@ def _shrunk(default) -> dict[str, Any]:
     for key, value in stored.items():
         if _dropout_like(key) and isinstance(value, float) and value:
             kwargs[key] = 0.0
-        try:
-            sub = getattr(default, key, None) if isinstance(value, dict) else None
-        except Exception:  # noqa: BLE001  (a per-layer attribute of a heterogeneous config)
-            sub = None
+        sub = _get(default, key) if isinstance(value, dict) else None
         if isinstance(sub, PretrainedConfig):
             kwargs[key] = _shrunk(sub)
     return kwargs
@@ -386,7 +371,7 @@ def tiny_config(name: str):
     field = getattr(config_class, "attribute_map", {}).get("layer_types", "layer_types")  # the stored name
     settable = not isinstance(getattr(config_class, field, None), property)
     if kinds is not None and len(set(kinds)) > 1 and settable:  # one layer of each type the family has
-        kwargs.update({field: _first_of_each(kinds), "num_hidden_layers": len(set(kinds))})
+        kwargs.update({field: list(dict.fromkeys(kinds)), "num_hidden_layers": len(set(kinds))})
     kwargs.update(OVERRIDES.get(name, OVERRIDES.get(config_class.model_type, {})))
     config = config_class(**kwargs)
     # a window the defaults left unset (None) but the overrides switched on comes back at full size: shrink it
@@ -398,7 +383,7 @@ def tiny_config(name: str):
         and isinstance(layers, int)
         and not set(mlp_kinds) <= set(_get(config, "mlp_layer_types") or ())
     ):
-        first = _first_of_each(mlp_kinds)
+        first = list(dict.fromkeys(mlp_kinds))  # the first of each kind
         late["mlp_layer_types"] = (first + first[-1:] * layers)[: max(layers, len(first))]
         late["num_hidden_layers"] = max(layers, len(first))
     if late:

@@ -55,11 +55,6 @@ _INSTRUMENTS = _PACKAGE / "tools"  # this command and its kin: their errors are 
 _PASS_THROUGH = (_PACKAGE / "guard.py",)
 
 
-def _innermost(e: BaseException):
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() not in _PASS_THROUGH]
-    return frames[-1] if frames else None
-
-
 def _raised_in_cp_compile(e: BaseException) -> bool:
     """``e`` was raised by cp_compile's own code (not by this command, nor by a torch op the plan's guard
     passed through)."""
@@ -71,8 +66,9 @@ def _raised_in_cp_compile(e: BaseException) -> bool:
 
 
 def _located(e: BaseException) -> str:
-    frame = _innermost(e)
-    return f" ({_where(frame.filename, frame.lineno)})" if frame else ""
+    """`` (file:line)`` of the innermost frame of ``e`` that is not a pass-through, or ""."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() not in _PASS_THROUGH]
+    return f" ({_where(frames[-1].filename, frames[-1].lineno)})" if frames else ""
 
 
 def outcome(e: BaseException) -> tuple[str, str]:
@@ -233,9 +229,8 @@ def _generate(model, reference, group) -> dict:
     first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
     if first is None and len(mine) != len(theirs):
         first = min(len(mine), len(theirs))
-    same = first is None
     return {
-        "status": "exact" if same and logits <= TOL else "wrong",
+        "status": "exact" if first is None and logits <= TOL else "wrong",
         "logits": logits,
         "first_diff": first,
         "tokens": len(theirs),
@@ -302,10 +297,9 @@ def _family(name: str, groups) -> dict:
         return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
     row["parameters"] = sum(p.numel() for p in model.parameters())
     row["takes_position_ids"] = "position_ids" in inspect.signature(type(model).forward).parameters
-    row["train"] = _train(model, reference, groups[0])
-    _between_phases(groups[0])
-    row["generate"] = _generate(model, reference, groups[1])
-    _between_phases(groups[1])
+    for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):
+        row[phase] = run(model, reference, group)
+        _between_phases(group)
     return row
 
 

@@ -197,10 +197,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| Family | Train | Generate | Detail |",
         "|---|---|---|---|",
     ]
-    for row in rows:
-        lines.append(
-            f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {cell(detail(row))} |"
-        )
+    lines += [
+        f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {cell(detail(row))} |"
+        for row in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -261,12 +261,13 @@ def main(args: argparse.Namespace) -> int:
         "new_tokens": NEW,
         "tolerance": TOL,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(rows, meta))
+    for path, text in (
+        (args.out, json.dumps({"meta": meta, "rows": rows}, indent=1, default=str)),
+        (args.markdown, markdown(rows, meta)),
+    ):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
     return (
         1
         if any(not r.get("skipped") and "wrong" in (r["train"]["status"], r["generate"]["status"]) for r in rows)

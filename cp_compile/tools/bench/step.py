@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..breakdown import collectives_issued
-from ..generate import comma_ints, config_sizes, mark_crossover, report
+from ..breakdown import collectives_issued, wall_time
+from ..generate import add_size_arguments, comma_ints, config_sizes, mark_crossover, report
 from ..launch import RankPool
 
 
@@ -60,9 +59,7 @@ def _median_ms(args, step, length: int, barrier=None) -> float:
     for _ in range(_steps_for(args, length)):
         if barrier is not None:  # the ranks start each timed step together
             barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        times.append(wall_time(step))
     return 1e3 * statistics.median(times)
 
 
@@ -234,11 +231,11 @@ def _table(rows: list[dict]) -> str:
         if r["floor_ms"] is not None
     ]
     lines.append("per step, from a profile (CP: the slowest rank):")
-    for r in rows:
-        lines.append(
-            f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
-            f"{format_breakdown(r['one_costs'])}"
-        )
+    lines += [
+        f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
+        f"{format_breakdown(r['one_costs'])}"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -254,10 +251,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.plot(lengths, [r["one_ms"] for r in first], "k--o", label="one process")
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
         mine = [r for r in rows if r["schedule"] == schedule]
-        label = f"CP, C={mine[0]['C']} ({schedule})"
-        (line,) = ax.plot([r["length"] for r in mine], [r["cp_ms"] for r in mine], "-o", label=label)
-        cp_ms, one_ms = [r["cp_ms"] for r in mine], [r["one_ms"] for r in mine]
-        mark_crossover(ax, [r["length"] for r in mine], cp_ms, one_ms, line.get_color(), 0.55)
+        xs, cp_ms = [r["length"] for r in mine], [r["cp_ms"] for r in mine]
+        (line,) = ax.plot(xs, cp_ms, "-o", label=f"CP, C={mine[0]['C']} ({schedule})")
+        mark_crossover(ax, xs, cp_ms, [r["one_ms"] for r in mine], line.get_color(), 0.55)
     ax.set(xscale="log", yscale="log", xlabel="sequence tokens", ylabel="ms per training step", title=title)
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
@@ -276,11 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the plan's schedule, comma list (auto, ring, allgather, ...)",
     )
     p.add_argument("--calibrate", action="store_true", help="the plan measures the machine (calibrate=True)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
+    add_size_arguments(p, hidden=128, layers=2, heads=4, kv_heads=2, vocab=256)
     p.add_argument("--inner", choices=["inductor", "aot_eager"], default="inductor")
     p.add_argument("--steps", type=int, default=10, help="timed steps at 2048 tokens and below (fewer above)")
     p.add_argument("--warmup", type=int, default=3)
@@ -292,10 +284,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     with RankPool(1, pin=True) as pool:
         one = pool.run(one_process, args, timeout=3600)[0]
-    per_schedule = {}
     with RankPool(args.world_size, pin=True) as pool:
-        for schedule in args.schedules:
-            per_schedule[schedule] = pool.run(cp_ranks, args, schedule, timeout=3600)
+        per_schedule = {schedule: pool.run(cp_ranks, args, schedule, timeout=3600) for schedule in args.schedules}
     rows = _rows(args, one, per_schedule)
     report(
         rows,

@@ -104,9 +104,8 @@ class OpTracer(TorchDispatchMode):
 
     def timeline(self, origin: float, min_other_s: float = 50e-6) -> list[dict]:
         """Events relative to ``origin``; short 'other' ops are dropped (they only clutter)."""
-        out = []
-        for e in self.events:
-            if e["class"] == "other" and e["t1"] - e["t0"] < min_other_s:
-                continue
-            out.append({**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin})
-        return out
+        return [
+            {**e, "t0": e["t0"] - origin, "t1": e["t1"] - origin}
+            for e in self.events
+            if e["class"] != "other" or e["t1"] - e["t0"] >= min_other_s
+        ]

@@ -47,6 +47,7 @@ from ...comm import TAG_KV
 from ...kinds.sdpa import ring_section, section_attn, section_attn_backward
 from ...layout import Zigzag
 from ...schedules.ring import ring_pass_backward, ring_pass_forward
+from ..breakdown import wall_time
 from ..memory import PeakMemory
 from .builtin import _stub_our_kernels
 from .variants import DTYPES, Problem
@@ -56,25 +57,20 @@ CUDA_DEFAULTS = dict(
 )
 
 
-class _Clock:
-    """Elapsed seconds of a region: CUDA events on a GPU, wall time elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    @contextlib.contextmanager
-    def __call__(self, box: list):
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            end.synchronize()
-            box.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            yield
-            box.append(time.perf_counter() - t0)
+@contextlib.contextmanager
+def _clock(device: torch.device, box: list):
+    """Elapsed seconds of a region, appended to ``box``: CUDA events on a GPU, wall time elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        end.synchronize()
+        box.append(start.elapsed_time(end) / 1e3)
+    else:
+        t0 = time.perf_counter()
+        yield
+        box.append(time.perf_counter() - t0)
 
 
 def _sections(world: int, rank: int, causal: bool) -> list[str]:
@@ -131,14 +127,12 @@ def rank_backward(
     the first in head halves, dQ and the travelling dK/dV accumulated in fp32. Returns dq and the
     last dK/dV accumulator (which, on a real ring, holds other ranks' contributions too)."""
     sections = _sections(len(kv), rank, causal)
-
-    def attend_backward(step, k, v, do, q, out, lse, dlse):
-        return section_attn_backward(do, q, k, v, out, lse, dlse, sections[step], scale)
-
     dq, dk, dv = ring_pass_backward(
         q,
         *kv[rank],
-        attend_backward,
+        lambda step, k, v, do, q, out, lse, dlse: section_attn_backward(
+            do, q, k, v, out, lse, dlse, sections[step], scale
+        ),
         world_size=len(kv),
         hops=_VirtualHops(kv, rank),
         q_side=(do, q, out, lse, None),
@@ -176,10 +170,13 @@ def single_step(q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool) -> Ca
     return step
 
 
-def _median_time(step: Callable[[], None], clock: _Clock, repeats: int) -> float:
+def _median_time(step: Callable[[], None], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median device time of ``step`` after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        step()
     times: list[float] = []
     for _ in range(repeats):
-        with clock(times):
+        with _clock(device, times):
             step()
     return statistics.median(times)
 
@@ -190,9 +187,7 @@ def _host_time(step: Callable[[], None], device: torch.device, repeats: int) -> 
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        times.append(wall_time(step))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return statistics.median(times)
@@ -204,13 +199,7 @@ def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2)
     dtype = DTYPES[p.dtype]
     q, k, v, do = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(4))
     scale = 1.0 / math.sqrt(p.head_dim)
-    clock = _Clock(device)
-
-    single = single_step(q, k, v, do, p.causal)
-    for _ in range(warmup):
-        single()
-    single_s = _median_time(single, clock, repeats)
-    del single
+    single_s = _median_time(single_step(q, k, v, do, p.causal), device, repeats, warmup)
 
     shard = lambda t, r: Zigzag().shard(t, 2, r, p.world_size)  # noqa: E731
     kv = [(shard(k, r), shard(v, r)) for r in range(p.world_size)]
@@ -218,9 +207,7 @@ def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2)
     per_rank = []
     for r in range(p.world_size):
         step = rank_step(shard(q, r), kv, shard(do, r), r, p.causal, scale)
-        for _ in range(warmup):
-            step()
-        seconds = _median_time(step, clock, repeats)
+        seconds = _median_time(step, device, repeats, warmup)
         with PeakMemory(device) as mem:
             step()
         with _stub_our_kernels():
