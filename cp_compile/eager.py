@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .comm import group_name_of, is_2d_mesh, resolve_group
+from .kinds.base import check_heads_and_lengths
 from .kinds.flex import eager_mods, flex_options
 from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
 from .schedules import HEAD_SCHEDULES, run_schedule, softmax_scale
@@ -152,12 +153,7 @@ def flex_attention(
     ``torch.compile``, Dynamo breaks the graph where it creates the mods (an opaque object); a compiled
     model calls torch's ``flex_attention``, which the CP backend rewrites.
     """
-    if q.shape[1] != k.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+    check_heads_and_lengths(q, k, enable_gqa)
     mods, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
     if schedule == "auto":
         from .cost.masked import choose_flex

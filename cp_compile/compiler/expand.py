@@ -42,18 +42,12 @@ class Expansion:
         return sum(1 for n in self.nodes if n.target == target)
 
 
-def _value(node: fx.Node):
-    """A node's traced value: its fake tensor, or the object a ``get_attr`` holds (a flex call's mods)."""
-    if node.op == "get_attr":
-        return getattr(node.graph.owning_module, node.target)
-    return node.meta["val"]
-
-
 def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
     """make_fx of a schedule function over the graph's own fake tensors."""
     from torch._inductor.decomposition import select_decomp_table
 
-    vals = [_value(n) for n in inputs]
+    # a get_attr input holds a flex call's mods
+    vals = [getattr(n.graph.owning_module, n.target) if n.op == "get_attr" else n.meta["val"] for n in inputs]
     # post-grad graphs hold decomposed aten only (Inductor rejects e.g. aten.transpose.int there)
     with detect_fake_mode(vals):
         return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)

@@ -112,6 +112,16 @@ def parse_options(options: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in options.split())
 
 
+def check_heads_and_lengths(q: Tensor, k: Tensor, enable_gqa: bool) -> None:
+    """[B, H, S_local, D] shards: as many q as k/v heads unless grouped-query, and one local length."""
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+
+
 @dataclass(frozen=True)
 class Units:
     """Where a call's queries and keys come from, on this rank (see the module docstring)."""

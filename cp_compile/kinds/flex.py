@@ -37,7 +37,7 @@ from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, shard_info
 from ..torch_compat import flex_index_helpers
-from .base import Call, Kind, Mods, Units, register_kind
+from .base import Call, Kind, Mods, Units, check_heads_and_lengths, register_kind
 
 # ----------------------------------------------------------------------------
 # Counting the work: (query chunk, key chunk) pairs computed and skipped.
@@ -257,16 +257,11 @@ def flex_options(mask_b: int, mask_h: int) -> str:
     return f"mask={int(mask_b)}x{int(mask_h)}"
 
 
-def _mask_shape(call: Call) -> tuple[int, int]:
-    mask_b, mask_h = call.option("mask").split("x")
-    return int(mask_b), int(mask_h)
-
-
 def _mask_call(q: Tensor, buffers: list, units: Units, call: Call) -> MaskCall:
     """The tile description for this rank's unit and heads."""
     if not isinstance(call.mods, Mods):
         raise ValueError(f"a flex call needs its mods (a cp_compile.kinds.base.Mods); got {call.mods!r}")
-    mask_b, mask_h = _mask_shape(call)
+    mask_b, mask_h = (int(n) for n in call.option("mask").split("x"))
     # _resolve validates the index table against the local length: a unit's tokens / its ranks
     local = q.narrow(2, 0, q.shape[2] // units.a2a)
     tile = _resolve(local, buffers, call.mods, units.world_size, call.layout, mask_b, mask_h, call.scale)
@@ -310,12 +305,7 @@ class Flex(Kind):
         return f"{call.options} layout={call.layout} scale={call.scale!r}"
 
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
-        if q.shape[1] != k.shape[1] and not enable_gqa:
-            raise ValueError(
-                f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
-            )
-        if q.shape[2] != k.shape[2]:
-            raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+        check_heads_and_lengths(q, k, enable_gqa)
 
 
 FLEX = register_kind(Flex())

@@ -39,7 +39,7 @@ from ..kernels.block import (
 from ..kernels.masked import fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
 from ..layout import layout_named
-from .base import GATHERED, Call, Kind, Units, register_kind
+from .base import GATHERED, Call, Kind, Units, check_heads_and_lengths, register_kind
 
 FULL, DIAGONAL, KV_FIRST_HALF, Q_SECOND_HALF, SKIP = "full", "diagonal", "kv_first_half", "q_second_half", "skip"
 
@@ -208,12 +208,7 @@ def check_sdpa_args(
     check_block_args(q, k, v, "none")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[1] != k.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True for grouped-query attention"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"local q and k/v lengths differ ({q.shape[2]} vs {k.shape[2]}); CP shards them alike")
+    check_heads_and_lengths(q, k, enable_gqa)
     if is_causal and layout == "zigzag" and world_size > 1 and q.shape[2] % 2:
         raise ValueError(
             f"zigzag layout holds two equal chunks per rank, but the local length {q.shape[2]} is odd; "
