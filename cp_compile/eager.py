@@ -150,8 +150,9 @@ def flex_attention(
     (``group`` a 2-D (ring, a2a) DeviceMesh, query heads divide by its a2a
     size); ``layout`` matters only without a block_mask.
     Differentiable (mask and score mods; tensors the mods capture get no gradient). Called inside
-    ``torch.compile``, Dynamo breaks the graph where it creates the mods (an opaque object); a compiled
-    model calls torch's ``flex_attention``, which the CP backend rewrites.
+    ``torch.compile``: a call with a block_mask from ``plan.shard`` (or none) traces whole, one with a
+    score_mod breaks the graph where it makes its mods (an opaque object, which Dynamo cannot create); a
+    compiled model may call torch's ``flex_attention`` instead, which the CP backend rewrites.
     """
     check_heads_and_lengths(q, k, enable_gqa)
     mods, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)

@@ -147,32 +147,36 @@ def test_empty_blocks_skipped_with_identical_collectives(ranks, world_size):
     assert all(r["shifts"] == results[0]["shifts"] for r in results)
 
 
-def run_flex_eager_inside_compile():
-    """cp_compile.flex_attention called in a compiled function runs eagerly (a graph break): the same
-    results as one device, forward and backward."""
+def run_flex_eager_inside_compile(case: str, fullgraph: bool):
+    """cp_compile.flex_attention called in a compiled function, forward and backward, against one device.
+    A call with a block_mask from plan.shard traces whole; one with a score_mod breaks the graph where it
+    makes its mods (Dynamo cannot create an opaque object)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
 
     plan = cp_compile.ContextParallel()
     seq = 2 * plan.world_size * CHUNK
-    mask_mod, score_mod = mask_case("bias-score", seq)
+    mask_mod, score_mod = mask_case(case, seq)
     q, k, v, do = make_qkv(1, 2, 2, seq, 8, seed=7)
     ref = reference(q, k, v, do, mask_mod, score_mod, 0.3)
     local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
 
     def attention(q, k, v):
-        return cp_compile.flex_attention(q * 1.0, k, v, score_mod=score_mod, block_mask=local_mask, scale=0.3)
+        return cp_compile.flex_attention(
+            q * 1.0, k, v, score_mod=score_mod, block_mask=local_mask, scale=0.3, group=plan.group_name, schedule="ring"
+        )
 
     leaves = [plan.shard(t, 2).requires_grad_() for t in (q, k, v)]
-    out = torch.compile(attention, backend="aot_eager")(*leaves)
+    out = torch.compile(attention, backend="aot_eager", fullgraph=fullgraph)(*leaves)
     out.backward(plan.shard(do, 2))
     got = [out.detach()] + [t.grad for t in leaves]
     return [max_err(g, plan.shard(w, 2)) for g, w in zip(got, [ref[0], *ref[2:]])]
 
 
-def test_eager_function_inside_compile(ranks):
-    for errors in ranks(2, run_flex_eager_inside_compile):
+@pytest.mark.parametrize("case, fullgraph", [("document-causal", True), ("bias-score", False)])
+def test_eager_function_inside_compile(ranks, case, fullgraph):
+    for errors in ranks(2, run_flex_eager_inside_compile, case, fullgraph):
         assert max(errors) < 1e-10, errors
 
 
@@ -411,11 +415,10 @@ def test_expanded_flex_schedules(fake_group):
 
     from cp_compile.compiler.expand import expand_cp_ops
     from cp_compile.compiler.order import schedule_listing
-    from cp_compile.kinds.base import Mods
-    from cp_compile.kinds.flex import flex_options
+    from cp_compile.kinds.flex import NO_MODS, flex_options
 
     c, name = fake_group
-    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(1, 1), Mods(None, None, 0))
+    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(1, 1), NO_MODS)
 
     def traced(fn, *shapes):
         with FakeTensorMode():

@@ -20,9 +20,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.base import Mods
 from ..kinds.flex import flex_options
-from ..layout.blockmask import HEADER
+from ..layout.blockmask import HEADER, Mods
 from .choose import choose_schedule
 from .site import AttentionSite, CPOptions, SitePattern, _example, constant, insert_schedule, traced_value
 

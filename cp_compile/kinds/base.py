@@ -26,7 +26,6 @@ size, never the rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,21 +36,11 @@ from ..comm import resolve_group
 from ..comm.gather import gather_sequence, scatter_sequence
 from ..kernels.block import dense_like, result_like
 from ..kernels.merge import acc_dtype
-from ..torch_compat import OpaqueBase, node_argument, opaque_reference_type
+from ..layout.blockmask import Mods
+from ..torch_compat import node_argument, opaque_reference_type
 
 GATHERED = -1
 WHOLE = -2
-
-
-@dataclass(frozen=True, eq=False)
-class Mods(OpaqueBase):
-    """A FlexAttention call's mask_mod and score_mod, which ops take as an argument of their own (an
-    opaque object: eager calls pass the user's callables, a compiled graph holds its traced mods as a
-    constant), the tensors they read travelling as the call's ``extra``."""
-
-    mask: Optional[Callable]  # (b, h, i, j, *mask_buffers) -> bool; None: every pair visible
-    score: Optional[Callable]  # (score, b, h, q_pos, kv_pos, *score_buffers) -> score
-    n_mask_buffers: int  # buffers[:n] belong to the mask (the index table first), the rest to the score
 
 
 MODS_SCHEMA = f"{opaque_reference_type(Mods)}? mods=None"

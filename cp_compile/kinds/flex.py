@@ -1,10 +1,11 @@
 """FlexAttention masks under CP: any mask_mod / score_mod over global indices.
 
-A call's mods reach the ops as an argument of their own (``kinds.base.Mods``,
-``Call.mods``: the user's callables in an eager call, the flex op's traced
-subgraphs in a compiled one; ``options`` carries ``mask=<B>x<H>``), and the
-tensors the mods read as the call's ``extra`` (mask buffers first, the
-shard's index table leading them, then score buffers). The index table (``layout.blockmask``) gives every
+A call's mods reach the ops as an argument of their own
+(``layout.blockmask.Mods``, ``Call.mods``: the user's callables in an eager
+call, the flex op's traced subgraphs in a compiled one; ``options`` carries
+``mask=<B>x<H>``), and the tensors the mods read as the call's ``extra`` (mask
+buffers first, the shard's index table leading them, then score buffers). The
+index table (``layout.blockmask``) gives every
 token's global position, so a tile between one unit's queries and another's
 keys is the global mask and score at those positions. Every exchange and
 gather keeps rank order: the table's all-ranks region is in that order.
@@ -35,9 +36,9 @@ from torch import Tensor
 from ..comm import open_count
 from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
-from ..layout.blockmask import HEADER, MAGIC, shard_info
+from ..layout.blockmask import HEADER, MAGIC, Mods, shard_info
 from ..torch_compat import flex_index_helpers
-from .base import Call, Kind, Mods, Units, check_heads_and_lengths, register_kind
+from .base import Call, Kind, Units, check_heads_and_lengths, register_kind
 
 # ----------------------------------------------------------------------------
 # Counting the work: (query chunk, key chunk) pairs computed and skipped.
@@ -260,7 +261,7 @@ def flex_options(mask_b: int, mask_h: int) -> str:
 def _mask_call(q: Tensor, buffers: list, units: Units, call: Call) -> MaskCall:
     """The tile description for this rank's unit and heads."""
     if not isinstance(call.mods, Mods):
-        raise ValueError(f"a flex call needs its mods (a cp_compile.kinds.base.Mods); got {call.mods!r}")
+        raise ValueError(f"a flex call needs its mods (a cp_compile.layout.blockmask.Mods); got {call.mods!r}")
     mask_b, mask_h = (int(n) for n in call.option("mask").split("x"))
     # _resolve validates the index table against the local length: a unit's tokens / its ranks
     local = q.narrow(2, 0, q.shape[2] // units.a2a)
@@ -311,21 +312,23 @@ class Flex(Kind):
 FLEX = register_kind(Flex())
 
 
+NO_MODS = Mods(None, None, 0)  # no block_mask and no score_mod: every pair visible, scores as they are
+
+
 def eager_mods(block_mask, score_mod) -> tuple[Mods, list[Tensor], int, int]:
-    """The user's callables as a call's mods; returns (mods, buffers, mask B, mask H)."""
+    """The call's mods: the sharded mask's own (``ShardInfo.mods``) with the user's score_mod, if any, added
+    (a new object: inside ``torch.compile``, a graph break); returns (mods, buffers, mask B, mask H)."""
     info = shard_info(block_mask)
     if block_mask is not None and info is None:
         raise ValueError(
             "block_mask: this BlockMask was not sharded for CP; build it for the global sequence and pass "
             "it through ContextParallel.shard(block_mask)"
         )
-    mask = None
-    buffers: list[Tensor] = []
-    mask_b = mask_h = 1
-    if block_mask is not None:
-        local_mod = block_mask.mask_mod
-        mask = lambda b, h, i, j, *bufs: local_mod(b, h, i, j)  # noqa: E731  (the table is its closure's)
-        buffers = [info.table]
-        mask_b, mask_h = block_mask.kv_num_blocks.shape[:2]
-    score = None if score_mod is None else (lambda s, b, h, i, j, *bufs: score_mod(s, b, h, i, j))
-    return Mods(mask, score, len(buffers)), buffers, int(mask_b), int(mask_h)
+    if block_mask is None:
+        mods, buffers, (mask_b, mask_h) = NO_MODS, [], (1, 1)
+    else:
+        mods, buffers, (mask_b, mask_h) = info.mods, [info.table], block_mask.kv_num_blocks.shape[:2]
+    if score_mod is not None:  # read no member of ``mods``: under Dynamo it is an opaque graph input
+        mask = None if block_mask is None else (lambda b, h, i, j, *bufs: block_mask.mask_mod(b, h, i, j))
+        mods = Mods(mask, lambda s, b, h, i, j, *bufs: score_mod(s, b, h, i, j), len(buffers))
+    return mods, buffers, int(mask_b), int(mask_h)

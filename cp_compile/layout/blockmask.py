@@ -20,16 +20,30 @@ what the cost model (``cost.masked``) chooses a schedule from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from ..torch_compat import OpaqueBase
 from . import Layout
 
 MAGIC = 0x43504D4B  # marks a table made here ("CPMK")
 HEADER = 2
+
+
+@dataclass(frozen=True, eq=False)
+class Mods(OpaqueBase):
+    """A FlexAttention call's mask_mod and score_mod, which the ops take as an argument of their own (an
+    opaque object: eager calls pass the user's callables, a compiled graph holds its traced mods as a
+    constant), the tensors they read travelling as the call's ``extra``."""
+
+    mask: Optional[Callable]  # (b, h, i, j, *mask_buffers) -> bool; None: every pair visible
+    score: Optional[Callable]  # (score, b, h, q_pos, kv_pos, *score_buffers) -> score
+    n_mask_buffers: int  # buffers[:n] belong to the mask (the index table first), the rest to the score
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,9 @@ class ShardInfo:
     chunk: int  # tokens per layout chunk: the granularity of skipped work
     # tiles[r][j]: fraction of (query of rank r, key of rank j) pairs in visible blocks (global block counts)
     tiles: tuple
+    # the local mask as a call's mods, made here outside any compiled region: Dynamo takes an opaque object
+    # it finds as a graph input, but cannot make one
+    mods: Mods
 
 
 def rank_tiles(block_mask: BlockMask, perm: Tensor, world_size: int) -> tuple[tuple[float, ...], ...]:
@@ -80,7 +97,8 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
 
     batch, heads = block_mask.kv_num_blocks.shape[:2]
     sharded = create_block_mask(local_mod, batch, heads, local, local, device=device, BLOCK_SIZE=block_mask.BLOCK_SIZE)
-    local_mod.cp_shard = ShardInfo(table, world_size, chunk, rank_tiles(block_mask, perm, world_size))
+    mods = Mods(lambda b, h, i, j, *table: local_mod(b, h, i, j), None, 1)  # the table is local_mod's closure's
+    local_mod.cp_shard = ShardInfo(table, world_size, chunk, rank_tiles(block_mask, perm, world_size), mods)
     return sharded
 
 
