@@ -3,8 +3,9 @@ whole op with the ``"flex"`` kind.
 
 The HOP carries its mods as subgraphs (``get_attr`` submodules) and the
 tensors they read as explicit buffers. The rewrite passes the subgraphs to the
-op as a ``Mods`` constant of the graph (pickled by their code, the same on
-every rank, so Inductor's cache key is too) and the buffers as op arguments; the
+op as a ``Mods`` constant of the graph (an opaque object, which Inductor's FX
+graph cache does not restore: ``compiler.backend`` skips the cache for such a
+graph) and the buffers as op arguments; the
 BlockMask must come from ``ContextParallel.shard``, whose index table is the
 mask's first buffer. The HOP's lse is base 2 (the traced ``flex_attention``
 scales it by ln 2 afterwards), so the rewrite returns ours divided by ln 2.
