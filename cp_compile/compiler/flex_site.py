@@ -101,11 +101,11 @@ def _check_flex(site: AttentionSite) -> None:
         )
 
 
-def _constant(site: AttentionSite, value: Any) -> fx.Node:
-    """``value`` as a constant of the site's graph: an attribute of its module, read by a ``get_attr`` node."""
+def _mods_node(site: AttentionSite, mods: Mods) -> fx.Node:
+    """``mods`` as a constant of the site's graph: an attribute of its module, read by a ``get_attr`` node."""
     owner = site.owner
     name = next(f"cp_mods_{i}" for i in itertools.count() if not hasattr(owner, f"cp_mods_{i}"))
-    setattr(owner, name, value)
+    setattr(owner, name, mods)
     with owner.graph.inserting_before(site.node):
         return owner.graph.get_attr(name)
 
@@ -117,7 +117,7 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     mask_buffers, score_buffers = list(args["mask_mod_buffers"]), list(args["score_mod_buffers"])
     mask = None if _is_noop_mask(mask_gm) and not mask_buffers else mask_gm
     score = None if _is_identity_score(score_gm) else score_gm
-    mods = _constant(site, Mods(mask, score, len(mask_buffers)))
+    mods = _mods_node(site, Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
     schedule, why = choose_schedule(site, options)
     scale = float(constant(args["scale"]))

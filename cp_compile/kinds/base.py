@@ -73,8 +73,9 @@ class Call:
         tensors, rest = tuple(args[:n_tensors]), tuple(args[n_tensors:])
         n_groups = next(i for i, a in enumerate(rest) if not isinstance(a, str))
         groups, rest = rest[:n_groups], rest[n_groups:]
-        mods = None if isinstance(rest[-1], str) else rest[-1]
-        is_causal, layout, scale, *flag, kind, options = rest if isinstance(rest[-1], str) else rest[:-1]
+        if isinstance(rest[-1], str):  # the mods left at the schema's default
+            rest = (*rest, None)
+        is_causal, layout, scale, *flag, kind, options, mods = rest
         return tensors, cls(kind, groups, is_causal, layout, scale, options, mods), (flag[0] if flag else None)
 
     def op_args(self, *flag) -> tuple:

@@ -30,7 +30,7 @@ HEAD_SCHEDULES = ("ulysses", "hybrid")
 
 def whole_op(schedule: str, group_name: str, mesh_group_names: tuple = ()):
     """(whole forward op, its group arguments) of ``schedule`` over the plan's group; the op is called
-    as ``op(q, k, v, extra, *groups, is_causal, layout, scale, enable_gqa, kind, options)`` and its
+    as ``op(q, k, v, extra, *groups, is_causal, layout, scale, enable_gqa, kind, options[, mods])`` and its
     outputs 0 and 1 are (out, lse)."""
     import torch
 
