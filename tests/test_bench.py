@@ -191,6 +191,7 @@ def test_torchrun_driver_on_gloo(tmp_path):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port of its own, not the fixed default another job may hold
         "--nproc-per-node",
         "2",
         "-m",
@@ -214,7 +215,7 @@ def test_torchrun_driver_on_gloo(tmp_path):
         cwd=tmp_path,
         check=False,
     )
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["device"] == "cpu"
     (cfg,) = data["configs"]  # under torchrun C is the launched world size

@@ -106,8 +106,9 @@ def _mods_node(site: AttentionSite, mods: Mods) -> fx.Node:
     owner = site.owner
     name = next(f"cp_mods_{i}" for i in itertools.count() if not hasattr(owner, f"cp_mods_{i}"))
     setattr(owner, name, mods)
+    # create_node, not graph.get_attr: that one warns for any attribute that is not a module, parameter or buffer
     with owner.graph.inserting_before(site.node):
-        return owner.graph.get_attr(name)
+        return owner.graph.create_node("get_attr", name)
 
 
 def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:

@@ -325,10 +325,12 @@ def main(args: argparse.Namespace) -> int:
         )
         main_rank = dist.get_rank() == 0
         results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
+        # every rank holds the results once they are gathered: the ranks leave the group together, before
+        # rank 0 spends seconds on the table and the plot
+        dist.destroy_process_group()
         if main_rank:
             print(table(results))
             print(f"wrote {args.out} and {write_outputs(results, args.out)}")
-        dist.destroy_process_group()
         return 0
     opts = options_from_args(args)
     runner = LocalPools(threads_per_rank=1)
