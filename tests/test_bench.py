@@ -223,7 +223,9 @@ def test_torchrun_driver_on_gloo(tmp_path):
 
 
 def profiled_steps():
-    """3 steps of 2 all-gathers and a matmul each, taken apart by cp_compile.tools.breakdown."""
+    """3 steps of 2 all-gathers and a matmul each, taken apart by cp_compile.tools.breakdown. The gathers are
+    256 KiB a rank, so that gloo's worker thread spends long enough copying them that counting its copies as
+    compute, beside the caller's wait in the collective, would exceed the profiled time."""
     import torch
 
     import cp_compile
@@ -231,14 +233,14 @@ def profiled_steps():
     from cp_compile.tools.breakdown import breakdown
 
     plan = cp_compile.ContextParallel()
-    x = torch.randn(64, 64)
+    x = torch.randn(256, 256)
 
     def prepare():
         def steps():
             for _ in range(3):
                 y = x @ x
                 for _ in range(2):
-                    gather_dim0(y[:1], plan.group_name, plan.world_size)
+                    gather_dim0(y, plan.group_name, plan.world_size)
 
         return steps
 

@@ -7,7 +7,7 @@ The generate command (``python -m cp_compile generate``) and ``examples/train_pa
 
 - ``wall_ms``: the plain run's time; ``profiled_ms`` the profiled run's;
 - ``compute_ms``: the self time of the ATen operators the profile saw (kernels on CPU; the host side of
-  launches on a GPU), the collectives' own excluded;
+  launches on a GPU) on the threads that run the step, the collectives' own excluded;
 - ``collective_ms`` and ``collectives``: the time inside the collectives (issue and wait; waiting on a peer
   counts here) and how many were issued per step;
 - ``other_ms``: the rest of the profiled run's time (``profiled_ms``): Python, tensor bookkeeping, guards and
@@ -22,8 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# What the collectives of cp_compile (functional collectives) and of torch.distributed record on the calling
-# thread; the backends' own events ("gloo:all_gather") run on their worker threads, at the same time.
+# The threads that run a step: the caller (marked by this event around the steps) and the autograd engine's
+# (which runs a GPU's backward on a thread of its own). Others are a backend's: gloo copies a collective's
+# buffers on a worker thread while the caller waits inside the collective's event, which counts that time.
+_STEPS = "cp_compile.breakdown.steps"
+_AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
+# What the collectives of cp_compile (functional collectives) and of torch.distributed record on the calling thread
 _COLLECTIVE_PREFIXES = ("_c10d_functional::", "c10d::")
 _ISSUE = (
     "all_gather",
@@ -66,15 +70,19 @@ def wall_time(run: Callable[[], object]) -> float:
 def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str, float]:
     """Per-step costs of ``prepare()()``, which makes ``steps`` steps; ``prepare()`` (untimed, unprofiled) sets up
     what the steps start from (a prefilled cache) and returns them. See the module docstring."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     wall = wall_time(prepare())
     run = prepare()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(_STEPS):
         profiled = wall_time(run)
+    events = prof.events()
+    step_threads = {e.thread for e in events if e.name == _STEPS or e.name.startswith(_AUTOGRAD_PREFIX)}
     collective_us, compute_us, issued = 0.0, 0.0, 0
-    for event in prof.events():
+    for event in events:
         name = event.name
+        if event.thread not in step_threads:
+            continue
         if _is_collective(name) and not _inside_collective(event):
             collective_us += event.cpu_time_total  # the outermost event holds the backend's own
             issued += _issues(name)
