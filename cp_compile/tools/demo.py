@@ -15,14 +15,13 @@ joins the launched group instead (NCCL when CUDA is available).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from .launch import RankPool, torchrun_runner
+from .launch import RankPool, launched_by_torchrun, torchrun_group, torchrun_runner
 from .memory import PeakMemory
 
 MiB = 2**20
@@ -216,16 +215,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_on_ranks(args, fn, *fn_args):
     """Every rank runs fn: under torchrun in this process, else on a local gloo pool."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+    if launched_by_torchrun():
         import torch.distributed as dist
 
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        rows = torchrun_runner(dist.get_world_size(), fn, *fn_args)
-        rank = dist.get_rank()
-        dist.destroy_process_group()
+        with torchrun_group():
+            rows = torchrun_runner(dist.get_world_size(), fn, *fn_args)
+            rank = dist.get_rank()
         return rows if rank == 0 else None
     print(f"starting {args.world_size} local ranks (gloo, CPU, {args.threads_per_rank} thread each)...", flush=True)
     with RankPool(args.world_size, threads_per_rank=args.threads_per_rank) as pool:
@@ -246,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
         ref_losses, ref_times = train_reference(args)
         table, worst = _train_table(rows, ref_losses, ref_times, args)
     else:
-        device = "cuda" if "WORLD_SIZE" in os.environ and torch.cuda.is_available() else "cpu"
+        device = "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
         rows = _run_on_ranks(
             args,
             demo_rank,

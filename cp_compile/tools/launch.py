@@ -10,6 +10,9 @@ script instead: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT are set, and no process group exists until the code sent
 creates one (the documentation's examples run that way).
 
+For ranks that ``torchrun`` started, ``torchrun_group`` joins (and leaves) the
+launched group and ``torchrun_runner`` runs a function the same way a pool does.
+
 A call that does not finish in time (a rank stuck in a collective) tears the
 pool down and raises ``TimeoutError``; the next call starts a fresh pool. An
 exception on any rank is re-raised here with every failing rank's traceback.
@@ -17,6 +20,7 @@ exception on any rank is re-raised here with every failing rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -25,7 +29,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -235,6 +239,27 @@ class LocalPools:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a rank that ``torchrun`` started (it sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@contextlib.contextmanager
+def torchrun_group() -> Iterator[bool]:
+    """This torchrun rank in its process group for the block: NCCL on its GPU (LOCAL_RANK), gloo on CPU; yields
+    whether on CUDA. Every rank leaves the group when its block ends; not after an error, when a peer may still
+    be inside a collective and leaving would hang."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    yield cuda
+    dist.destroy_process_group()
 
 
 def torchrun_runner(world_size: int, fn, *args, timeout: float = 0.0, **kwargs):

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from ..launch import LocalPools, torchrun_runner
+from ..launch import LocalPools, launched_by_torchrun, torchrun_group, torchrun_runner
 from .core import TINY, BenchOptions, run_benchmark
 from .variants import DTYPES, OURS, SINGLE, TORCH_A2A, TORCH_AG, VARIANTS, Problem, load_plugins
 
@@ -306,28 +305,24 @@ def main(args: argparse.Namespace) -> int:
         for name, v in VARIANTS.items():
             print(f"{name:<26} {v.description}")
         return 0
-    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    under_torchrun = launched_by_torchrun()
     if args.virtual or (args.device == "cuda" and not under_torchrun):
         return _main_virtual(args)
     if under_torchrun:  # NCCL on GPUs, gloo on CPU (see the docstring of ``core``)
         import torch.distributed as dist
 
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        import cp_compile  # noqa: F401
-
-        opts = dataclasses.replace(
-            options_from_args(args, "cuda" if cuda else "cpu"),
-            world_sizes=(dist.get_world_size(),),
-            trace=args.trace and not cuda,
-        )
-        main_rank = dist.get_rank() == 0
-        results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
         # every rank holds the results once they are gathered: the ranks leave the group together, before
         # rank 0 spends seconds on the table and the plot
-        dist.destroy_process_group()
+        with torchrun_group() as cuda:
+            import cp_compile  # noqa: F401
+
+            opts = dataclasses.replace(
+                options_from_args(args, "cuda" if cuda else "cpu"),
+                world_sizes=(dist.get_world_size(),),
+                trace=args.trace and not cuda,
+            )
+            main_rank = dist.get_rank() == 0
+            results = run_benchmark(opts, torchrun_runner, log=print if main_rank else (lambda s: None))
         if main_rank:
             print(table(results))
             print(f"wrote {args.out} and {write_outputs(results, args.out)}")
