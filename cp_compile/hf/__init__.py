@@ -1,13 +1,16 @@
 """Hugging Face transformers: ``attn_implementation="cp_compile"``, a sharded KV cache, and generation.
 
 ``import cp_compile.hf`` registers, here and nowhere else, through transformers' and torch's documented
-extension points (no model code is patched):
+extension points:
 
 - the attention function ``attention`` and the mask function ``mask`` (``attention.py``) under the name
   ``"cp_compile"`` with ``transformers.AttentionInterface`` and ``AttentionMaskInterface``;
 - with ``plan.while_active``, a global module forward pre-hook and forward hook, installed when the first
   plan is entered (``forward.py``): checks on a whole model call (global positions, labels, a model that
-  never reaches attention).
+  never reaches attention);
+- with ``plan.while_active``, the token mixers of the hybrid families (short convolutions, Gated DeltaNet /
+  KDA, Mamba2; ``mixers.py``): their modeling modules' mixer functions, the ones transformers' kernel hub
+  swaps, wrapped when a plan is entered, calling the original unchanged outside every plan.
 
 ``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL ``SFTTrainer`` under CP.
 ``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs
@@ -26,10 +29,12 @@ from ..plan import while_active
 from .attention import NAME, attention, mask
 from .forward import model_call_checks
 from .generate import generate, sharded_prefill
+from .mixers import mixers_under_plans
 from .trainer import ContextParallelMixin
 
 AttentionInterface.register(NAME, attention)
 AttentionMaskInterface.register(NAME, mask)
 while_active(model_call_checks)
+while_active(mixers_under_plans)
 
 __all__ = ["NAME", "ContextParallelMixin", "ShardedCache", "attention", "generate", "mask", "sharded_prefill"]

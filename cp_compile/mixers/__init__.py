@@ -1,0 +1,31 @@
+"""Token mixers that are not attention, under context parallelism: short causal convolutions and linear
+recurrences (Gated DeltaNet, Mamba2's SSD), exact against one process.
+
+Each function takes this rank's shard and the implementation the model would call on one process (a fused
+kernel, or transformers' torch body), and calls that implementation unmodified on exchanged tensors:
+
+- ``causal_conv1d``: the k-1 tokens before each chunk of the shard put in front of it (``halo``: one
+  all-gather of every chunk's last k-1 tokens), the convolution run over the extended tensor, the halo's
+  outputs dropped;
+- ``gated_delta_rule`` and ``mamba2_scan``: an all-to-all from sequence sharding to head sharding, the scan
+  over the whole sequence for this rank's heads, an all-to-all back (``heads``). Heads that C does not
+  divide are padded with zero heads, which leave every real head's result as it is.
+
+``Sharding`` says how the tokens are spread: the group, the layout, and the global ``cu_seqlens`` of
+packed documents (the per-document layout) or None.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+
+class Sharding(NamedTuple):
+    group_name: str
+    layout: str  # "zigzag" or "contiguous"; with cu_seqlens, the per-document layout of packed documents
+    cu_seqlens: Optional[Tensor] = None  # global document offsets of packed documents
+
+
+__all__ = ["Sharding"]

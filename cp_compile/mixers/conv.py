@@ -1,0 +1,45 @@
+"""A short causal depthwise convolution over a shard: halo in front of every chunk, the unmodified
+convolution, the halo's outputs dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import Sharding
+from .halo import halo_extend
+
+ConvFn = Callable[..., Tensor]  # (x [B, D, L], weight [D, k], bias, activation, **kwargs) -> [B, D, L]
+
+
+def depthwise_causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation=None) -> Tensor:
+    """The one-process reference: ``x`` ``[B, D, L]``, ``weight`` ``[D, k]``; ``activation`` None or "silu"."""
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., : x.shape[-1]]
+    return F.silu(out) if activation in ("silu", "swish") else out
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    activation: Optional[str],
+    sharding: Sharding,
+    *,
+    conv: ConvFn = depthwise_causal_conv1d,
+    reset: bool = False,
+    **kwargs,
+) -> Tensor:
+    """``conv(x, weight, bias, activation, **kwargs)`` of this rank's shard ``x`` (``[B, D, L]``, tokens last) as
+    one process computes it over the whole sequence.
+
+    ``reset``: the convolution restarts at each document of ``sharding.cu_seqlens`` (a kernel given
+    ``seq_idx`` does); without it, tokens of the previous document are read as one process reads them."""
+    width = weight.shape[-1]
+    extended, keep = halo_extend(x, x.dim() - 1, width, *sharding, reset)
+    return conv(extended, weight, bias, activation, **kwargs).index_select(-1, keep)
+
+
+__all__ = ["causal_conv1d", "depthwise_causal_conv1d"]

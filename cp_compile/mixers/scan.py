@@ -1,0 +1,188 @@
+"""Linear recurrences over a shard: all-to-all to head groups, the unmodified scan over the whole sequence,
+all-to-all back.
+
+The per-token inputs of one head group travel together: a gated-delta-rule group is one key head with
+the value heads it serves (grouped value attention), a Mamba2 group one B/C group with its heads (or,
+when C does not divide the groups, one head with its own copy of B and C). Tensors of one dtype share
+one all-to-all. Groups are padded with zeros up to a multiple of C: a zero head reads nothing and writes
+nothing, and its output is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..comm import resolve_group
+from . import Sharding
+from .heads import from_head_groups, gather_groups, rank_slice, to_head_groups
+
+
+def _pad_groups(x: Tensor, groups: int, dim: int) -> Tensor:
+    missing = groups - x.shape[dim]
+    if not missing:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, missing]
+    return F.pad(x, pad)
+
+
+def _exchange(tensors: Sequence[Tensor], padded: int, sharding: Sharding, to_groups: bool) -> list[Tensor]:
+    """``[B, L, G, w_i]`` tensors (``G`` padded to ``padded``) through one exchange per dtype."""
+    op = to_head_groups if to_groups else from_head_groups
+    out: list[Optional[Tensor]] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        widths = [tensors[i].shape[-1] for i in members]
+        packed = torch.cat([_pad_groups(tensors[i], padded, 2) if to_groups else tensors[i] for i in members], -1)
+        moved = op(packed, *sharding)
+        for i, part in zip(members, moved.split(widths, -1)):
+            out[i] = part
+    return out  # type: ignore[return-value]
+
+
+def _padded(groups: int, sharding: Sharding) -> int:
+    c = resolve_group(sharding.group_name).size()
+    return -(-groups // c) * c
+
+
+def _mine(x: Tensor, padded: int, sharding: Sharding) -> Tensor:
+    """This rank's groups of a tensor every rank holds (groups along dim 0)."""
+    return rank_slice(_pad_groups(x, padded, 0), sharding.group_name)
+
+
+def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
+    """Document offsets over the exchanged stream: the padding slots after the last document as one more."""
+    if cu_seqlens is None:
+        return None
+    cu = cu_seqlens.to(torch.int32 if cu_seqlens.dtype == torch.int32 else torch.int64)
+    return torch.cat([cu, cu.new_tensor([total])]) if int(cu[-1]) < total else cu
+
+
+def gated_delta_rule(
+    scan: Callable,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    sharding: Sharding,
+    *,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    **kwargs,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``scan(query, key, value, g, beta, ...)`` (transformers' ``torch_chunk_gated_delta_rule`` or fla's
+    ``chunk_gated_delta_rule``: q, k ``[B, L, Hk, dk]``, v ``[B, L, Hv, dv]``, g, beta ``[B, L, Hv]``; KDA's
+    ``chunk_kimi_delta_attention`` with g ``[B, L, Hv, dk]``) of this
+    rank's shard, as one process computes it. ``initial_state`` is every rank's whole ``[B, Hv, dk, dv]``; the
+    final state comes back whole on every rank. ``cu_seqlens``: global document offsets the scan restarts at
+    (passed to ``scan`` as given, over the whole sequence)."""
+    b, local_len, hk, dk = key.shape
+    hv, dv = value.shape[-2:]
+    r = hv // hk
+    padded = _padded(hk, sharding)
+    gate = g.shape[3:]  # () for a gate per head, (dk,) for KDA's gate per key channel
+    per_group = [
+        query,
+        key,
+        value.reshape(b, local_len, hk, r * dv),
+        g.reshape(b, local_len, hk, -1),
+        beta.reshape(b, local_len, hk, r),
+    ]
+    q, k, v, gg, bb = _exchange(per_group, padded, sharding, to_groups=True)
+    total, mine = q.shape[1], q.shape[2]
+    init = None
+    if initial_state is not None:
+        init = _mine(initial_state.reshape(b, hk, r, dk, dv).movedim(1, 0), padded, sharding)
+        init = init.movedim(0, 1).reshape(b, mine * r, dk, dv)
+    out, final = scan(
+        q,
+        k,
+        v.reshape(b, total, mine * r, dv),
+        g=gg.reshape(b, total, mine * r, *gate),
+        beta=bb.reshape(b, total, mine * r),
+        initial_state=init,
+        output_final_state=output_final_state,
+        cu_seqlens=_sequence_cu(cu_seqlens, total),
+        **kwargs,
+    )
+    (out,) = _exchange([out.reshape(b, total, mine, r * dv)], padded, sharding, to_groups=False)
+    out = out[:, :, :hk].reshape(b, local_len, hv, dv)
+    if final is not None:
+        final = gather_groups(final.reshape(b, mine, r, dk, dv), sharding.group_name)[:, :hk]
+        final = final.reshape(b, hv, dk, dv)
+    return out, final
+
+
+def mamba2_scan(
+    scan: Callable,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    sharding: Sharding,
+    *,
+    D: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    initial_states: Optional[Tensor] = None,
+    return_final_states: bool = False,
+    seq_idx: Optional[Tensor] = None,
+    **kwargs,
+):
+    """``scan(hidden_states, dt, A, B, C, chunk_size, D=..., dt_bias=..., ...)`` (transformers'
+    ``mamba2_chunk_scan`` or mamba_ssm's ``mamba_chunk_scan_combined``: x ``[B, L, H, P]``, dt ``[B, L, H]``,
+    B, C ``[B, L, G, N]``, A, dt_bias ``[H]``, D ``[H]`` or ``[H, P]``) of this rank's shard, as one process
+    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state."""
+    if seq_idx is not None:
+        raise NotImplementedError("mamba2_scan under CP: seq_idx (document resets) is not supported yet")
+    b, local_len, heads, p = hidden_states.shape
+    groups, n = B.shape[2], B.shape[3]
+    c = resolve_group(sharding.group_name).size()
+    if groups % c:  # a head with its own copy of its group's B and C: heads split unevenly, groups need not
+        B, C = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
+        groups = heads
+    per = heads // groups
+    padded = _padded(groups, sharding)
+    per_group = [hidden_states.reshape(b, local_len, groups, per * p), dt.reshape(b, local_len, groups, per), B, C]
+    x, dtm, bm, cm = _exchange(per_group, padded, sharding, to_groups=True)
+    total, mine = x.shape[1], x.shape[2]
+
+    def params(t: Optional[Tensor]) -> Optional[Tensor]:
+        if t is None:
+            return None
+        return _mine(t.reshape(groups, -1), padded, sharding).reshape(mine * per, *t.shape[1:])
+
+    init = None
+    if initial_states is not None:
+        init = _mine(initial_states.reshape(b, groups, per, p, n).movedim(1, 0), padded, sharding)
+        init = init.movedim(0, 1).reshape(b, mine * per, p, n)
+    result = scan(
+        x.reshape(b, total, mine * per, p),
+        dtm.reshape(b, total, mine * per),
+        params(A),
+        bm,
+        cm,
+        chunk_size,
+        D=params(D),
+        dt_bias=params(dt_bias),
+        initial_states=init,
+        return_final_states=return_final_states,
+        **kwargs,
+    )
+    out, final = result if return_final_states else (result, None)
+    (out,) = _exchange([out.reshape(b, total, mine, per * p)], padded, sharding, to_groups=False)
+    out = out[:, :, :groups].reshape(b, local_len, heads, p)
+    if not return_final_states:
+        return out
+    final = gather_groups(final.reshape(b, mine, per, p, n), sharding.group_name)[:, :groups]
+    return out, final.reshape(b, heads, p, n)
+
+
+__all__ = ["gated_delta_rule", "mamba2_scan"]

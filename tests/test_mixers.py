@@ -1,0 +1,173 @@
+"""Token mixers that are not attention (``cp_compile.mixers``) on real gloo ranks against the unsharded call.
+
+The short causal convolution (halo exchange) and the linear recurrences (all-to-all to head groups
+around transformers' own torch bodies of the gated delta rule and Mamba2's SSD), fp64, C = 1 to 4, under
+zigzag, contiguous and packed documents (chunks shorter than the halo, documents of length 1 and 0,
+lengths that are not a multiple of the scan's chunk), forward and every input's gradient.
+"""
+
+import pytest
+import torch
+
+LAYOUTS = {  # name: (layout, cu_seqlens or None, tokens per rank's chunk for the chunked layouts)
+    "zigzag": ("zigzag", None),
+    "contiguous": ("contiguous", None),
+    "packed": ("zigzag", [0, 21, 22, 27, 27, 65, 73]),  # lengths 21, 1, 5, 0, 38, 8
+}
+SEQ_PER_RANK = 6  # zigzag: chunks of 3 tokens, shorter than a width-5 halo
+
+
+def _setup(layout_name, seq_per_rank=SEQ_PER_RANK):
+    import cp_compile
+
+    layout, cu = LAYOUTS[layout_name]
+    plan = cp_compile.ContextParallel(load_balance=layout)
+    cu_t = None if cu is None else torch.tensor(cu)
+    total = cu[-1] if cu is not None else seq_per_rank * 2 * plan.world_size
+    return plan, cu_t, total
+
+
+def _shard(plan, x, dim, cu):
+    return plan.shard(x, dim, cu_seqlens=cu) if cu is not None else plan.shard(x, dim)
+
+
+def _errors(plan, pairs, cu):
+    """Largest error of each CP tensor (a shard) against the shard of its reference, and the reference's scale."""
+    out = []
+    for got, ref, dim in pairs:
+        want = _shard(plan, ref, dim, cu)
+        if cu is not None:  # padding slots hold no token: compare the real ones
+            from cp_compile.layout.runs import real_slots
+
+            real = real_slots("zigzag", want.shape[dim], plan.world_size, cu)[plan.rank].nonzero().flatten()
+            got, want = got.index_select(dim, real), want.index_select(dim, real)
+        out.append(float((got - want).abs().max()) if got.numel() else 0.0)
+    return out
+
+
+def conv_case(layout_name, width, reset):
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.conv import causal_conv1d, depthwise_causal_conv1d
+
+    plan, cu, total = _setup(layout_name)
+    torch.manual_seed(0)
+    b, d = 2, 5
+    x = torch.randn(b, d, total, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(d, width, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(b, d, total, dtype=torch.float64)
+    if reset and cu is not None:  # one process, restarting at every document
+        bounds = cu.tolist()
+        ref = torch.cat(
+            [depthwise_causal_conv1d(x[..., a:e], w, bias, "silu") for a, e in zip(bounds, bounds[1:]) if e > a], -1
+        )
+    else:
+        ref = depthwise_causal_conv1d(x, w, bias, "silu")
+    ref.backward(dy)
+    xs = _shard(plan, x.detach(), 2, cu).requires_grad_()
+    wl, bl = w.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    y = causal_conv1d(xs, wl, bl, "silu", Sharding(plan.group_name, plan.load_balance, cu), reset=reset)
+    y.backward(_shard(plan, dy, 2, cu))
+    for p in (wl, bl):  # parameters: every rank's share of the gradient
+        torch.distributed.all_reduce(p.grad)
+    errs = _errors(plan, [(y.detach(), ref.detach(), 2), (xs.grad, x.grad, 2)], cu)
+    errs += [float((wl.grad - w.grad).abs().max()), float((bl.grad - bias.grad).abs().max())]
+    return errs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_conv_halo_fp64_equals_one_process(ranks, world_size):
+    cases = [(layout, width, False) for layout in LAYOUTS for width in (2, 4, 7)] + [("packed", 4, True)]
+    for case in cases:
+        for errs in ranks(world_size, conv_case, *case):
+            assert max(errs) < 1e-12, (case, errs)
+
+
+def gdn_case(layout_name, hk, hv, with_state):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.scan import gated_delta_rule
+
+    scan = torch_chunk_gated_delta_rule
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(1)
+    b, dk, dv = 1, 4, 3
+    f64 = dict(dtype=torch.float64)
+    q, k = (torch.randn(b, total, hk, dk, **f64, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, total, hv, dv, **f64, requires_grad=True)
+    g = (-torch.rand(b, total, hv, **f64)).requires_grad_()
+    beta = torch.rand(b, total, hv, **f64).requires_grad_()
+    init = torch.randn(b, hv, dk, dv, **f64) if with_state else None
+    leaves = [q, k, v, g, beta]
+    kw = dict(chunk_size=4, use_qk_l2norm_in_kernel=True, initial_state=init, output_final_state=True)
+    ref, ref_state = scan(*leaves, **kw)
+    dy = torch.randn_like(ref)
+    ref.backward(dy)
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in leaves]
+    sharding = Sharding(plan.group_name, plan.load_balance, cu)
+    out, state = gated_delta_rule(scan, *local, sharding, **kw)
+    out.backward(_shard(plan, dy, 1, cu))
+    pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, leaves)]
+    errs = _errors(plan, pairs, cu)
+    if cu is None:  # packed: the padding slots after the last document follow the real tokens
+        errs.append(float((state - ref_state).abs().max()))
+    return errs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_gated_delta_rule_fp64_equals_one_process(ranks, world_size):
+    pytest.importorskip("transformers", reason="the scan is transformers' torch body")
+    for case in [("zigzag", 2, 4, False), ("contiguous", 3, 3, True), ("packed", 1, 2, False), ("zigzag", 5, 5, True)]:
+        for errs in ranks(world_size, gdn_case, *case):
+            assert max(errs) < 1e-10, (case, errs)
+
+
+def mamba2_case(layout_name, heads, groups, with_state):
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.scan import mamba2_scan
+
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(2)
+    b, p, n = 1, 3, 4
+    f64 = dict(dtype=torch.float64)
+    x = torch.randn(b, total, heads, p, **f64, requires_grad=True)
+    dt = torch.randn(b, total, heads, **f64, requires_grad=True)
+    bm, cm = (torch.randn(b, total, groups, n, **f64, requires_grad=True) for _ in range(2))
+    a = (-torch.rand(heads, **f64)).requires_grad_()
+    d = torch.randn(heads, **f64, requires_grad=True)
+    dt_bias = torch.randn(heads, **f64, requires_grad=True)
+    init = torch.randn(b, heads, p, n, **f64) if with_state else None
+    kw = dict(dt_softplus=True, dt_limit=(0.05, 5.0), initial_states=init, return_final_states=True)
+    ref, ref_state = mamba2_chunk_scan(x, dt, a, bm, cm, 4, D=d, dt_bias=dt_bias, **kw)
+    dy = torch.randn_like(ref)
+    ref.backward(dy)
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in (x, dt, bm, cm)]
+    params = [t.detach().clone().requires_grad_() for t in (a, d, dt_bias)]
+    sharding = Sharding(plan.group_name, plan.load_balance, cu)
+    out, state = mamba2_scan(
+        mamba2_chunk_scan, *local[:2], params[0], *local[2:], 4, sharding, D=params[1], dt_bias=params[2], **kw
+    )
+    out.backward(_shard(plan, dy, 1, cu))
+    for t in params:
+        torch.distributed.all_reduce(t.grad)
+    pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, (x, dt, bm, cm))]
+    errs = _errors(plan, pairs, cu)
+    errs += [float((mine.grad - t.grad).abs().max()) for mine, t in zip(params, (a, d, dt_bias))]
+    if cu is None:
+        errs.append(float((state - ref_state).abs().max()))
+    scale = max(float(t.abs().max()) for t in (ref, x.grad, dt.grad, bm.grad, cm.grad, a.grad, d.grad))
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_mamba2_scan_equals_one_process(ranks, world_size):
+    """Exact where C divides the B/C groups; else each head gets its own copy of its group's B and C, whose
+    gradients are summed outside transformers' body, which computes in fp32 whatever the input: fp32 rounding."""
+    pytest.importorskip("transformers", reason="the scan is transformers' torch body")
+    for case in [("zigzag", 4, 2, False), ("contiguous", 6, 3, True), ("packed", 4, 1, False), ("zigzag", 5, 1, True)]:
+        tol = 1e-12 if case[2] % world_size == 0 else 1e-6
+        for errs in ranks(world_size, mamba2_case, *case):
+            assert max(errs) < tol, (case, errs)
