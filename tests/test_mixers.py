@@ -66,7 +66,8 @@ def conv_case(layout_name, width, reset):
     ref.backward(dy)
     xs = _shard(plan, x.detach(), 2, cu).requires_grad_()
     wl, bl = w.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
-    y = causal_conv1d(xs, wl, bl, "silu", Sharding(plan.group_name, plan.load_balance, cu), reset=reset)
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    y = causal_conv1d(xs, wl, bl, "silu", sharding, reset=reset)
     y.backward(_shard(plan, dy, 2, cu))
     for p in (wl, bl):  # parameters: every rank's share of the gradient
         torch.distributed.all_reduce(p.grad)
@@ -105,7 +106,7 @@ def gdn_case(layout_name, hk, hv, with_state):
     dy = torch.randn_like(ref)
     ref.backward(dy)
     local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in leaves]
-    sharding = Sharding(plan.group_name, plan.load_balance, cu)
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
     out, state = gated_delta_rule(scan, *local, sharding, **kw)
     out.backward(_shard(plan, dy, 1, cu))
     pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, leaves)]
@@ -146,7 +147,7 @@ def mamba2_case(layout_name, heads, groups, with_state):
     ref.backward(dy)
     local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in (x, dt, bm, cm)]
     params = [t.detach().clone().requires_grad_() for t in (a, d, dt_bias)]
-    sharding = Sharding(plan.group_name, plan.load_balance, cu)
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
     out, state = mamba2_scan(
         mamba2_chunk_scan, *local[:2], params[0], *local[2:], 4, sharding, D=params[1], dt_bias=params[2], **kw
     )
@@ -171,3 +172,74 @@ def test_mamba2_scan_equals_one_process(ranks, world_size):
         tol = 1e-12 if case[2] % world_size == 0 else 1e-6
         for errs in ranks(world_size, mamba2_case, *case):
             assert max(errs) < tol, (case, errs)
+
+
+def opcheck_mixer_ops():
+    """Every mixer op passes torch.library.opcheck (schema, fake, autograd registration, AOT dispatch)."""
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    torch.manual_seed(3)
+    cu = torch.tensor([0, 3, 4, 11])
+    x = torch.randn(2, 5, 2 * 2 * plan.world_size, dtype=torch.float64, requires_grad=True)
+    packed = torch.randn(2, 5, 8 if plan.world_size == 2 else 11, dtype=torch.float64, requires_grad=True)
+    groups = torch.randn(1, 4, 2 * plan.world_size, 3, dtype=torch.float64, requires_grad=True)
+    cases = [
+        (torch.ops.cp.halo_extend, (x, 2, 4, plan.group_name, "zigzag", None, False)),
+        (torch.ops.cp.halo_extend, (packed, 2, 3, plan.group_name, "zigzag", cu, True)),
+        (torch.ops.cp.to_head_groups, (groups, plan.group_name, "contiguous", None)),
+        (torch.ops.cp.rank_slice, (groups[0], plan.group_name)),
+        (torch.ops.cp.gather_groups, (groups, plan.group_name)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+    moved = torch.ops.cp.to_head_groups(groups, plan.group_name, "zigzag", None).detach().requires_grad_()
+    torch.library.opcheck(torch.ops.cp.from_head_groups, (moved, plan.group_name, "zigzag", None))
+    return True
+
+
+def test_opcheck_mixer_ops(ranks):
+    assert ranks(2, opcheck_mixer_ops) == [True, True]
+
+
+def compiled_conv_and_scan(backend):
+    """The mixer functions inside torch.compile(fullgraph=True): no graph break, the same values as eagerly."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    import cp_compile
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.conv import causal_conv1d
+    from cp_compile.mixers.scan import gated_delta_rule
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel()
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance)
+    torch.manual_seed(4)
+    total = 8 * plan.world_size
+    x = torch.randn(1, total, 12)
+    w = torch.randn(12, 4)
+
+    def mixer(x_local, w):
+        h = causal_conv1d(x_local.transpose(1, 2), w, None, "silu", sharding).transpose(1, 2)
+        q, k, v = h.reshape(1, -1, 3, 2, 2).unbind(2)
+        g = -torch.sigmoid(h[..., :2])
+        beta = torch.sigmoid(h[..., 2:4])
+        out, _ = gated_delta_rule(torch_chunk_gated_delta_rule, q, k, v, g, beta, sharding, chunk_size=4)
+        return out
+
+    local = plan.shard(x, 1)
+    eager_leaves = [local.clone().requires_grad_(), w.clone().requires_grad_()]
+    compiled_leaves = [local.clone().requires_grad_(), w.clone().requires_grad_()]
+    want = mixer(*eager_leaves)
+    want.sum().backward()
+    got = torch.compile(mixer, backend=backend, fullgraph=True)(*compiled_leaves)
+    got.sum().backward()
+    pairs = [(got, want)] + [(c.grad, e.grad) for c, e in zip(compiled_leaves, eager_leaves)]
+    return max(float((a - b).abs().max()) for a, b in pairs)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_mixers_compile_whole(ranks, backend):
+    pytest.importorskip("transformers", reason="the scan is transformers' torch body")
+    for err in ranks(2, compiled_conv_and_scan, backend):
+        assert err < 1e-5, err

@@ -66,7 +66,8 @@ _WRAPPED: set[str] = set()  # modeling modules whose functions are wrapped
 
 
 def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:
-    return Sharding(plan.group_name, plan.load_balance, cu_seqlens if cu_seqlens is not None else plan.documents)
+    documents = cu_seqlens if cu_seqlens is not None else plan.documents
+    return Sharding(plan.group_name, plan.world_size, plan.load_balance, documents)
 
 
 def _refuse_seq_idx(name: str, kwargs: dict) -> None:

@@ -11,8 +11,8 @@ kernel, or transformers' torch body), and calls that implementation unmodified o
   over the whole sequence for this rank's heads, an all-to-all back (``heads``). Heads that C does not
   divide are padded with zero heads, which leave every real head's result as it is.
 
-``Sharding`` says how the tokens are spread: the group, the layout, and the global ``cu_seqlens`` of
-packed documents (the per-document layout) or None.
+``Sharding`` says how the tokens are spread: the group (its name and size), the layout, and the global
+``cu_seqlens`` of packed documents (the per-document layout) or None.
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from torch import Tensor
 
 class Sharding(NamedTuple):
     group_name: str
+    world_size: int  # the group's size, known where the call is made (read here, it stays out of a trace)
     layout: str  # "zigzag" or "contiguous"; with cu_seqlens, the per-document layout of packed documents
     cu_seqlens: Optional[Tensor] = None  # global document offsets of packed documents
+
+    @property
+    def op_args(self) -> tuple:
+        """What the mixer ops take: the group's name, the layout, the documents."""
+        return self.group_name, self.layout, self.cu_seqlens
 
 
 __all__ = ["Sharding"]

@@ -38,7 +38,7 @@ def causal_conv1d(
     ``reset``: the convolution restarts at each document of ``sharding.cu_seqlens`` (a kernel given
     ``seq_idx`` does); without it, tokens of the previous document are read as one process reads them."""
     width = weight.shape[-1]
-    extended, keep = halo_extend(x, x.dim() - 1, width, *sharding, reset)
+    extended, keep = halo_extend(x, x.dim() - 1, width, *sharding.op_args, reset)
     return conv(extended, weight, bias, activation, **kwargs).index_select(-1, keep)
 
 

@@ -64,7 +64,8 @@ def _from_groups(y: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
     rank_major = torch.empty_like(rows).index_copy_(0, order, rows)  # back to every rank's slots in rank order
     parts = rank_major.reshape(c, local_len, *rows.shape[1:])  # [C (destination), L, B, G/C, W]
     received = _all_to_all(parts, group_name, c) if c > 1 else parts  # [C (source group), L, B, G/C, W]
-    return received.permute(2, 1, 0, *range(3, received.dim())).reshape(b, local_len, c * gc, *y.shape[3:])
+    out = received.permute(2, 1, 0, *range(3, received.dim())).reshape(b, local_len, c * gc, *y.shape[3:])
+    return out.contiguous()
 
 
 @torch.library.custom_op("cp::to_head_groups", mutates_args=())

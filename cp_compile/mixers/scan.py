@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..comm import resolve_group
 from . import Sharding
 from .heads import from_head_groups, gather_groups, rank_slice, to_head_groups
 
@@ -38,15 +37,14 @@ def _exchange(tensors: Sequence[Tensor], padded: int, sharding: Sharding, to_gro
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         widths = [tensors[i].shape[-1] for i in members]
         packed = torch.cat([_pad_groups(tensors[i], padded, 2) if to_groups else tensors[i] for i in members], -1)
-        moved = op(packed, *sharding)
+        moved = op(packed, *sharding.op_args)
         for i, part in zip(members, moved.split(widths, -1)):
             out[i] = part
     return out  # type: ignore[return-value]
 
 
 def _padded(groups: int, sharding: Sharding) -> int:
-    c = resolve_group(sharding.group_name).size()
-    return -(-groups // c) * c
+    return -(-groups // sharding.world_size) * sharding.world_size
 
 
 def _mine(x: Tensor, padded: int, sharding: Sharding) -> Tensor:
@@ -144,8 +142,7 @@ def mamba2_scan(
         raise NotImplementedError("mamba2_scan under CP: seq_idx (document resets) is not supported yet")
     b, local_len, heads, p = hidden_states.shape
     groups, n = B.shape[2], B.shape[3]
-    c = resolve_group(sharding.group_name).size()
-    if groups % c:  # a head with its own copy of its group's B and C: heads split unevenly, groups need not
+    if groups % sharding.world_size:  # each head with its own copy of its group's B and C: heads split unevenly
         B, C = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
         groups = heads
     per = heads // groups
