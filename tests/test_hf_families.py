@@ -237,10 +237,25 @@ HYBRID = dict(
 )
 
 
+JAMBA = dict(  # Mamba1 layers (a selective scan, not covered) beside attention and MoE layers
+    attn_layer_period=2,
+    attn_layer_offset=1,
+    num_experts=2,
+    num_experts_per_tok=1,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    mamba_d_state=8,
+    use_mamba_kernels=False,
+)
+
+
 @pytest.mark.parametrize("phase", ["train", "generate"])
 def test_hybrid_layers_are_refused_by_their_declared_type(ranks, phase):
-    for message in ranks(2, refusal, "qwen3_next", HYBRID, phase):
-        assert "linear_attention" in message, message
+    """Jamba's Mamba1 layers in both phases; Qwen3-Next's Gated DeltaNet layers, which train under CP, in
+    generation (the sharded cache holds no recurrent state)."""
+    for family, overrides in (("jamba", JAMBA), ("qwen3_next", HYBRID))[: 1 if phase == "train" else 2]:
+        for message in ranks(2, refusal, family, overrides, phase):
+            assert "linear_attention" in message, (family, message)
 
 
 def test_state_space_model_without_attention_is_refused(ranks):

@@ -1,0 +1,103 @@
+"""transformers' hybrid families (short convolutions, Gated DeltaNet / KDA, Mamba2) under CP against one process.
+
+Each family's own config and model classes (the model sweep's tiny configs: one layer of each type), random
+weights, fp32: a training step's loss, logits and every gradient at C = 2, 3 and 4, eagerly, compiled with
+the plan's backend, and on packed documents.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
+
+TOL = 1e-4  # relative, fp32: transformers' torch bodies of the scans compute in fp32
+COVERED = [
+    "bamba",
+    "falcon_h1",
+    "granitemoehybrid",
+    "kimi_linear",
+    "lfm2",
+    "lfm3",
+    "mamba2",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5_text",
+    "qwen3_next",
+    "zamba2",
+]
+
+
+def train_step(family: str, mode: str, lengths) -> dict:
+    """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
+    process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
+    model is given none) or None for one sequence."""
+    import torch.distributed as dist
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile", wraps the mixers when a plan is entered)
+    from cp_compile.tools.bench import model_configs, model_run
+
+    torch._dynamo.reset()
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    plan = cp_compile.ContextParallel()
+    seq = model_run.seq_len(plan.world_size) if lengths is None else sum(lengths)
+    ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    if lengths is None:
+        positions, cu = torch.arange(seq)[None], None
+    else:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        labels[0, cu[1:] - 1] = -100
+    items = int((labels != -100).sum())
+    ref_out = reference(ids, position_ids=positions, use_cache=False)
+    ref_loss = model_run._token_loss(ref_out.logits, labels) / items
+    ref_loss.backward()
+    forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
+    with plan:
+        if cu is None:
+            local_ids, local_labels, local_positions = plan.shard(ids, 1), plan.shard(labels, 1), plan.positions(seq)
+        else:
+            real = cp_compile.layout.packed.packed_slots(cu, plan.rank, plan.world_size)["real"]
+            local_ids = plan.shard(ids[0], 0, cu_seqlens=cu)[None]
+            local_labels = torch.where(real, plan.shard(labels[0], 0, cu_seqlens=cu), -100)[None]
+            local_positions = plan.positions(cu_seqlens=cu)
+        out = forward(local_ids, position_ids=local_positions[None], use_cache=False)
+        loss = model_run._token_loss(out.logits, local_labels) / items
+        loss.backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    total = torch.cat([loss.detach().reshape(1)] + [g.flatten() for g in grads])
+    dist.all_reduce(total)
+    ref_grads = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in reference.parameters()]
+    )
+    return {
+        "loss": model_run._rel(total[0], ref_loss.detach()),
+        "grads": model_run._rel(total[1:], ref_grads),
+    }
+
+
+def _check(results, what):
+    for result in results:
+        assert result["loss"] < TOL and result["grads"] < TOL, (what, result)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_train_eager_at_every_c(ranks, world_size):
+    for family in COVERED:
+        _check(ranks(world_size, train_step, family, "eager", None), family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
+def test_train_compiled(ranks, family):
+    _check(ranks(2, train_step, family, "aot_eager", None), family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2"])
+def test_packed_documents_as_one_process_runs_them(ranks, family):
+    """Documents of 1, 7, 19 and 13 tokens in one row, with position_ids alone: one process's convolution and
+    scan read across document boundaries (its torch bodies reset only given cu_seqlens / seq_idx, which they
+    refuse without the fused kernels), and so do the ranks, in the per-document layout."""
+    for world_size in (2, 3):
+        _check(ranks(world_size, train_step, family, "eager", [1, 7, 19, 13]), (family, world_size))
