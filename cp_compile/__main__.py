@@ -1,4 +1,5 @@
-"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step`` and ``models``."""
+"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step``, ``models`` and
+``mixers``."""
 
 import argparse
 import sys
@@ -11,6 +12,12 @@ def _models():
     from .tools.bench import models  # imports transformers' model registry only when asked
 
     return models
+
+
+def _mixers():
+    from .tools.bench import mixers  # imports transformers' scan bodies only when asked
+
+    return mixers
 
 
 def main(argv=None) -> int:
@@ -46,6 +53,12 @@ def main(argv=None) -> int:
         "Markdown",
     )
     _models().add_arguments(sub_models)
+    sub_mixers = sub.add_parser(
+        "mixers",
+        help="a hybrid layer's convolution and scans under CP vs one process by route: ms, bytes, the cost "
+        "model's pick and crossover",
+    )
+    _mixers().add_arguments(sub_mixers)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
@@ -59,6 +72,8 @@ def main(argv=None) -> int:
         return step.main(args)
     if args.command == "models":
         return _models().main(args)
+    if args.command == "mixers":
+        return _mixers().main(args)
     return 2
 
 

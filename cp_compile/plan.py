@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -300,6 +300,18 @@ class ContextParallel:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         self._documents = None
         return _made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
+
+    @contextlib.contextmanager
+    def documents_during(self, cu_seqlens: Tensor) -> Iterator[Tensor]:
+        """Inside, ``documents`` are ``cu_seqlens``: a batch run between two training steps that is not the
+        latest ``positions`` call's (generation's sharded prefill), so that what reads ``documents`` (a model's
+        convolutions and scans, given no ``cu_seq_lens_q``) sees it. The previous record is restored after.
+        Yields this rank's positions in that batch."""
+        saved = self._documents
+        try:
+            yield self.positions(cu_seqlens=cu_seqlens, device=cu_seqlens.device)
+        finally:
+            self._documents = saved
 
     def backend(self, inner: str = "inductor") -> CPBackend:
         """A ``torch.compile`` backend that rewrites attention into CP schedules.

@@ -27,7 +27,7 @@ COVERED = [
 ]
 
 
-def train_step(family: str, mode: str, lengths) -> dict:
+def train_step(family: str, mode: str, lengths, checkpointing: bool = False) -> dict:
     """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
     process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
     model is given none) or None for one sequence."""
@@ -40,6 +40,10 @@ def train_step(family: str, mode: str, lengths) -> dict:
     torch._dynamo.reset()
     config, cls, _ = model_configs.tiny_config(family)
     model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    if checkpointing:  # the mixers run again in the backward, their exchanges with them, on every rank alike
+        for m in (model, reference):
+            m.gradient_checkpointing_enable()
+            m.train()  # checkpointing applies in training mode (the tiny configs have no dropout)
     plan = cp_compile.ContextParallel()
     seq = model_run.seq_len(plan.world_size) if lengths is None else sum(lengths)
     ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -94,6 +98,11 @@ def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_gradient_checkpointing(ranks, family):
+    _check(ranks(2, train_step, family, "eager", None, checkpointing=True), family)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2"])
 def test_packed_documents_as_one_process_runs_them(ranks, family):
     """Documents of 1, 7, 19 and 13 tokens in one row, with position_ids alone: one process's convolution and
@@ -101,3 +110,86 @@ def test_packed_documents_as_one_process_runs_them(ranks, family):
     refuse without the fused kernels), and so do the ranks, in the per-document layout."""
     for world_size in (2, 3):
         _check(ranks(world_size, train_step, family, "eager", [1, 7, 19, 13]), (family, world_size))
+
+
+def swapped_scan() -> str:
+    """A scan function replaced after the plan wrapped it runs on this rank's shard alone: the model call raises."""
+    import importlib
+
+    import cp_compile
+
+    plan = cp_compile.ContextParallel()
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    try:
+        with plan:  # entering the plan wraps the mixers of the families loaded so far
+            model, inputs = _tiny_inputs("qwen3_5_text", plan)
+            wrapped = module.torch_chunk_gated_delta_rule
+            module.torch_chunk_gated_delta_rule = wrapped.__wrapped__  # what a kernel swapped in would be
+            try:
+                model(**inputs)
+            finally:
+                module.torch_chunk_gated_delta_rule = wrapped
+    except cp_compile.LocalAttentionError as e:
+        return str(e)
+    return "no error"
+
+
+def _tiny_inputs(family, plan):
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model = model_run._build(cls, config, "cp_compile")
+    seq = model_run.seq_len(plan.world_size)
+    ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    return model, dict(input_ids=plan.shard(ids, 1), position_ids=plan.positions(seq)[None], use_cache=False)
+
+
+def test_a_scan_that_escapes_the_wrappers_raises(ranks):
+    import cp_compile.hf  # noqa: F401
+
+    for message in ranks(2, swapped_scan):
+        assert "scans ran under CP" in message, message
+
+
+def generate_tokens(family: str) -> dict:
+    """Greedy generation after a sharded prefill against one process (the model sweep's generate phase)."""
+    import torch.distributed as dist
+
+    import cp_compile.hf  # noqa: F401
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    return model_run._generate(model, reference, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_generate_token_for_token(ranks, world_size):
+    """Every covered family with an attention layer; Mamba2 (linear layers alone) is refused by name."""
+    for family in COVERED:
+        for result in ranks(world_size, generate_tokens, family):
+            if family == "mamba2":
+                assert result["status"] == "refused" and "linear" in result["detail"], result
+            else:
+                assert result["status"] == "exact", (family, result)
+
+
+def explained_mixers() -> list:
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel()
+    model, inputs = _tiny_inputs("qwen3_5_text", plan)
+    with plan:
+        report = cp_compile.explain(model, plan=plan, **inputs)
+    return [(m.route, m.received_bytes) for m in report.mixers] + [str(report).splitlines()[0]]
+
+
+def test_explain_lists_the_mixers(ranks):
+    """The compiled model's convolution halo and its scan's exchanges, each with its route and bytes."""
+    for result in ranks(2, explained_mixers):
+        *mixers, header = result
+        routes = {route for route, _ in mixers}
+        assert "halo" in routes and ({"heads all-to-all", "heads all-to-all (back)"} <= routes or "states" in routes)
+        assert all(n > 0 for _, n in mixers) and "mixer op(s)" in header, result

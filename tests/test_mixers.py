@@ -84,7 +84,7 @@ def test_conv_halo_fp64_equals_one_process(ranks, world_size):
             assert max(errs) < 1e-12, (case, errs)
 
 
-def gdn_case(layout_name, hk, hv, with_state):
+def gdn_case(layout_name, hk, hv, with_state, route="heads"):
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     from cp_compile.mixers import Sharding
@@ -107,7 +107,7 @@ def gdn_case(layout_name, hk, hv, with_state):
     ref.backward(dy)
     local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in leaves]
     sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
-    out, state = gated_delta_rule(scan, *local, sharding, **kw)
+    out, state = gated_delta_rule(scan, *local, sharding, route=route, **kw)
     out.backward(_shard(plan, dy, 1, cu))
     pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, leaves)]
     errs = _errors(plan, pairs, cu)
@@ -124,7 +124,17 @@ def test_gated_delta_rule_fp64_equals_one_process(ranks, world_size):
             assert max(errs) < 1e-10, (case, errs)
 
 
-def mamba2_case(layout_name, heads, groups, with_state):
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_gated_delta_rule_by_state_passing(ranks, world_size):
+    """The same calls by state passing: every chunk scanned from zero in transformers' body, which computes in
+    fp32 whatever the input, then corrected: fp32 rounding against the one-process call."""
+    pytest.importorskip("transformers", reason="the scan is transformers' torch body")
+    for case in [("zigzag", 2, 4, False), ("contiguous", 3, 3, True), ("zigzag", 5, 5, True)]:
+        for errs in ranks(world_size, gdn_case, *case, route="states"):
+            assert max(errs) < 1e-5, (case, errs)
+
+
+def mamba2_case(layout_name, heads, groups, with_state, route="heads"):
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
     from cp_compile.mixers import Sharding
@@ -149,7 +159,16 @@ def mamba2_case(layout_name, heads, groups, with_state):
     params = [t.detach().clone().requires_grad_() for t in (a, d, dt_bias)]
     sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
     out, state = mamba2_scan(
-        mamba2_chunk_scan, *local[:2], params[0], *local[2:], 4, sharding, D=params[1], dt_bias=params[2], **kw
+        mamba2_chunk_scan,
+        *local[:2],
+        params[0],
+        *local[2:],
+        4,
+        sharding,
+        D=params[1],
+        dt_bias=params[2],
+        route=route,
+        **kw,
     )
     out.backward(_shard(plan, dy, 1, cu))
     for t in params:
@@ -174,6 +193,15 @@ def test_mamba2_scan_equals_one_process(ranks, world_size):
             assert max(errs) < tol, (case, errs)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_mamba2_scan_by_state_passing(ranks, world_size):
+    """State passing in closed form: fp32 rounding (transformers' body computes in fp32) against one process."""
+    pytest.importorskip("transformers", reason="the scan is transformers' torch body")
+    for case in [("zigzag", 4, 2, False), ("contiguous", 6, 3, True), ("zigzag", 5, 1, True)]:
+        for errs in ranks(world_size, mamba2_case, *case, route="states"):
+            assert max(errs) < 1e-6, (case, errs)
+
+
 def opcheck_mixer_ops():
     """Every mixer op passes torch.library.opcheck (schema, fake, autograd registration, AOT dispatch)."""
     import cp_compile
@@ -185,8 +213,9 @@ def opcheck_mixer_ops():
     packed = torch.randn(2, 5, 8 if plan.world_size == 2 else 11, dtype=torch.float64, requires_grad=True)
     groups = torch.randn(1, 4, 2 * plan.world_size, 3, dtype=torch.float64, requires_grad=True)
     cases = [
-        (torch.ops.cp.halo_extend, (x, 2, 4, plan.group_name, "zigzag", None, False)),
-        (torch.ops.cp.halo_extend, (packed, 2, 3, plan.group_name, "zigzag", cu, True)),
+        (torch.ops.cp.halo, (x, 2, 4, plan.group_name, "zigzag", None, False)),
+        (torch.ops.cp.halo, (packed, 2, 3, plan.group_name, "zigzag", cu, True)),
+        (torch.ops.cp.halo_rows, (cu, packed.shape[2], plan.world_size, 3)),
         (torch.ops.cp.to_head_groups, (groups, plan.group_name, "contiguous", None)),
         (torch.ops.cp.rank_slice, (groups[0], plan.group_name)),
         (torch.ops.cp.gather_groups, (groups, plan.group_name)),
@@ -243,3 +272,33 @@ def test_mixers_compile_whole(ranks, backend):
     pytest.importorskip("transformers", reason="the scan is transformers' torch body")
     for err in ranks(2, compiled_conv_and_scan, backend):
         assert err < 1e-5, err
+
+
+def test_cost_model_routes():
+    """The all-to-all's bytes grow with the length, state passing's do not; packed documents take the all-to-all;
+    the pick is the cheaper estimate."""
+    from cp_compile.cost.mixers import ScanShape, choose_route, estimate_routes
+    from cp_compile.cost.model import default_machine
+
+    def shape(n, packed=False):
+        return ScanShape("delta_rule", 1, n, 4, 2, 2 * 16 * 128 + 32 * 130, 32 * 128, 32, (128, 128), 2, packed)
+
+    for device in ("cpu", "cuda"):
+        machine = default_machine(device)
+        short, long = (dict((e.route, e) for e in estimate_routes(shape(n), machine)) for n in (1024, 65536))
+        assert long["heads"].bytes_moved == 64 * short["heads"].bytes_moved
+        assert long["states"].bytes_moved == short["states"].bytes_moved
+        best, estimates = choose_route(shape(65536), machine)
+        assert best.time_s == min(e.time_s for e in estimates)
+        assert [e.route for e in estimate_routes(shape(65536, packed=True), machine)] == ["heads"]
+    assert choose_route(shape(65536), default_machine("cuda"))[0].route == "states"
+
+
+def test_mixers_command(capsys):
+    """``python -m cp_compile mixers`` on a short sequence: every route's row, against one process."""
+    from cp_compile.__main__ import main
+
+    assert main(["mixers", "--lengths", "128", "--world-sizes", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for row in ("conv halo", "GDN heads", "GDN states", "Mamba2 heads", "Mamba2 states"):
+        assert f"\n{row}" in out, out

@@ -24,7 +24,9 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..comm import resolve_group
 from .expand import Expansion, expand_cp_ops
+from .mixer_sites import MixerReport, find_mixers
 from .order import pin_overlap_order, schedule_listing
 from .partition import CPPartitioner, save_cp_outputs
 from .rewrite import AttentionSite, CPOptions, rewrite_attention
@@ -49,6 +51,7 @@ class CompileRecord:
     sites: list[AttentionSite] = field(default_factory=list)
     expansions: list[Expansion] = field(default_factory=list)
     schedules: list[list[str]] = field(default_factory=list)  # per expanded graph, in final order
+    mixers: list[MixerReport] = field(default_factory=list)  # convolution halos and scan exchanges
 
 
 def _plan_key(options: CPOptions) -> tuple:
@@ -58,8 +61,6 @@ def _plan_key(options: CPOptions) -> tuple:
     shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
     steps) differs. Every cache key of ours therefore carries C (and the mesh's sizes).
     """
-    from ..comm import resolve_group
-
     size = resolve_group(options.group_name).size()
     settings = tuple(getattr(options, f.name) for f in dataclasses.fields(options) if f.compare)
     return (*settings, size, options.mesh_sizes, _source_hash())
@@ -133,7 +134,6 @@ class CPBackend:
         then print ``backend.explain()``. Graph breaks are not counted here
         (compile with ``fullgraph=True`` to rule them out).
         """
-        from ..comm import resolve_group
         from .explain import ExplainReport, site_report
 
         world_size = resolve_group(self.options.group_name).size()
@@ -141,6 +141,7 @@ class CPBackend:
         for record in self.records:
             report.sites += [site_report(site, world_size) for site in record.sites]
             report.schedules += record.schedules
+            report.mixers += record.mixers
         return report
 
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
@@ -153,6 +154,7 @@ class CPBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs, record: CompileRecord) -> Callable:
         record.sites = rewrite_attention(gm, self.options)
+        record.mixers = find_mixers(gm, resolve_group(self.options.group_name).size())
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 

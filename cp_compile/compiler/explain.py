@@ -92,15 +92,19 @@ class ExplainReport:
     graph_breaks: int = 0
     break_reasons: list[str] = field(default_factory=list)
     schedules: list[list[str]] = field(default_factory=list)  # CP ops per compiled graph, in order
+    mixers: list = field(default_factory=list)  # compiler.mixer_sites.MixerReport per convolution / scan exchange
 
     def __str__(self) -> str:
+        mixers = f"{len(self.mixers)} mixer op(s), " if self.mixers else ""
         lines = [
-            f"cp_compile: {len(self.sites)} attention site(s), {self.graphs} graph(s), "
+            f"cp_compile: {len(self.sites)} attention site(s), {mixers}{self.graphs} graph(s), "
             f"{self.graph_breaks} graph break(s)"
         ]
         lines += [f"  break: {r}" for r in self.break_reasons]
         for i, site in enumerate(self.sites):
             lines.append(f"[{i}] " + str(site))
+        for i, mixer in enumerate(self.mixers):
+            lines.append(f"[mixer {i}] " + str(mixer))
         for i, listing in enumerate(self.schedules):
             lines.append(f"compiled graph {i}: " + " -> ".join(_compress(listing)))
         return "\n".join(lines)
@@ -188,6 +192,7 @@ def explain(fn_or_module, *args, plan, inner: str = "aot_eager", backward: bool 
     for record in backend.records:
         report.sites += [site_report(site, plan.world_size) for site in record.sites]
         report.schedules += record.schedules
+        report.mixers += record.mixers
     return report
 
 

@@ -33,22 +33,26 @@ import torch.distributed as dist
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
-from ..errors import UnsupportedAttention
+from ..errors import LocalAttentionError, UnsupportedAttention
 from ..layout import layout_named
 from ..plan import active_plan, made_by
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
-# The models in flight inside a plan: [model, calls of the attention and mask functions] for the outermost
-# transformers model of each eager forward.
+# The models in flight inside a plan: [model, calls of the attention and mask functions, convolutions and scans
+# run under CP] for the outermost transformers model of each eager forward.
 _FORWARDS: list[list] = []
+CONV, SCAN = 2, 3  # where an entry counts them
 
 
-def count_call() -> None:
-    """Called by the attention and mask functions of ``"cp_compile"`` under a plan."""
+def count_call(mixer: int = 0) -> None:
+    """Called by the attention and mask functions of ``"cp_compile"`` under a plan, and by the mixer wrappers
+    (``mixer``: ``CONV`` or ``SCAN``)."""
     # while Dynamo traces, the state below must stay unread: it holds the model being traced
     if not torch.compiler.is_compiling() and _FORWARDS:
         _FORWARDS[-1][1] += 1
+        if mixer:
+            _FORWARDS[-1][mixer] += 1
 
 
 def _transformers_model(module):
@@ -70,7 +74,7 @@ def start_model_call(module, args: tuple) -> None:
         return
     model = _transformers_model(module)
     if model is not None and model.config._attn_implementation == "cp_compile":
-        _FORWARDS.append([module, 0])
+        _FORWARDS.append([module, 0, 0, 0])
 
 
 def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
@@ -78,9 +82,9 @@ def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
     returned. When the forward raised, torch calls it with ``(args, None)``: nothing more to say then."""
     if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1][0] is not module:
         return
-    _, calls = _FORWARDS.pop()
+    _, calls, convs, scans = _FORWARDS.pop()
     if len(kwargs_and_output) == 2 and kwargs_and_output[1] is not None:
-        _check_call_under_plan(module, args, kwargs_and_output[0], calls)
+        _check_call_under_plan(module, args, kwargs_and_output[0], calls, convs, scans)
 
 
 _HOOKS: list = []  # the two global hooks' handles, once installed
@@ -118,12 +122,28 @@ def check_outside_plan(module, position_ids) -> None:
         )
 
 
+def _check_mixers(model, module, convs: int, scans: int) -> None:
+    """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
+    after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
+    if _has_compiled_part(module):
+        return
+    layer_types = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
+    mixing = sum(t in ("linear_attention", "conv", "hybrid") for t in layer_types)
+    scanning = sum(t in ("linear_attention", "hybrid") for t in layer_types)
+    if convs < mixing or scans < scanning:
+        raise LocalAttentionError(
+            f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
+            f"convolutions and {scans} scans ran under CP in this forward: the others mixed this rank's shard alone "
+            "(a mixer function replaced after the plan wrapped it, or a kernel of the model's own)"
+        )
+
+
 def _inputs(args: tuple, kwargs: dict):
     inputs = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
     return inputs if inputs is not None else kwargs.get("inputs_embeds")
 
 
-def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int) -> None:
+def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs: int, scans: int) -> None:
     plan, model = active_plan(), _transformers_model(module)
     if plan is None:
         return
@@ -139,6 +159,7 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int) -> Non
         return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
     _check_positions(model, plan, kwargs.get("position_ids"))
     _check_labels(model, kwargs)
+    _check_mixers(model, module, convs, scans)
 
 
 def _check_positions(model, plan, positions) -> None:
@@ -192,4 +213,4 @@ def _check_labels(model, kwargs: dict) -> None:
         )
 
 
-__all__ = ["check_outside_plan", "count_call", "model_call_checks"]
+__all__ = ["CONV", "SCAN", "check_outside_plan", "count_call", "model_call_checks"]

@@ -81,24 +81,26 @@ def _max_tokens(config, prompt: int) -> int:
 
 def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids: Tensor) -> None:
     """Run ``input_ids [1, n]`` (the same on every rank) once, sharded over ``plan``: each rank computes
-    and caches its own tokens' K/V. The prompt reaches the attention as one packed document
-    (``cu_seq_lens_q``), so the plan's recorded documents stay as they were."""
+    and caches its own tokens' K/V (and, for a hybrid's linear layers, every rank the whole state). The prompt
+    is one packed document: the attention reads it from ``cu_seq_lens_q``, a model's convolutions and scans
+    from the plan's documents while it runs (``plan.documents_during``)."""
     tokens = input_ids.shape[1]
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     slots = packed_slots(cu, plan.rank, plan.world_size)
     positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
-    with cache.sharded_prefill(positions, tokens), torch.no_grad():
-        model(
-            input_ids=local_ids,
-            position_ids=slots["pos"].to(input_ids.device)[None],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            cu_seq_lens_q=documents,
-            cu_seq_lens_k=documents,
-        )
+    with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
+        with torch.no_grad():
+            model(
+                input_ids=local_ids,
+                position_ids=local_positions[None],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                cu_seq_lens_q=documents,
+                cu_seq_lens_k=documents,
+            )
 
 
 def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
@@ -156,8 +158,14 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
             f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}"
         )
+    if all(cache.is_linear):
+        raise UnsupportedAttention(
+            "cp_compile.hf.generate: a model of linear (recurrent and convolution) layers alone; transformers' "
+            "generate() cannot continue such a model from a prefilled cache (it has no length to read), so the "
+            "prompt cannot be prefilled sharded"
+        )
     _check_same_prompt(plan, input_ids)
-    if input_ids.shape[1] > 1 and cache.get_seq_length() == 0:
+    if input_ids.shape[1] > 1 and not cache.holds_tokens():
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
     criteria = StoppingCriteriaList(
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]

@@ -33,13 +33,17 @@ import contextlib
 import functools
 import sys
 
+from ..cost.mixers import ScanShape, choose_route
+from ..cost.model import default_machine
 from ..errors import UnsupportedAttention
 from ..guard import set_aside
+from ..inference.hf_cache import WRAPPED_MODULES, runs_mixers_under_cp
+from ..layout.runs import chunk_count
 from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
 from ..mixers.scan import gated_delta_rule, mamba2_scan
 from ..plan import ContextParallel, active_plan
-from .forward import count_call
+from .forward import CONV, SCAN, count_call
 
 FAMILIES = (
     "bailing_hybrid",
@@ -62,7 +66,6 @@ FAMILIES = (
 )
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
-_WRAPPED: set[str] = set()  # modeling modules whose functions are wrapped
 
 
 def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:
@@ -85,13 +88,19 @@ def _conv(original):
         if plan is None:
             return original(hidden_states, weight, bias, activation, **kwargs)
         _refuse_seq_idx("causal_conv1d_fn", kwargs)
-        count_call()
+        count_call(CONV)
         with set_aside():  # the torch body's conv1d runs on the extended shard, on purpose
             return causal_conv1d(
                 hidden_states, weight, bias, activation, _sharding(plan, kwargs.get("cu_seq_lens_q")), conv=original
             )
 
     return conv
+
+
+def _route(plan: ContextParallel, shape: ScanShape, device) -> str:
+    """The route the cost model picks for a scan (the same on every rank: shapes, C and the plan's machine)."""
+    machine = plan.machine if plan.machine is not None else default_machine(device.type)
+    return choose_route(shape, machine)[0].route
 
 
 def _delta_rule(original):
@@ -104,9 +113,25 @@ def _delta_rule(original):
             kwargs["chunk_size"], *args = args
         if args:
             raise TypeError("pass the gated delta rule's options after chunk_size by name")
-        count_call()
+        count_call(SCAN)
         sharding = _sharding(plan, kwargs.get("cu_seqlens"))
-        return gated_delta_rule(original, query, key, value, g, beta, sharding, **kwargs)
+        b, local_len, hk, dk = key.shape
+        hv, dv = value.shape[-2:]
+        shape = ScanShape(
+            "delta_rule",
+            b,
+            local_len,
+            plan.world_size,
+            chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens),
+            2 * hk * dk + hv * dv + g[0, 0].numel() + hv,
+            hv * dv,
+            hv,
+            (dk, dv),
+            value.element_size(),
+            packed=sharding.cu_seqlens is not None,
+        )
+        route = _route(plan, shape, value.device)
+        return gated_delta_rule(original, query, key, value, g, beta, sharding, route=route, **kwargs)
 
     return delta_rule
 
@@ -120,8 +145,25 @@ def _mamba2(original):
         if args:
             raise TypeError("pass mamba2_chunk_scan's options after chunk_size by name")
         _refuse_seq_idx("mamba2_chunk_scan", kwargs)
-        count_call()
-        return mamba2_scan(original, hidden_states, dt, A, B, C, chunk_size, _sharding(plan, None), **kwargs)
+        count_call(SCAN)
+        sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+        b, local_len, heads, p = hidden_states.shape
+        groups, n = B.shape[2], B.shape[3]
+        shape = ScanShape(
+            "mamba2",
+            b,
+            local_len,
+            plan.world_size,
+            chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens),
+            heads * (p + 1) + 2 * n * (groups if groups % plan.world_size == 0 else heads),
+            heads * p,
+            heads,
+            (p, n),
+            hidden_states.element_size(),
+            packed=sharding.cu_seqlens is not None,
+        )
+        route = _route(plan, shape, hidden_states.device)
+        return mamba2_scan(original, hidden_states, dt, A, B, C, chunk_size, sharding, route=route, **kwargs)
 
     return scan
 
@@ -145,14 +187,14 @@ _WRAPPERS = {
 
 def wrap_loaded_families() -> None:
     """Wraps the mixer functions of every covered modeling module imported so far (once each)."""
-    for name in _MODULES - _WRAPPED:
+    for name in _MODULES - WRAPPED_MODULES:
         module = sys.modules.get(name)
         if module is None:
             continue
         for function, wrapper in _WRAPPERS.items():
             if hasattr(module, function):
                 setattr(module, function, wrapper(getattr(module, function)))
-        _WRAPPED.add(name)
+        WRAPPED_MODULES.add(name)
 
 
 @contextlib.contextmanager
@@ -164,8 +206,7 @@ def mixers_under_plans():
 
 def covers(config) -> bool:
     """Whether the model of ``config`` runs its non-attention mixers through the wrappers."""
-    module = type(config).__module__.replace(".configuration_", ".modeling_")
-    return module in _WRAPPED
+    return runs_mixers_under_cp(config)
 
 
 __all__ = ["FAMILIES", "MIXER_LAYER_TYPES", "covers", "mixers_under_plans", "wrap_loaded_families"]

@@ -25,10 +25,18 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..kernels.masked import EMPTY_POSITION
+from ..mixers import Sharding
+from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel, active_plan
 from .cache import Agreement, CacheShard
 
@@ -107,6 +115,77 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
     batch_select_indices = _unsupported("selecting batch rows")
 
 
+# the modeling modules whose token mixers ``cp_compile.hf`` has wrapped (``hf.mixers``), by name
+WRAPPED_MODULES: set[str] = set()
+
+
+def runs_mixers_under_cp(config) -> bool:
+    """Whether the modeling module of ``config``'s model has its token mixers wrapped by ``cp_compile.hf``."""
+    return type(config).__module__.replace(".configuration_", ".modeling_") in WRAPPED_MODULES
+
+
+def _pending(layer) -> bool:
+    return getattr(layer, "pending_prefill", None) is not None or getattr(layer, "pending_conv", None) is not None
+
+
+class ReplicatedLinearLayer(LinearAttentionLayer):
+    """The convolution and recurrent states of a hybrid model's linear-attention, Mamba or convolution layer:
+    whole, the same on every rank (they are as large whatever the sequence length).
+
+    In a sharded prefill the scan wrappers of ``cp_compile.hf`` hand back the whole final state, and the
+    convolution's state (the prompt's last k inputs) is gathered here from the ranks that hold them; the
+    convolution itself gets its halo from the CP path, so the shard passes through unchanged. Decoding then
+    runs every rank's copy of the layer on the same token."""
+
+    def __init__(self, plan: ContextParallel):
+        LinearAttentionLayer.__init__(self)
+        self.plan = plan
+        self.pending_conv: Optional[int] = None  # prompt tokens of a sharded prefill this layer has not seen
+        self.unattended = False
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        if self.pending_conv is None:
+            return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
+        tokens, self.pending_conv = self.pending_conv, None
+        if not self.is_conv_states_initialized[state_idx]:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+        plan = self.plan
+        prompt = torch.tensor([0, tokens])
+        sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, prompt)
+        width = self.conv_kernel_size[state_idx]
+        self.conv_states[state_idx].copy_(sequence_tail(conv_states, conv_states.dim() - 1, width, sharding))
+        self.has_previous_state[state_idx] = True
+        return conv_states
+
+    @property
+    def nbytes(self) -> int:
+        states = [*self.conv_states.values(), *self.recurrent_states.values()]
+        return sum(t.numel() * t.element_size() for t in states if t is not None)
+
+
+class ShardedHybridLayer(ReplicatedLinearLayer, ShardedLayer):
+    """A layer with attention and a linear mixer side by side (Falcon-H1, Zamba2's hybrid layers): this rank's
+    share of the K/V and every rank's copy of the linear states."""
+
+    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None):
+        ShardedLayer.__init__(self, plan, max_tokens, window)
+        ReplicatedLinearLayer.__init__(self, plan)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # the attention's update(key, value)
+            ShardedLayer.lazy_initialization(self, *args)
+        else:  # update_conv_state / update_recurrent_state, by keyword
+            ReplicatedLinearLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        ReplicatedLinearLayer.reset(self)
+        ShardedLayer.reset(self)
+
+
+_LINEAR = ("linear_attention", "conv")
+_ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 class ShardedCache(Cache):
     """A KV cache for a model with ``attn_implementation="cp_compile"``, sharded over ``plan``'s ranks.
 
@@ -119,16 +198,29 @@ class ShardedCache(Cache):
         if plan is None:
             raise ValueError("ShardedCache needs a plan: pass plan= or construct it inside `with plan:`")
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        layers = []
+        layers: list = []
+        linear_ok = runs_mixers_under_cp(config)
         for index, (layer_type, extra) in enumerate(zip(layer_types, layer_kwargs)):
-            if layer_type not in ("full_attention", "sliding_attention", "chunked_attention"):
+            if layer_type in (*_LINEAR, "hybrid") and not linear_ok:
                 raise UnsupportedAttention(
-                    f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and "
-                    "chunked attention layers can be sharded"
+                    f"ShardedCache: layer {index} is {layer_type!r}, and cp_compile.hf does not run this family's "
+                    "convolutions and scans under CP"
+                )
+            if layer_type in _LINEAR:
+                layers.append(ReplicatedLinearLayer(plan))
+                continue
+            if layer_type == "dummy" and linear_ok:  # a hybrid's MLP or MoE layer: nothing to keep
+                layers.append(DummyLayer())
+                continue
+            if layer_type not in (*_ATTENTION, "hybrid"):
+                raise UnsupportedAttention(
+                    f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and chunked "
+                    "attention layers, and the linear-attention, convolution and hybrid layers of the families "
+                    "cp_compile.hf runs under CP, can be kept"
                 )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if layer_type == "sliding_attention" else None
-            layers.append(ShardedLayer(plan, max_cache_len, window))
+            layers.append((ShardedHybridLayer if layer_type == "hybrid" else ShardedLayer)(plan, max_cache_len, window))
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)
         for index, layer in enumerate(layers):
@@ -145,13 +237,19 @@ class ShardedCache(Cache):
         than ``"cp_compile"`` (a model with attention code of its own) in the eager steps since the last call:
         that attention saw one rank's share alone. Where the guard of ``with plan:`` is set aside (decoding in
         ``cp_compile.hf.generate``), this is the check that takes its place."""
-        missed = [i for i, layer in enumerate(self.layers) if layer.unattended]
+        missed = [i for i, layer in enumerate(self.layers) if getattr(layer, "unattended", False)]
         if missed:
             raise LocalAttentionError(
                 f"layers {missed} of the ShardedCache handed their keys and values to attention that is not "
                 f'attn_implementation="cp_compile" (attention code of the model\'s own?): it attended to this '
                 "rank's share of the cache alone"
             )
+
+    def holds_tokens(self) -> bool:
+        """Whether the cache holds earlier tokens (a cache of linear layers alone has no length to ask)."""
+        if all(self.is_linear):
+            return any(any(layer.has_previous_state.values()) for layer in self.layers)
+        return self.get_seq_length() > 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
@@ -162,19 +260,22 @@ class ShardedCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values this rank holds, over all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(getattr(layer, "nbytes", 0) for layer in self.layers)
 
     @contextlib.contextmanager
     def sharded_prefill(self, positions: Tensor, tokens: int):
         """Inside, the model's next forward is this rank's shard of a ``tokens``-token prompt whose slots
         sit at ``positions`` (``EMPTY_POSITION`` for padding): each layer keeps those K/V."""
         for layer in self.layers:
-            layer.pending_prefill = (positions, tokens)
+            if isinstance(layer, ShardedLayer):
+                layer.pending_prefill = (positions, tokens)
+            if isinstance(layer, ReplicatedLinearLayer):
+                layer.pending_conv = tokens
         try:
             yield self
         finally:
-            missed = [i for i, layer in enumerate(self.layers) if layer.pending_prefill is not None]
+            missed = [i for i, layer in enumerate(self.layers) if _pending(layer)]
             for i in missed:
-                self.layers[i].pending_prefill = None
+                self.layers[i].pending_prefill = self.layers[i].pending_conv = None
         if missed:
             raise RuntimeError(f"the sharded prefill did not reach layers {missed} of the cache")

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..layout.runs import chunk_count
 from . import Sharding
-from .halo import halo_extend
+from .halo import halo, halo_rows
 
 ConvFn = Callable[..., Tensor]  # (x [B, D, L], weight [D, k], bias, activation, **kwargs) -> [B, D, L]
 
@@ -37,9 +39,16 @@ def causal_conv1d(
 
     ``reset``: the convolution restarts at each document of ``sharding.cu_seqlens`` (a kernel given
     ``seq_idx`` does); without it, tokens of the previous document are read as one process reads them."""
-    width = weight.shape[-1]
-    extended, keep = halo_extend(x, x.dim() - 1, width, *sharding.op_args, reset)
-    return conv(extended, weight, bias, activation, **kwargs).index_select(-1, keep)
+    width, dim = weight.shape[-1], x.dim() - 1
+    before = halo(x, dim, width, *sharding.op_args, reset)  # [B, D, chunks * (width - 1)]
+    if sharding.cu_seqlens is None:  # equal chunks: each chunk's halo in front of it by a reshape
+        pieces = chunk_count(sharding.layout, sharding.world_size)
+        extended = torch.cat([before.unflatten(dim, (pieces, width - 1)), x.unflatten(dim, (pieces, -1))], dim + 1)
+        out = conv(extended.flatten(dim, dim + 1), weight, bias, activation, **kwargs)
+        return out.unflatten(dim, (pieces, -1))[..., width - 1 :].flatten(dim, dim + 1)
+    assembly, keep = halo_rows(sharding.cu_seqlens, x.shape[dim], sharding.world_size, width)
+    extended = torch.cat([x, before], dim).index_select(dim, assembly)
+    return conv(extended, weight, bias, activation, **kwargs).index_select(dim, keep)
 
 
 __all__ = ["causal_conv1d", "depthwise_causal_conv1d"]

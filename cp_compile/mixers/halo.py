@@ -2,10 +2,10 @@
 
 A causal convolution of width k reads, for each token, the k-1 tokens before it. On a shard, every
 chunk of consecutive global positions (``layout.runs``) lacks the k-1 tokens before its first one.
-``cp::halo_extend`` returns this rank's tokens with those tokens put in front of every chunk, in
-sequence order, so that the unmodified convolution (a fused kernel or the torch body) run over the
-extended tensor gives every token of the shard exactly its one-process value; the caller then keeps
-the rows the op names (``keep``) and drops the halos' outputs.
+``cp::halo`` returns those tokens, chunk after chunk; put in front of every chunk (``conv.py``: a
+reshape for equal chunks, the rows ``cp::halo_rows`` names for packed documents), the unmodified
+convolution (a fused kernel or the torch body) run over the extended tensor gives every token of the
+shard exactly its one-process value, and the halos' outputs are dropped.
 
 The exchange is one all-gather of every chunk's last k-1 real tokens (``[C, chunks, k-1]`` rows: bytes
 independent of the sequence length). A chunk shorter than k-1 tokens exports what it has, so a halo that
@@ -31,6 +31,7 @@ from torch import Tensor
 from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..layout.runs import Chunk, _key, chunk_count, chunks
+from . import Sharding
 
 
 class HaloTables(NamedTuple):
@@ -48,19 +49,28 @@ def _doc_of(position: int, rank_chunks) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _tables(layout: str, local_len: int, world_size: int, width: int, cu, reset: bool) -> HaloTables:
-    h = width - 1
+def _exports(layout: str, local_len: int, world_size: int, count: int, cu):
+    """What every rank exports (each chunk's last ``count`` real tokens, right-aligned: ``[C, chunks*count]``
+    slots, -1 for none) and, for each exported global position, its row among every rank's exports."""
     per_rank: tuple[tuple[Chunk, ...], ...] = chunks(layout, local_len, world_size, cu)
     n = len(per_rank[0])
-    tails = torch.full((world_size, n * h), -1, dtype=torch.int64)
+    tails = torch.full((world_size, n * count), -1, dtype=torch.int64)
     exported: dict[int, int] = {}  # global position -> row of the gathered exports
     for rank, rank_chunks in enumerate(per_rank):
         for j, c in enumerate(rank_chunks):
-            for t in range(h):  # right-aligned: tail row h-1 is the chunk's last token
-                back = h - 1 - t
+            for t in range(count):  # row count-1 of a chunk's export is its last token
+                back = count - 1 - t
                 if back < c.real:
-                    tails[rank, j * h + t] = c.slot + c.real - 1 - back
-                    exported[c.start + c.real - 1 - back] = (rank * n + j) * h + t
+                    tails[rank, j * count + t] = c.slot + c.real - 1 - back
+                    exported[c.start + c.real - 1 - back] = (rank * n + j) * count + t
+    return per_rank, tails, exported
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(layout: str, local_len: int, world_size: int, width: int, cu, reset: bool) -> HaloTables:
+    h = width - 1
+    per_rank, tails, exported = _exports(layout, local_len, world_size, h, cu)
+    n = len(per_rank[0])
     zero = world_size * n * h
     everything = [c for rank_chunks in per_rank for c in rank_chunks]
     sources = torch.full((world_size, n * h), zero, dtype=torch.int64)
@@ -91,86 +101,117 @@ def _tables_for(local_len: int, width: int, group_name: str, layout: str, cu_seq
     return group.rank(), c, halo_tables(layout, local_len, c, width, cu_seqlens, reset)
 
 
-def _extend(x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool):
+def _gather_exports(seq: Tensor, tails: Tensor, group_name: str, world_size: int) -> Tensor:
+    """Every rank's exported rows of ``seq`` (``[L, ...]``; ``tails``: this rank's slots, -1 a zero row), in rank
+    order, and a zero row after them."""
+    mask = (tails >= 0).view(-1, *[1] * (seq.dim() - 1)).to(seq)
+    exports = seq.index_select(0, tails.clamp(min=0)) * mask
+    gathered = gather_dim0(exports, group_name, world_size)
+    return torch.cat([gathered.reshape(-1, *seq.shape[1:]), seq.new_zeros(1, *seq.shape[1:])])
+
+
+def sequence_tail(x: Tensor, dim: int, count: int, sharding: Sharding) -> Tensor:
+    """Every rank's copy of the sequence's last ``count`` tokens (zeros before its first), from this rank's shard
+    ``x`` (tokens along ``dim``): a convolution's state after a sharded prefill. Not differentiable."""
+    group_name, world_size = sharding.group_name, sharding.world_size
+    rank = resolve_group(group_name).rank()
+    key = _key(sharding.cu_seqlens)
+    per_rank, tails, exported = _exports(sharding.layout, x.shape[dim], world_size, count, key)
+    total = max((c.start + c.real for rank_chunks in per_rank for c in rank_chunks), default=0)
+    zero = world_size * tails.shape[1]
+    rows = torch.tensor([exported.get(p, zero) if p >= 0 else zero for p in range(total - count, total)])
+    seq = x.detach().movedim(dim, 0)
+    gathered = _gather_exports(seq, tails[rank].to(x.device), group_name, world_size)
+    return gathered.index_select(0, rows.to(x.device)).movedim(0, dim).contiguous()
+
+
+def _halo(x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool) -> Tensor:
     rank, c, tables = _tables_for(x.shape[dim], width, group_name, layout, cu_seqlens, reset)
     device = x.device
-    seq = x.movedim(dim, 0)  # [L, ...]
-    tails = tables.tails[rank].to(device)
-    exports = seq.index_select(0, tails.clamp(min=0)) * (tails >= 0).view(-1, *[1] * (seq.dim() - 1)).to(seq)
-    gathered = gather_dim0(exports, group_name, c) if c > 1 else exports
-    gathered = torch.cat([gathered.reshape(-1, *seq.shape[1:]), seq.new_zeros(1, *seq.shape[1:])])
-    halo = gathered.index_select(0, tables.sources[rank].to(device))
-    extended = torch.cat([seq, halo]).index_select(0, tables.assembly.to(device))
-    return extended.movedim(0, dim).contiguous(), tables.keep.to(device)
+    gathered = _gather_exports(x.movedim(dim, 0), tables.tails[rank].to(device), group_name, c)
+    return gathered.index_select(0, tables.sources[rank].to(device)).movedim(0, dim).contiguous()
 
 
-def _extend_backward(grad: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool):
-    halo_rows = chunk_count(layout, resolve_group(group_name).size(), cu_seqlens) * (width - 1)
-    rank, c, tables = _tables_for(grad.shape[dim] - halo_rows, width, group_name, layout, cu_seqlens, reset)
+def _halo_backward(grad: Tensor, local_len: int, dim: int, width: int, group_name: str, layout: str, cu, reset):
+    rank, c, tables = _tables_for(local_len, width, group_name, layout, cu, reset)
     device = grad.device
-    seq = grad.movedim(dim, 0)
-    local_len = tables.keep.numel()
-    rows = seq.new_zeros(local_len + tables.sources.shape[1], *seq.shape[1:])
-    rows.index_add_(0, tables.assembly.to(device), seq)
-    local, halo = rows[:local_len], rows[local_len:]
-    exports = seq.new_zeros(c * tables.tails.shape[1] + 1, *seq.shape[1:])
+    halo = grad.movedim(dim, 0)
+    exports = halo.new_zeros(c * tables.tails.shape[1] + 1, *halo.shape[1:])
     exports.index_add_(0, tables.sources[rank].to(device), halo)
-    exports = exports[:-1].reshape(c, -1, *seq.shape[1:])
-    mine = reduce_scatter_dim0(exports, group_name, c).reshape(-1, *seq.shape[1:]) if c > 1 else exports[0]
+    exports = exports[:-1].reshape(c, -1, *halo.shape[1:])
+    mine = reduce_scatter_dim0(exports, group_name, c).reshape(-1, *halo.shape[1:]) if c > 1 else exports[0]
     tails = tables.tails[rank].to(device)
-    local = local.index_add(0, tails.clamp(min=0), mine * (tails >= 0).view(-1, *[1] * (seq.dim() - 1)).to(mine))
+    mine = mine * (tails >= 0).view(-1, *[1] * (halo.dim() - 1)).to(mine)
+    local = halo.new_zeros(local_len, *halo.shape[1:]).index_add_(0, tails.clamp(min=0), mine)
     return local.movedim(0, dim).contiguous()
 
 
-@torch.library.custom_op("cp::halo_extend", mutates_args=())
-def halo_extend(
+@torch.library.custom_op("cp::halo", mutates_args=())
+def halo(
     x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens: Optional[Tensor], reset: bool
-) -> tuple[Tensor, Tensor]:
-    """``x`` (this rank's tokens along ``dim``) with the ``width - 1`` tokens before each of its chunks in front
-    of the chunk, and the rows of the result that hold ``x``'s tokens (``keep``)."""
-    return _extend(x, dim, width, group_name, layout, cu_seqlens, reset)
-
-
-@torch.library.custom_op("cp::halo_extend_backward", mutates_args=())
-def halo_extend_backward(
-    grad: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens: Optional[Tensor], reset: bool
 ) -> Tensor:
-    return _extend_backward(grad, dim, width, group_name, layout, cu_seqlens, reset)
+    """The ``width - 1`` tokens before each of the chunks of ``x`` (this rank's tokens along ``dim``), chunk after
+    chunk along ``dim``: ``[..., chunks * (width - 1), ...]``."""
+    return _halo(x, dim, width, group_name, layout, cu_seqlens, reset)
 
 
-def _extended_shape(x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens) -> list:
-    n = chunk_count(layout, resolve_group(group_name).size(), cu_seqlens)
-    shape = list(x.shape)
-    shape[dim] = shape[dim] + n * (width - 1)
-    return shape
+@torch.library.custom_op("cp::halo_backward", mutates_args=())
+def halo_backward(
+    grad: Tensor,
+    local_len: int,
+    dim: int,
+    width: int,
+    group_name: str,
+    layout: str,
+    cu_seqlens: Optional[Tensor],
+    reset: bool,
+) -> Tensor:
+    """The gradient of ``x`` that the gradient of its halo (``grad``) holds: each halo row's gradient sent back to
+    the rank whose token it is, added at that token."""
+    return _halo_backward(grad, local_len, dim, width, group_name, layout, cu_seqlens, reset)
 
 
-@halo_extend.register_fake
+@halo.register_fake
 def _(x, dim, width, group_name, layout, cu_seqlens, reset):
-    shape = _extended_shape(x, dim, width, group_name, layout, cu_seqlens)
-    return x.new_empty(shape), x.new_empty(x.shape[dim], dtype=torch.int64)
+    shape = list(x.shape)
+    shape[dim] = chunk_count(layout, resolve_group(group_name).size(), cu_seqlens) * (width - 1)
+    return x.new_empty(shape)
 
 
-@halo_extend_backward.register_fake
-def _(grad, dim, width, group_name, layout, cu_seqlens, reset):
+@halo_backward.register_fake
+def _(grad, local_len, dim, width, group_name, layout, cu_seqlens, reset):
     shape = list(grad.shape)
-    n = chunk_count(layout, resolve_group(group_name).size(), cu_seqlens)
-    shape[dim] -= n * (width - 1)
+    shape[dim] = local_len
     return grad.new_empty(shape)
 
 
 def _setup(ctx, inputs, output):
-    ctx.settings = inputs[1:]
+    x, *settings = inputs
+    ctx.local_len, ctx.settings = x.shape[settings[0]], settings
     ctx.set_materialize_grads(False)
 
 
-def _grad(ctx, grad, _grad_keep):
+def _grad(ctx, grad):
     if grad is None:
         return (None,) * 7
-    return (halo_extend_backward(grad, *ctx.settings), *(None,) * 6)
+    return (halo_backward(grad, ctx.local_len, *ctx.settings), *(None,) * 6)
 
 
-halo_extend.register_autograd(_grad, setup_context=_setup)
+halo.register_autograd(_grad, setup_context=_setup)
 
 
-__all__ = ["halo_extend", "halo_tables"]
+@torch.library.custom_op("cp::halo_rows", mutates_args=())
+def halo_rows(cu_seqlens: Tensor, local_len: int, world_size: int, width: int) -> tuple[Tensor, Tensor]:
+    """For packed documents (chunks of unequal sizes): the rows of ``cat([x, halo])`` in extended order (each
+    chunk's halo, then the chunk), and the rows of the extended tensor that hold ``x``'s tokens."""
+    tables = halo_tables("zigzag", local_len, world_size, width, cu_seqlens)
+    return tables.assembly.to(cu_seqlens.device), tables.keep.to(cu_seqlens.device)
+
+
+@halo_rows.register_fake
+def _(cu_seqlens, local_len, world_size, width):
+    extended = local_len + chunk_count("zigzag", world_size, cu_seqlens) * (width - 1)
+    return cu_seqlens.new_empty(extended, dtype=torch.int64), cu_seqlens.new_empty(local_len, dtype=torch.int64)
+
+
+__all__ = ["halo", "halo_rows", "halo_tables", "sequence_tail"]

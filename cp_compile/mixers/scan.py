@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import Sharding
 from .heads import from_head_groups, gather_groups, rank_slice, to_head_groups
+from .state import gated_delta_rule_states, mamba2_scan_states
 
 
 def _pad_groups(x: Tensor, groups: int, dim: int) -> Tensor:
@@ -53,8 +54,9 @@ def _mine(x: Tensor, padded: int, sharding: Sharding) -> Tensor:
 
 
 def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
-    """Document offsets over the exchanged stream: the padding slots after the last document as one more."""
-    if cu_seqlens is None:
+    """Document offsets over the exchanged stream: the padding slots after the last document as one more. One
+    document is no document: the scan runs through it as it does given none (a sharded prefill's prompt)."""
+    if cu_seqlens is None or cu_seqlens.shape[0] <= 2:
         return None
     cu = cu_seqlens.to(torch.int32 if cu_seqlens.dtype == torch.int32 else torch.int64)
     return torch.cat([cu, cu.new_tensor([total])]) if int(cu[-1]) < total else cu
@@ -72,6 +74,7 @@ def gated_delta_rule(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
+    route: str = "heads",
     **kwargs,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``scan(query, key, value, g, beta, ...)`` (transformers' ``torch_chunk_gated_delta_rule`` or fla's
@@ -79,7 +82,22 @@ def gated_delta_rule(
     ``chunk_kimi_delta_attention`` with g ``[B, L, Hv, dk]``) of this
     rank's shard, as one process computes it. ``initial_state`` is every rank's whole ``[B, Hv, dk, dv]``; the
     final state comes back whole on every rank. ``cu_seqlens``: global document offsets the scan restarts at
-    (passed to ``scan`` as given, over the whole sequence)."""
+    (passed to ``scan`` as given, over the whole sequence). ``route``: ``"heads"`` (the all-to-all) or
+    ``"states"`` (state passing, ``state.py``)."""
+    if route == "states":
+        return gated_delta_rule_states(
+            scan,
+            query,
+            key,
+            value,
+            g,
+            beta,
+            sharding,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            **kwargs,
+        )
     b, local_len, hk, dk = key.shape
     hv, dv = value.shape[-2:]
     r = hv // hk
@@ -132,14 +150,32 @@ def mamba2_scan(
     initial_states: Optional[Tensor] = None,
     return_final_states: bool = False,
     seq_idx: Optional[Tensor] = None,
+    route: str = "heads",
     **kwargs,
 ):
     """``scan(hidden_states, dt, A, B, C, chunk_size, D=..., dt_bias=..., ...)`` (transformers'
     ``mamba2_chunk_scan`` or mamba_ssm's ``mamba_chunk_scan_combined``: x ``[B, L, H, P]``, dt ``[B, L, H]``,
     B, C ``[B, L, G, N]``, A, dt_bias ``[H]``, D ``[H]`` or ``[H, P]``) of this rank's shard, as one process
-    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state."""
+    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state. ``route``:
+    ``"heads"`` (the all-to-all) or ``"states"`` (state passing, ``state.py``)."""
     if seq_idx is not None:
         raise NotImplementedError("mamba2_scan under CP: seq_idx (document resets) is not supported yet")
+    if route == "states":
+        return mamba2_scan_states(
+            scan,
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            sharding,
+            D=D,
+            dt_bias=dt_bias,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+            **kwargs,
+        )
     b, local_len, heads, p = hidden_states.shape
     groups, n = B.shape[2], B.shape[3]
     if groups % sharding.world_size:  # each head with its own copy of its group's B and C: heads split unevenly
@@ -150,6 +186,9 @@ def mamba2_scan(
     per_group = [hidden_states.reshape(b, local_len, groups, per * p), dt.reshape(b, local_len, groups, per), B, C]
     x, dtm, bm, cm = _exchange(per_group, padded, sharding, to_groups=True)
     total, mine = x.shape[1], x.shape[2]
+    real = total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
+    if return_final_states and real < total:  # the padding slots after the last token would decay the state
+        x, dtm, bm, cm = (t[:, :real] for t in (x, dtm, bm, cm))
 
     def params(t: Optional[Tensor]) -> Optional[Tensor]:
         if t is None:
@@ -161,8 +200,8 @@ def mamba2_scan(
         init = _mine(initial_states.reshape(b, groups, per, p, n).movedim(1, 0), padded, sharding)
         init = init.movedim(0, 1).reshape(b, mine * per, p, n)
     result = scan(
-        x.reshape(b, total, mine * per, p),
-        dtm.reshape(b, total, mine * per),
+        x.reshape(b, x.shape[1], mine * per, p),
+        dtm.reshape(b, x.shape[1], mine * per),
         params(A),
         bm,
         cm,
@@ -174,7 +213,8 @@ def mamba2_scan(
         **kwargs,
     )
     out, final = result if return_final_states else (result, None)
-    (out,) = _exchange([out.reshape(b, total, mine, per * p)], padded, sharding, to_groups=False)
+    out = F.pad(out.reshape(b, x.shape[1], mine, per * p), (0, 0, 0, 0, 0, total - x.shape[1]))
+    (out,) = _exchange([out], padded, sharding, to_groups=False)
     out = out[:, :, :groups].reshape(b, local_len, heads, p)
     if not return_final_states:
         return out
