@@ -102,10 +102,13 @@ class ContextParallel:
         schedule: ``"auto"`` or a schedule name for every attention site.
         machine: the ``cp_compile.Machine`` the cost model assumes; None: the device type's profile.
         calibrate: measure the machine now, on this group (a collective: every rank calls it).
+        scan_route: how a hybrid model's linear recurrences run (``cp_compile.hf``): ``"auto"`` (the cost model's
+            choice per call), ``"heads"`` (all-to-all to head groups) or ``"states"`` (state passing; one
+            sequence per row only).
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: an unknown load balance or schedule, ``"hybrid"`` without a 2-D mesh, or a
+        ValueError: an unknown load balance, schedule or scan route, ``"hybrid"`` without a 2-D mesh, or a
             BlockMask whose blocks do not split evenly over the ranks.
     """
 
@@ -116,7 +119,9 @@ class ContextParallel:
         schedule: str = "auto",
         machine: Optional[Machine] = None,
         calibrate: bool = False,
+        scan_route: str = "auto",
     ):
+        from .cost.mixers import ROUTES
         from .cost.model import check_schedule
 
         if not dist.is_initialized():
@@ -128,7 +133,10 @@ class ContextParallel:
         # Backends made by this plan read it when they compile.
         self.sharded_masks: dict[tuple[int, int], ShardInfo] = {}
         check_schedule(schedule)
+        if scan_route not in ("auto", *ROUTES):
+            raise ValueError(f"unknown scan route {scan_route!r}; expected 'auto' or one of {ROUTES}")
         self.schedule = schedule
+        self.scan_route = scan_route
         self.mesh_groups: tuple = ()
         if getattr(group_or_mesh, "ndim", 1) == 2:
             self.group_name, *groups = mesh_groups(group_or_mesh)

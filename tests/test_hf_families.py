@@ -224,28 +224,60 @@ def refusal(family: str, overrides: dict, phase: str) -> str:
     return "no error"
 
 
-JAMBA = dict(  # Mamba1 layers (a selective scan, not covered) beside attention and MoE layers
-    attn_layer_period=2,
-    attn_layer_offset=1,
-    num_experts=2,
-    num_experts_per_tok=1,
-    expert_layer_period=2,
-    expert_layer_offset=1,
-    mamba_d_state=8,
-    use_mamba_kernels=False,
-)
+def declared_refusal(family: str, phase: str) -> str:
+    """The sweep's tiny model of ``family`` under a plan: the error it raises in training or generation."""
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model = model_run._build(cls, config, "cp_compile")
+    plan = cp_compile.ContextParallel()
+    ids = torch.randint(0, 100, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    try:
+        with plan:
+            if phase == "train":
+                model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
+            else:
+                cp_compile.hf.generate(model, ids[:, :PROMPT], max_new_tokens=2, do_sample=False)
+    except (cp_compile.UnsupportedAttention, cp_compile.LocalAttentionError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 @pytest.mark.parametrize("phase", ["train", "generate"])
 def test_hybrid_layers_are_refused_by_their_declared_type(ranks, phase):
-    """Jamba's Mamba1 layers (a selective scan cp_compile does not run under CP), in both phases."""
-    for message in ranks(2, refusal, "jamba", JAMBA, phase):
+    """MiniMax's lightning attention (an inline loop cp_compile does not run under CP), in both phases."""
+    for message in ranks(2, declared_refusal, "minimax", phase):
         assert "linear_attention" in message, message
 
 
-def test_state_space_model_without_attention_is_refused(ranks):
-    """Mamba never calls the attention or mask functions: the plan's guard stops its convolution."""
-    for message in ranks(2, refusal, "mamba", dict(state_size=8), "train"):
+def escaped_convolution() -> str:
+    """Mamba with its convolution function put back unwrapped after the plan wrapped it."""
+    import importlib
+
+    import cp_compile
+
+    module = importlib.import_module("transformers.models.mamba.modeling_mamba")
+    plan = cp_compile.ContextParallel()
+    model = tiny("mamba", "cp_compile", state_size=8)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with plan:  # wraps the mixers of the families loaded so far
+        wrapped = module.causal_conv1d_fn
+        module.causal_conv1d_fn = wrapped.__wrapped__
+        try:
+            model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
+        except cp_compile.LocalAttentionError as error:
+            return f"LocalAttentionError: {error}"
+        finally:
+            module.causal_conv1d_fn = wrapped
+    return "no error"
+
+
+def test_a_convolution_that_escapes_the_plan_meets_the_guard(ranks):
+    """A state-space model's convolution run on the shard alone (its function swapped after the plan wrapped it):
+    the plan's guard stops ``torch.conv1d``."""
+    for message in ranks(2, escaped_convolution):
         assert message.startswith("LocalAttentionError") and "1-D convolution" in message, message
 
 

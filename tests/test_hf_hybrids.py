@@ -1,4 +1,5 @@
-"""transformers' hybrid families (short convolutions, Gated DeltaNet / KDA, Mamba2) under CP against one process.
+"""transformers' hybrid families (short convolutions, Gated DeltaNet / KDA, Mamba2, Mamba) under CP against one
+process.
 
 Each family's own config and model classes (the model sweep's tiny configs: one layer of each type), random
 weights, fp32: a training step's loss, logits and every gradient at C = 2, 3 and 4, eagerly, compiled with
@@ -15,9 +16,11 @@ COVERED = [
     "bamba",
     "falcon_h1",
     "granitemoehybrid",
+    "jamba",
     "kimi_linear",
     "lfm2",
     "lfm3",
+    "mamba",
     "mamba2",
     "nemotron_h",
     "olmo_hybrid",
@@ -27,7 +30,7 @@ COVERED = [
 ]
 
 
-def train_step(family: str, mode: str, lengths, checkpointing: bool = False) -> dict:
+def train_step(family: str, mode: str, lengths, checkpointing: bool = False, scan_route: str = "auto") -> dict:
     """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
     process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
     model is given none) or None for one sequence."""
@@ -44,7 +47,7 @@ def train_step(family: str, mode: str, lengths, checkpointing: bool = False) -> 
         for m in (model, reference):
             m.gradient_checkpointing_enable()
             m.train()  # checkpointing applies in training mode (the tiny configs have no dropout)
-    plan = cp_compile.ContextParallel()
+    plan = cp_compile.ContextParallel(scan_route=scan_route)
     seq = model_run.seq_len(plan.world_size) if lengths is None else sum(lengths)
     ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
@@ -96,6 +99,15 @@ def test_train_eager_at_every_c(ranks, world_size):
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
 def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_train_by_state_passing(ranks, world_size):
+    """The scans by state passing (``scan_route="states"``), eager, for the gated delta rule, KDA and Mamba2."""
+    for family in ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1"):
+        _check(ranks(world_size, train_step, family, "eager", None, scan_route="states"), family)
+    if world_size == 2:
+        _check(ranks(2, train_step, "qwen3_5_text", "aot_eager", None, scan_route="states"), "compiled")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
@@ -165,10 +177,10 @@ def generate_tokens(family: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_generate_token_for_token(ranks, world_size):
-    """Every covered family with an attention layer; Mamba2 (linear layers alone) is refused by name."""
+    """Every covered family with an attention layer; Mamba and Mamba2 (linear layers alone) are refused by name."""
     for family in COVERED:
         for result in ranks(world_size, generate_tokens, family):
-            if family == "mamba2":
+            if family in ("mamba", "mamba2"):
                 assert result["status"] == "refused" and "linear" in result["detail"], result
             else:
                 assert result["status"] == "exact", (family, result)

@@ -9,8 +9,10 @@ Per layer and rank, forward plus backward (the backward moves as much again):
   value columns, and both correct every output by the entering state.
 
 Transfers cost ``latency + bytes / bandwidth`` on the plan's ``Machine``; neither route overlaps its transfers
-(the scan needs the all-to-all's result; the correction needs the summaries). Packed documents take the heads
-route (state passing runs on one sequence per row here). Every input is the same on every rank, so every rank
+(the scan needs the all-to-all's result; the correction needs the summaries). State passing is a candidate only
+where it moves fewer bytes than the all-to-all (short sequences stay on the all-to-all, which gives each head's
+one-process result to the bit), and packed documents take the heads route (state passing runs on one sequence
+per row here). Every input is the same on every rank, so every rank
 takes the same route.
 """
 
@@ -41,6 +43,21 @@ class ScanShape:
     itemsize: int
     packed: bool = False
 
+    @classmethod
+    def delta_rule(cls, batch, local_len, world_size, chunks, hk, dk, hv, dv, gate, itemsize, packed=False):
+        """A gated delta rule's call: q, k ``[.., hk, dk]``, v ``[.., hv, dv]``, ``gate`` elements of g a token
+        (hv, or hv * dk for KDA), beta ``[.., hv]``."""
+        width = 2 * hk * dk + hv * dv + gate + hv
+        return cls("delta_rule", batch, local_len, world_size, chunks, width, hv * dv, hv, (dk, dv), itemsize, packed)
+
+    @classmethod
+    def mamba2(cls, batch, local_len, world_size, chunks, heads, p, groups, n, itemsize, packed=False):
+        """A Mamba2 SSD call: x ``[.., heads, p]``, dt ``[.., heads]``, B, C ``[.., groups, n]`` (a copy per head
+        when C does not divide the groups)."""
+        moved_groups = groups if groups % world_size == 0 else heads
+        width = heads * (p + 1) + 2 * moved_groups * n
+        return cls("mamba2", batch, local_len, world_size, chunks, width, heads * p, heads, (p, n), itemsize, packed)
+
 
 @dataclass(frozen=True)
 class RouteEstimate:
@@ -48,9 +65,11 @@ class RouteEstimate:
     time_s: float
     bytes_moved: float  # per rank, forward and backward
     why: str
+    feasible: bool = True
 
     def row(self) -> str:
-        return f"{self.route:<7} {self.time_s * 1e3:8.3f} ms, moves {fmt_bytes(self.bytes_moved)}: {self.why}"
+        note = "" if self.feasible else " (not a candidate)"
+        return f"{self.route:<7} {self.time_s * 1e3:8.3f} ms, moves {fmt_bytes(self.bytes_moved)}{note}: {self.why}"
 
 
 def _a2a(machine: Machine, nbytes: float, world_size: int) -> float:
@@ -77,21 +96,25 @@ def estimate_routes(shape: ScanShape, machine: Machine) -> list[RouteEstimate]:
     else:  # the correction by the entering state
         extra = 2 * b * n * shape.heads * d1 * d2
     extra = 3 * extra + 2 * c * shape.chunks * b * shape.heads * summary * d1  # backward twice; the fold
+    saves = 2 * gathered < heads.bytes_moved  # where it does not, the all-to-all, exact to the bit per head
     states = RouteEstimate(
         "states",
         2 * _a2a(machine, gathered, c) + extra / machine.flops,
         2 * gathered,
-        "all-gather of one fp32 summary per chunk; bytes independent of the sequence, extra compute",
+        "all-gather of one fp32 summary per chunk; bytes independent of the sequence, extra compute"
+        if saves
+        else "moves more bytes than the all-to-all at this length",
+        feasible=saves,
     )
     return [heads, states]
 
 
 def choose_route(shape: ScanShape, machine: Machine) -> tuple[RouteEstimate, list[RouteEstimate]]:
-    """The fastest route (ties: the heads route) and every estimate."""
+    """The fastest candidate route (ties: the heads route) and every estimate."""
     estimates = estimate_routes(shape, machine)
     best = estimates[0]  # in ROUTES order: a tie keeps the earlier (a loop, which Dynamo traces)
     for estimate in estimates[1:]:
-        if estimate.time_s < best.time_s:
+        if estimate.feasible and estimate.time_s < best.time_s:
             best = estimate
     return best, estimates
 

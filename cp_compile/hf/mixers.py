@@ -5,7 +5,8 @@ transformers' hybrid models mix tokens outside attention through module-level fu
 files, looked up by name at every call (the names its kernel hub swaps for fused kernels):
 ``causal_conv1d_fn`` (every family here), ``torch_chunk_gated_delta_rule`` (Qwen3-Next, Qwen3.5, OLMo
 hybrid, ...), ``chunk_kimi_delta_attention`` (Kimi Linear), ``mamba2_chunk_scan`` (Nemotron-H, Bamba,
-Granite 4 hybrid, Zamba2, Falcon-H1, Mamba2) and Mamba2's fused ``mamba2_split_conv1d_scan_combined``.
+Granite 4 hybrid, Zamba2, Falcon-H1, Mamba2), ``mamba_selective_scan`` (Jamba, Mamba, FalconMamba) and the
+fused ``mamba2_split_conv1d_scan_combined`` and ``mamba_inner_fn``.
 
 When a plan is entered, each such function of a covered family's modeling module (``FAMILIES``, those
 already imported) is wrapped once: outside every plan the wrapper calls the function it wraps, unchanged;
@@ -13,8 +14,12 @@ inside a plan it runs it under CP (``cp_compile.mixers``), calling the wrapped f
 or torch body) on exchanged tensors:
 
 - the convolution over this rank's chunks with the halo of the tokens before each one;
-- a scan over the whole sequence for this rank's head groups (all-to-all to heads and back);
-- the fused Mamba2 path returns None, as its torch body does, so the mixer takes its unfused steps above.
+- a scan over the whole sequence for this rank's head groups (all-to-all to heads and back), or state passing
+  (each chunk from a zero state, one fp32 summary per chunk exchanged), as ``plan.scan_route`` says or the
+  cost model picks (``cost.mixers``);
+- a selective scan (Mamba1) over the whole sequence for this rank's channels (all-to-all to channels, B and C
+  to every rank, and back);
+- the fused Mamba paths return None, as their torch bodies do, so the mixer takes its unfused steps above.
 
 A model of a covered family declares these layers in ``config.layer_types`` (``linear_attention``,
 ``conv``, ``hybrid``), which the attention's mask function accepts for it alone (``covers``). Any other
@@ -41,7 +46,7 @@ from ..inference.hf_cache import WRAPPED_MODULES, runs_mixers_under_cp
 from ..layout.runs import chunk_count
 from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
-from ..mixers.scan import gated_delta_rule, mamba2_scan
+from ..mixers.scan import gated_delta_rule, mamba2_scan, selective_scan
 from ..plan import ContextParallel, active_plan
 from .forward import CONV, SCAN, count_call
 
@@ -49,12 +54,15 @@ FAMILIES = (
     "bailing_hybrid",
     "bamba",
     "falcon_h1",
+    "falcon_mamba",
     "granitemoehybrid",
+    "jamba",
     "kimi_linear",
     "lara_mini",
     "lfm2",
     "lfm2_moe",
     "lfm3",
+    "mamba",
     "mamba2",
     "nemotron_h",
     "olmo_hybrid",
@@ -98,7 +106,10 @@ def _conv(original):
 
 
 def _route(plan: ContextParallel, shape: ScanShape, device) -> str:
-    """The route the cost model picks for a scan (the same on every rank: shapes, C and the plan's machine)."""
+    """The plan's scan route, or the one the cost model picks (the same on every rank: shapes, C and the plan's
+    machine)."""
+    if plan.scan_route != "auto":
+        return plan.scan_route
     machine = plan.machine if plan.machine is not None else default_machine(device.type)
     return choose_route(shape, machine)[0].route
 
@@ -117,18 +128,10 @@ def _delta_rule(original):
         sharding = _sharding(plan, kwargs.get("cu_seqlens"))
         b, local_len, hk, dk = key.shape
         hv, dv = value.shape[-2:]
-        shape = ScanShape(
-            "delta_rule",
-            b,
-            local_len,
-            plan.world_size,
-            chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens),
-            2 * hk * dk + hv * dv + g[0, 0].numel() + hv,
-            hv * dv,
-            hv,
-            (dk, dv),
-            value.element_size(),
-            packed=sharding.cu_seqlens is not None,
+        chunks = chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens)
+        packed = sharding.cu_seqlens is not None
+        shape = ScanShape.delta_rule(
+            b, local_len, plan.world_size, chunks, hk, dk, hv, dv, g[0, 0].numel(), value.element_size(), packed
         )
         route = _route(plan, shape, value.device)
         return gated_delta_rule(original, query, key, value, g, beta, sharding, route=route, **kwargs)
@@ -149,21 +152,28 @@ def _mamba2(original):
         sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
         b, local_len, heads, p = hidden_states.shape
         groups, n = B.shape[2], B.shape[3]
-        shape = ScanShape(
-            "mamba2",
-            b,
-            local_len,
-            plan.world_size,
-            chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens),
-            heads * (p + 1) + 2 * n * (groups if groups % plan.world_size == 0 else heads),
-            heads * p,
-            heads,
-            (p, n),
-            hidden_states.element_size(),
-            packed=sharding.cu_seqlens is not None,
+        chunks = chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens)
+        packed = sharding.cu_seqlens is not None
+        shape = ScanShape.mamba2(
+            b, local_len, plan.world_size, chunks, heads, p, groups, n, hidden_states.element_size(), packed
         )
         route = _route(plan, shape, hidden_states.device)
         return mamba2_scan(original, hidden_states, dt, A, B, C, chunk_size, sharding, route=route, **kwargs)
+
+    return scan
+
+
+def _selective(original):
+    @functools.wraps(original)
+    def scan(hidden_states, dt, A, B, C, *args, **kwargs):
+        plan = active_plan()
+        if plan is None:
+            return original(hidden_states, dt, A, B, C, *args, **kwargs)
+        if args:
+            raise TypeError("pass the selective scan's options after C by name")
+        count_call(SCAN)
+        sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+        return selective_scan(original, hidden_states, dt, A, B, C, sharding, **kwargs)
 
     return scan
 
@@ -182,6 +192,8 @@ _WRAPPERS = {
     "chunk_kimi_delta_attention": _delta_rule,
     "mamba2_chunk_scan": _mamba2,
     "mamba2_split_conv1d_scan_combined": _unfused,
+    "mamba_selective_scan": _selective,
+    "mamba_inner_fn": _unfused,
 }
 
 

@@ -62,7 +62,7 @@ def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
     return torch.cat([cu, cu.new_tensor([total])]) if int(cu[-1]) < total else cu
 
 
-def gated_delta_rule(
+def gated_delta_rule_heads(
     scan: Callable,
     query: Tensor,
     key: Tensor,
@@ -74,7 +74,6 @@ def gated_delta_rule(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
-    route: str = "heads",
     **kwargs,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``scan(query, key, value, g, beta, ...)`` (transformers' ``torch_chunk_gated_delta_rule`` or fla's
@@ -82,22 +81,7 @@ def gated_delta_rule(
     ``chunk_kimi_delta_attention`` with g ``[B, L, Hv, dk]``) of this
     rank's shard, as one process computes it. ``initial_state`` is every rank's whole ``[B, Hv, dk, dv]``; the
     final state comes back whole on every rank. ``cu_seqlens``: global document offsets the scan restarts at
-    (passed to ``scan`` as given, over the whole sequence). ``route``: ``"heads"`` (the all-to-all) or
-    ``"states"`` (state passing, ``state.py``)."""
-    if route == "states":
-        return gated_delta_rule_states(
-            scan,
-            query,
-            key,
-            value,
-            g,
-            beta,
-            sharding,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-            **kwargs,
-        )
+    (passed to ``scan`` as given, over the whole sequence)."""
     b, local_len, hk, dk = key.shape
     hv, dv = value.shape[-2:]
     r = hv // hk
@@ -135,7 +119,7 @@ def gated_delta_rule(
     return out, final
 
 
-def mamba2_scan(
+def mamba2_scan_heads(
     scan: Callable,
     hidden_states: Tensor,
     dt: Tensor,
@@ -150,32 +134,14 @@ def mamba2_scan(
     initial_states: Optional[Tensor] = None,
     return_final_states: bool = False,
     seq_idx: Optional[Tensor] = None,
-    route: str = "heads",
     **kwargs,
 ):
     """``scan(hidden_states, dt, A, B, C, chunk_size, D=..., dt_bias=..., ...)`` (transformers'
     ``mamba2_chunk_scan`` or mamba_ssm's ``mamba_chunk_scan_combined``: x ``[B, L, H, P]``, dt ``[B, L, H]``,
     B, C ``[B, L, G, N]``, A, dt_bias ``[H]``, D ``[H]`` or ``[H, P]``) of this rank's shard, as one process
-    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state. ``route``:
-    ``"heads"`` (the all-to-all) or ``"states"`` (state passing, ``state.py``)."""
+    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state."""
     if seq_idx is not None:
         raise NotImplementedError("mamba2_scan under CP: seq_idx (document resets) is not supported yet")
-    if route == "states":
-        return mamba2_scan_states(
-            scan,
-            hidden_states,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size,
-            sharding,
-            D=D,
-            dt_bias=dt_bias,
-            initial_states=initial_states,
-            return_final_states=return_final_states,
-            **kwargs,
-        )
     b, local_len, heads, p = hidden_states.shape
     groups, n = B.shape[2], B.shape[3]
     if groups % sharding.world_size:  # each head with its own copy of its group's B and C: heads split unevenly
@@ -222,4 +188,75 @@ def mamba2_scan(
     return out, final.reshape(b, heads, p, n)
 
 
-__all__ = ["gated_delta_rule", "mamba2_scan"]
+def selective_scan(
+    scan: Callable,
+    hidden_states: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    sharding: Sharding,
+    *,
+    D: Optional[Tensor] = None,
+    z: Optional[Tensor] = None,
+    delta_bias: Optional[Tensor] = None,
+    return_last_state: bool = False,
+    **kwargs,
+):
+    """``scan(hidden_states, dt, A, B, C, D=..., z=..., delta_bias=..., ...)`` (Mamba1's selective scan:
+    transformers' ``mamba_selective_scan`` or mamba_ssm's ``selective_scan_fn``; x, dt, z ``[B, D, L]``, A
+    ``[D, N]``, B, C ``[B, N, L]``, D and delta_bias ``[D]``) of this rank's shard, as one process computes it:
+    an all-to-all to channel groups (every channel is its own recurrence), B and C to every rank whole (one copy
+    a rank: they are shared by all channels), the scan over the whole sequence for 1/C of the channels. The last
+    state ``[B, D, N]`` comes back whole on every rank."""
+    b, channels, local_len = hidden_states.shape
+    c = sharding.world_size
+    padded = _padded(channels, sharding)
+    per_channel = [t.transpose(1, 2)[..., None] for t in (hidden_states, dt) + ((z,) if z is not None else ())]
+    shared = torch.cat([B, C], 1).transpose(1, 2)[:, :, None].expand(b, local_len, c, 2 * B.shape[1])
+    moved = _exchange([*per_channel], padded, sharding, to_groups=True)
+    (both,) = _exchange([shared], c, sharding, to_groups=True)  # a copy for every rank: an all-gather
+    x, dtm, *zm = (t[..., 0].transpose(1, 2) for t in moved)  # [B, D / C, S]
+    bm, cm = both[:, :, 0].transpose(1, 2).split(B.shape[1], 1)  # [B, N, S]
+    total = x.shape[-1]
+    real = total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
+    if return_last_state and real < total:  # the padding slots after the last token would decay the state
+        x, dtm, bm, cm, *zm = (t[..., :real] for t in (x, dtm, bm, cm, *zm))
+
+    def params(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else _mine(t, padded, sharding)
+
+    result = scan(
+        x,
+        dtm,
+        params(A),
+        bm,
+        cm,
+        D=params(D),
+        z=zm[0] if zm else None,
+        delta_bias=params(delta_bias),
+        return_last_state=return_last_state,
+        **kwargs,
+    )
+    out, last = result if return_last_state else (result, None)
+    out = F.pad(out, (0, total - out.shape[-1]))
+    (out,) = _exchange([out.transpose(1, 2)[..., None]], padded, sharding, to_groups=False)
+    out = out[:, :, :channels, 0].transpose(1, 2)
+    if not return_last_state:
+        return out
+    return out, gather_groups(last, sharding.group_name)[:, :channels]
+
+
+def gated_delta_rule(*args, route: str = "heads", **kwargs) -> tuple[Tensor, Optional[Tensor]]:
+    """``gated_delta_rule_heads``'s call by ``route``: ``"heads"`` (the all-to-all) or ``"states"`` (state
+    passing, ``state.gated_delta_rule_states``)."""
+    return (gated_delta_rule_states if route == "states" else gated_delta_rule_heads)(*args, **kwargs)
+
+
+def mamba2_scan(*args, route: str = "heads", **kwargs):
+    """``mamba2_scan_heads``'s call by ``route``: ``"heads"`` (the all-to-all) or ``"states"`` (state passing,
+    ``state.mamba2_scan_states``)."""
+    return (mamba2_scan_states if route == "states" else mamba2_scan_heads)(*args, **kwargs)
+
+
+__all__ = ["gated_delta_rule", "gated_delta_rule_heads", "mamba2_scan", "mamba2_scan_heads", "selective_scan"]

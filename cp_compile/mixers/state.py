@@ -3,7 +3,7 @@
 A linear recurrence is affine in the state it starts from: a chunk of consecutive tokens maps an entering
 state S to ``T S + U``, and each of its outputs to its output from a zero state plus a linear read of S.
 Each rank runs the unmodified scan over each of its chunks from a zero state (the chunks of a rank side by
-side in the batch), the ranks all-gather one fp32 summary ``(T, U)`` per chunk, every rank folds the
+side in the batch), the ranks all-gather one summary (fp32 at least) ``(T, U)`` per chunk, every rank folds the
 summaries in sequence order (the same arithmetic on every rank), and each chunk's output is corrected by the
 state that enters it. The backward is autograd's through all of it; the all-gather's gradient is a
 reduce-scatter.
@@ -55,9 +55,10 @@ def _entering(
     ``transitions`` and ``finals`` are this rank's ``[B, F, ...]`` summaries; ``apply(T, S)`` is ``T S``."""
     chain = _chain(sharding, local_len)
     pieces = finals.shape[1]
-    every_t = gather_groups(transitions.float(), sharding.group_name)  # [B, C * F, ...], rank-major
-    every_u = gather_groups(finals.float(), sharding.group_name)
-    state = torch.zeros_like(every_u[:, 0]) if start is None else start.float().expand_as(every_u[:, 0])
+    acc = torch.promote_types(finals.dtype, torch.float32)  # fp32 at least: a chain of products loses bits
+    every_t = gather_groups(transitions.to(acc), sharding.group_name)  # [B, C * F, ...], rank-major
+    every_u = gather_groups(finals.to(acc), sharding.group_name)
+    state = torch.zeros_like(every_u[:, 0]) if start is None else start.to(acc).expand_as(every_u[:, 0])
     entering: list[Optional[Tensor]] = [None] * every_u.shape[1]
     for index in chain:
         entering[index] = state
@@ -88,7 +89,7 @@ def gated_delta_rule_states(
     hv, dv = value.shape[-2:]
     pieces = len(chunks(sharding.layout, local_len, sharding.world_size)[0])
     extended = torch.cat([value, value.new_zeros(b, local_len, hv, dk)], -1)
-    identity = torch.eye(dk, dtype=torch.float32, device=value.device)
+    identity = torch.eye(dk, dtype=torch.promote_types(value.dtype, torch.float32), device=value.device)
     start = F.pad(identity, (dv, 0)).expand(b * pieces, hv, dk, dv + dk)
     out, final = scan(
         *(_pieces(t, pieces) for t in (query, key, extended)),
@@ -103,7 +104,7 @@ def gated_delta_rule_states(
         final[..., dv:], final[..., :dv], initial_state, sharding, local_len, lambda t, s: t @ s
     )  # [B, F, Hv, dk, dv]
     reads = out[..., dv:].reshape(b, pieces, local_len // pieces, hv, dk)
-    correction = torch.einsum("bfthk,bfhkv->bfthv", reads.float(), entering)
+    correction = torch.einsum("bfthk,bfhkv->bfthv", reads.to(entering.dtype), entering)
     out = out[..., :dv].reshape(b, pieces, local_len // pieces, hv, dv) + correction.to(out.dtype)
     return out.reshape(b, local_len, hv, dv), (last if output_final_state else None)
 
@@ -142,16 +143,17 @@ def mamba2_scan_states(
         dt_limit=dt_limit,
         **kwargs,
     )
-    step = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+    acc = torch.promote_types(torch.promote_types(dt.dtype, final.dtype), torch.float32)
+    step = dt.to(acc) + (dt_bias.to(acc) if dt_bias is not None else 0.0)
     step = torch.clamp(F.softplus(step) if dt_softplus else step, dt_limit[0], dt_limit[1])
     # log of the decay from each chunk's start to each of its tokens
-    decay = torch.cumsum((step * A.float()).reshape(b, pieces, local_len // pieces, heads), dim=2)
-    final = final.reshape(b, pieces, *final.shape[1:])  # [B, F, H, P, N]
+    decay = torch.cumsum((step * A.to(acc)).reshape(b, pieces, local_len // pieces, heads), dim=2)
+    final = final.to(acc).reshape(b, pieces, *final.shape[1:])  # [B, F, H, P, N]
     entering, last = _entering(
         decay[:, :, -1].exp(), final, initial_states, sharding, local_len, lambda t, s: t[..., None, None] * s
     )
     groups = B.shape[2]
-    c_heads = C.float().repeat_interleave(heads // groups, dim=2).reshape(b, pieces, local_len // pieces, heads, -1)
+    c_heads = C.to(acc).repeat_interleave(heads // groups, dim=2).reshape(b, pieces, local_len // pieces, heads, -1)
     correction = torch.einsum("bfhpn,bfthn->bfthp", entering, c_heads) * decay.exp()[..., None]
     out = out.reshape(b, pieces, local_len // pieces, heads, p) + correction.to(out.dtype)
     out = out.reshape(b, local_len, heads, p)

@@ -139,15 +139,9 @@ def bytes_and_route(total: int, world_size: int) -> dict:
     local = total // world_size
     d, m = GDN, MAMBA2
     shapes = {
-        "GDN": lambda n: ScanShape(
-            "delta_rule", 1, n, world_size, 2, 2 * d["hk"] * d["dk"] + d["hv"] * (d["dv"] + 2), d["hv"] * d["dv"],
-            d["hv"], (d["dk"], d["dv"]), 4,
-        ),
-        "Mamba2": lambda n: ScanShape(
-            "mamba2", 1, n, world_size, 2, m["heads"] * (m["p"] + 1) + 2 * m["groups"] * m["n"],
-            m["heads"] * m["p"], m["heads"], (m["p"], m["n"]), 4,
-        ),
-    }  # fmt: skip
+        "GDN": lambda n: ScanShape.delta_rule(1, n, world_size, 2, d["hk"], d["dk"], d["hv"], d["dv"], d["hv"], 4),
+        "Mamba2": lambda n: ScanShape.mamba2(1, n, world_size, 2, m["heads"], m["p"], m["groups"], m["n"], 4),
+    }
     out = {}
 
     def crossover(shape, profile):
