@@ -65,13 +65,13 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
-from ..inference.hf_cache import CACHE_STEP
+from ..inference.hf_cache import CACHE_STEP, runs_mixers_under_cp
 from ..kernels.merge import fold_sinks
 from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
-from .mixers import MIXER_LAYER_TYPES, covers
+from .mixers import MIXER_LAYER_TYPES
 
 NAME = "cp_compile"
 
@@ -99,11 +99,11 @@ _other_layer_types_cached = functools.lru_cache(maxsize=64)(_other_layer_types)
 def check_layer_types(config) -> None:
     """Refuses a model whose ``config.layer_types`` declares a sequence mixer that is not attention
     (linear attention, Mamba, short convolutions, hybrids of those) and that cp_compile does not run under
-    CP for its family (``mixers.covers``): it would run on this rank's shard of the sequence as if the
-    shard were the whole sequence."""
+    CP for its family (``inference.hf_cache.runs_mixers_under_cp``): it would run on this rank's shard of
+    the sequence as if the shard were the whole sequence."""
     layer_types = tuple(getattr(config, "layer_types", None) or ())
     other = (_other_layer_types if _compiling() else _other_layer_types_cached)(layer_types)
-    if other and covers(config):  # its convolutions and scans run under CP (mixers.py)
+    if other and runs_mixers_under_cp(config):  # its convolutions and scans run under CP (mixers.py)
         other = [t for t in other if t not in MIXER_LAYER_TYPES]
     if other:
         where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)

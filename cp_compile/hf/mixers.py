@@ -22,7 +22,8 @@ or torch body) on exchanged tensors:
 - the fused Mamba paths return None, as their torch bodies do, so the mixer takes its unfused steps above.
 
 A model of a covered family declares these layers in ``config.layer_types`` (``linear_attention``,
-``conv``, ``hybrid``), which the attention's mask function accepts for it alone (``covers``). Any other
+``conv``, ``hybrid``), which the attention's mask function accepts for it alone
+(``inference.hf_cache.runs_mixers_under_cp``). Any other
 family's such layers stay refused by name; a mixer that escapes the wrappers (a function swapped after the
 plan wrapped it) and runs its torch body meets the plan's guard on ``torch.conv1d``.
 
@@ -42,7 +43,7 @@ from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
 from ..errors import UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import WRAPPED_MODULES, runs_mixers_under_cp
+from ..inference.hf_cache import WRAPPED_MODULES
 from ..layout.runs import chunk_count
 from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
@@ -216,9 +217,4 @@ def mixers_under_plans():
     yield
 
 
-def covers(config) -> bool:
-    """Whether the model of ``config`` runs its non-attention mixers through the wrappers."""
-    return runs_mixers_under_cp(config)
-
-
-__all__ = ["FAMILIES", "MIXER_LAYER_TYPES", "covers", "mixers_under_plans", "wrap_loaded_families"]
+__all__ = ["FAMILIES", "MIXER_LAYER_TYPES", "mixers_under_plans", "wrap_loaded_families"]
