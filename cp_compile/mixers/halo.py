@@ -22,6 +22,7 @@ the rank at run time, so a compiled graph holds the group's name, never the rank
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import NamedTuple, Optional
 
@@ -39,13 +40,6 @@ class HaloTables(NamedTuple):
     sources: Tensor  # [C, n*(k-1)] row of [every rank's exports; a zero row] that fills each halo row
     assembly: Tensor  # [L + n*(k-1)] rows of [x; halo] in extended order (the same on every rank)
     keep: Tensor  # [L] rows of the extended tensor that hold x's rows
-
-
-def _doc_of(position: int, rank_chunks) -> int:
-    for c in rank_chunks:
-        if c.start <= position < c.start + c.real:
-            return c.doc
-    raise AssertionError(position)
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,7 +66,6 @@ def _tables(layout: str, local_len: int, world_size: int, width: int, cu, reset:
     per_rank, tails, exported = _exports(layout, local_len, world_size, h, cu)
     n = len(per_rank[0])
     zero = world_size * n * h
-    everything = [c for rank_chunks in per_rank for c in rank_chunks]
     sources = torch.full((world_size, n * h), zero, dtype=torch.int64)
     for rank, rank_chunks in enumerate(per_rank):
         for j, c in enumerate(rank_chunks):
@@ -80,7 +73,7 @@ def _tables(layout: str, local_len: int, world_size: int, width: int, cu, reset:
                 continue
             for t in range(h):
                 position = c.start - h + t
-                if position < 0 or (reset and _doc_of(position, everything) != c.doc):
+                if position < 0 or (reset and bisect.bisect_right(cu, position) - 1 != c.doc):  # its document
                     continue
                 sources[rank, j * h + t] = exported[position]
     assembly, keep = [], []

@@ -53,6 +53,12 @@ def _mine(x: Tensor, padded: int, sharding: Sharding) -> Tensor:
     return rank_slice(_pad_groups(x, padded, 0), sharding.group_name)
 
 
+def _real_tokens(sharding: Sharding, total: int) -> int:
+    """How many of the exchanged stream's ``total`` rows hold tokens (the padding slots of packed documents come
+    after them)."""
+    return total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
+
+
 def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
     """Document offsets over the exchanged stream: the padding slots after the last document as one more. One
     document is no document: the scan runs through it as it does given none (a sharded prefill's prompt)."""
@@ -152,7 +158,7 @@ def mamba2_scan_heads(
     per_group = [hidden_states.reshape(b, local_len, groups, per * p), dt.reshape(b, local_len, groups, per), B, C]
     x, dtm, bm, cm = _exchange(per_group, padded, sharding, to_groups=True)
     total, mine = x.shape[1], x.shape[2]
-    real = total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
+    real = _real_tokens(sharding, total)
     if return_final_states and real < total:  # the padding slots after the last token would decay the state
         x, dtm, bm, cm = (t[:, :real] for t in (x, dtm, bm, cm))
 
@@ -214,12 +220,12 @@ def selective_scan(
     padded = _padded(channels, sharding)
     per_channel = [t.transpose(1, 2)[..., None] for t in (hidden_states, dt) + ((z,) if z is not None else ())]
     shared = torch.cat([B, C], 1).transpose(1, 2)[:, :, None].expand(b, local_len, c, 2 * B.shape[1])
-    moved = _exchange([*per_channel], padded, sharding, to_groups=True)
+    moved = _exchange(per_channel, padded, sharding, to_groups=True)
     (both,) = _exchange([shared], c, sharding, to_groups=True)  # a copy for every rank: an all-gather
     x, dtm, *zm = (t[..., 0].transpose(1, 2) for t in moved)  # [B, D / C, S]
     bm, cm = both[:, :, 0].transpose(1, 2).split(B.shape[1], 1)  # [B, N, S]
     total = x.shape[-1]
-    real = total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
+    real = _real_tokens(sharding, total)
     if return_last_state and real < total:  # the padding slots after the last token would decay the state
         x, dtm, bm, cm, *zm = (t[..., :real] for t in (x, dtm, bm, cm, *zm))
 
