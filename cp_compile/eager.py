@@ -8,26 +8,47 @@ cost model (``cost.masked``) for the choice a compiled site would make.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .comm import group_name_of, is_2d_mesh, resolve_group
+from .comm import group_name_of, is_2d_mesh, mesh_groups, refuse_together, resolve_group
 from .kinds.base import check_heads_and_lengths
 from .kinds.flex import eager_mods, flex_options
 from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
-from .schedules import HEAD_SCHEDULES, run_schedule, softmax_scale
+from .schedules import HEAD_SCHEDULES, check_schedule_name, run_schedule, softmax_scale
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout) -> Tensor:
-    return run_schedule(
-        schedule, q, k, v, [], group, is_causal, layout, softmax_scale(q, scale), enable_gqa, "sdpa", ""
-    )[0]
+@contextlib.contextmanager
+def _refused_together(q, k, v, group) -> Iterator[None]:
+    """Around the checks an eager call makes before its schedule's op: an error there reaches every rank of
+    ``group`` (``comm.refuse_together``) instead of leaving the others in the op's first collective."""
+    try:
+        yield
+    except (ValueError, TypeError, NotImplementedError) as error:
+        if isinstance(group, tuple):
+            name = group[0]
+        else:
+            name = mesh_groups(group)[0] if is_2d_mesh(group) else group_name_of(group)
+        refuse_together(error, q, k, v, name)
+
+
+def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout, dropout_p: float = 0.0) -> Tensor:
+    with _refused_together(q, k, v, group):
+        if dropout_p:
+            raise NotImplementedError(
+                f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
+                "use dropout_p=0.0"
+            )
+        scale = softmax_scale(q, scale)
+    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, scale, enable_gqa, "sdpa", "")[0]
 
 
 def ring_attention(
@@ -67,11 +88,7 @@ def ring_attention(
         ValueError: shapes, dtypes or arguments that differ between ranks or that CP cannot run
             (raised on every rank, before the first transfer).
     """
-    if dropout_p:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; use dropout_p=0.0"
-        )
-    return _dense("ring", q, k, v, group, is_causal, scale, enable_gqa, layout)
+    return _dense("ring", q, k, v, group, is_causal, scale, enable_gqa, layout, dropout_p)
 
 
 def allgather_attention(
@@ -154,16 +171,18 @@ def flex_attention(
     score_mod breaks the graph where it makes its mods (an opaque object, which Dynamo cannot create); a
     compiled model may call torch's ``flex_attention`` instead, which the CP backend rewrites.
     """
-    check_heads_and_lengths(q, k, enable_gqa)
-    mods, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
-    if schedule == "auto":
-        from .cost.masked import choose_flex
+    with _refused_together(q, k, v, group):
+        check_heads_and_lengths(q, k, enable_gqa)
+        mods, buffers, mask_b, mask_h = eager_mods(block_mask, score_mod)
+        if schedule == "auto":
+            from .cost.masked import choose_flex
 
-        schedule = (
-            "hybrid"
-            if is_2d_mesh(group)
-            else choose_flex(q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
-        )
+            schedule = (
+                "hybrid"
+                if is_2d_mesh(group)
+                else choose_flex(q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
+            )
+        check_schedule_name(schedule)
     out, lse = run_schedule(
         schedule,
         q,
@@ -218,17 +237,20 @@ def varlen_attention(
     region the documents are not known while tracing, and ``"auto"`` means
     ``"allgather"``.
     """
-    left, right = window_of(window_size, is_causal)
-    if schedule == "auto" and (is_2d_mesh(group) or isinstance(group, tuple)):
-        schedule = "hybrid"
-    elif schedule == "auto" and torch.compiler.is_compiling():
-        schedule = "allgather"
-    elif schedule == "auto":
-        from .cost.masked import choose_packed
+    with _refused_together(q, k, v, group):
+        left, right = window_of(window_size, is_causal)
+        if schedule == "auto" and (is_2d_mesh(group) or isinstance(group, tuple)):
+            schedule = "hybrid"
+        elif schedule == "auto" and torch.compiler.is_compiling():
+            schedule = "allgather"
+        elif schedule == "auto":
+            from .cost.masked import choose_packed
 
-        schedule = choose_packed(
-            q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine
-        )[0]
+            schedule = choose_packed(
+                q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine
+            )[0]
+        check_schedule_name(schedule)
+        scale = softmax_scale(q, scale)
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
     out, lse = run_schedule(
@@ -238,7 +260,7 @@ def varlen_attention(
         group,
         False,
         PACKED_LAYOUT,
-        softmax_scale(q, scale),
+        scale,
         enable_gqa,
         "packed",
         packed_options(left, right, chunk, softcap),
@@ -273,9 +295,11 @@ def cached_attention(
     """
     from .inference.cached import cached_options, check_cached_args
 
-    check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
-    left = -1 if window is None else int(window) - 1
-    group_name, scale = group_name_of(group), softmax_scale(q, scale)
+    group_name = group_name_of(group)
+    with _refused_together(q, k_cache, v_cache, group_name):
+        check_cached_args(q, k_cache, v_cache, q_positions, k_positions)
+        left = -1 if window is None else int(window) - 1
+        scale = softmax_scale(q, scale)
     # the ranks' caches may hold different numbers of slots: compare everything else
     torch.ops.cp.agree(
         q,

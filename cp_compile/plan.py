@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Optional, Union
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import group_name_of, mesh_groups
+from .comm import every_rank, group_name_of, mesh_groups
 from .layout import Layout, layout_named
 from .layout.packed import Packed, check_cu_seqlens, packed_local_len
 from .torch_compat import resolve_process_group
@@ -65,6 +66,13 @@ def _made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
         t = t.clone()
     setattr(t, "_cp_compile_made_by", (plan, what))  # noqa: B010  (an attribute Tensor does not declare)
     return t
+
+
+def _sequence_dim(x: Tensor, seq_dim: int, what: str) -> int:
+    """``seq_dim`` as a dim of ``x`` (negative dims count from the end), or a ValueError naming both."""
+    if not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"{what}: seq_dim={seq_dim!r} is not a dim of a tensor of shape {tuple(x.shape)}")
+    return seq_dim % x.dim()
 
 
 def _dynamic(x: Tensor, dim: int) -> Tensor:
@@ -250,6 +258,7 @@ class ContextParallel:
             return sharded
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
+        seq_dim = _sequence_dim(x, seq_dim, "shard")
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
                 _dynamic(cu_seqlens, 0)
@@ -269,10 +278,45 @@ class ContextParallel:
 
         Returns:
             The global tensor, the same on every rank.
+
+        Raises:
+            ValueError: ``seq_dim`` is not a dim of the shard; the ranks' shards differ in shape, dtype,
+                ``seq_dim`` or ``cu_seqlens`` (on every rank, before the gather); the shard is not one of the
+                layout's (a length the layout cannot give, slots that ``cu_seqlens`` does not give).
         """
+        seq_dim = _sequence_dim(x_local, seq_dim, "unshard")
+        self._agree_on_shards(x_local, seq_dim, cu_seqlens)
+        length, c = x_local.shape[seq_dim], self.world_size
+        if cu_seqlens is not None and length != packed_local_len(cu_seqlens, c):
+            raise ValueError(
+                f"unshard: the shard has {length} slots along dim {seq_dim}, but cu_seqlens gives every rank "
+                f"{packed_local_len(cu_seqlens, c)} at C={c}; pass what plan.shard(x, seq_dim, cu_seqlens=cu) made"
+            )
+        if cu_seqlens is None:
+            self.layout.chunk(length * c, c)  # a length the layout cannot give raises, naming it
         parts = [torch.empty_like(x_local) for _ in range(self.world_size)]
         dist.all_gather(parts, x_local.contiguous(), group=self.group)
         return (self.layout if cu_seqlens is None else Packed(cu_seqlens)).unshard(parts, seq_dim)
+
+    def _agree_on_shards(self, x_local: Tensor, seq_dim: int, cu_seqlens) -> None:
+        """Every rank's shard alike (shape, dtype, seq_dim, documents) or a ValueError on every rank: the gather
+        of shards that differ aborts inside the process group, or returns rows from the wrong places."""
+        shape = list(x_local.shape)[:6]
+        documents = zlib.crc32(str(check_cu_seqlens(cu_seqlens)).encode()) if cu_seqlens is not None else -1
+        mine = [x_local.dim(), *shape, *[-1] * (6 - len(shape)), zlib.crc32(str(x_local.dtype).encode()), seq_dim]
+        rows = every_rank([*mine, documents], self.group, x_local.device)
+        if all(row == rows[0] for row in rows):
+            return
+        shapes = "; ".join(
+            f"rank {r}: {tuple(row[1 : 1 + min(row[0], 6)])}, seq_dim {row[8]}" for r, row in enumerate(rows)
+        )
+        also = [
+            what for i, what in ((7, "dtypes"), (9, "cu_seqlens")) if any(row[i] != rows[0][i] for row in rows)
+        ]
+        raise ValueError(
+            f"unshard: ranks disagree on their shards ({shapes}{'; different ' + ' and '.join(also) if also else ''})"
+            ". Every rank passes its own shard of the same tensor, with the same seq_dim and cu_seqlens"
+        )
 
     def positions(
         self,
@@ -306,6 +350,8 @@ class ContextParallel:
             return _dynamic(_made(self, positions, "positions"), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
+        if seq_len < 0:
+            raise ValueError(f"positions: seq_len={seq_len} is negative")
         self._documents = None
         return _made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
 

@@ -254,6 +254,11 @@ def eval_losses(history: list[dict]) -> dict[int, float]:
     return {entry["step"]: entry["eval_loss"] for entry in history if "eval_loss" in entry}
 
 
+def tokens(history: list[dict]) -> dict[int, float]:
+    """TRL's ``num_tokens`` at each logged step: the tokens trained on so far, a throughput users read."""
+    return {entry["step"]: entry["num_tokens"] for entry in history if "num_tokens" in entry}
+
+
 def steps_per_second(history: list[dict]) -> float:
     return next(entry["train_steps_per_second"] for entry in history if "train_steps_per_second" in entry)
 
@@ -351,6 +356,11 @@ def main() -> int:
     worst = compare(f"{name} under CP ({where}, {opts.launcher})", losses(cp), losses(reference))
     if opts.eval_steps:
         worst = max(worst, compare("evaluation loss", eval_losses(cp), eval_losses(reference)))
+    if tokens(cp) != tokens(reference):
+        print(f"FAIL: num_tokens under CP {tokens(cp)} differs from one process's {tokens(reference)}")
+        worst = float("inf")
+    elif tokens(cp):
+        print(f"num_tokens: as one process's at every logged step ({max(tokens(cp).items())[1]:.0f} at the last)")
     print(f"steps per second: one process {steps_per_second(reference):.2f}, CP {steps_per_second(cp):.2f}")
     curves = {"one process": losses(reference), f"CP {where}": losses(cp)}
     if resume_at:

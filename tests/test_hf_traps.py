@@ -130,3 +130,33 @@ def outside_any_plan() -> bool:
 
 def test_a_model_never_given_a_plans_tensors_runs_as_sdpa(ranks):
     assert all(ranks(2, outside_any_plan))
+
+
+def other_attention(attn: str, mode: str) -> str:
+    """A model on another attention implementation, fed a plan's shard and positions inside the plan."""
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel()
+    model = llama(attn)
+    if mode != "eager":
+        model = torch.compile(model, backend=plan.backend(mode), fullgraph=True)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    try:
+        with plan:
+            model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("attn,mode", [("eager", "eager"), ("eager", "aot_eager"), ("sdpa", "eager")])
+def test_other_attention_implementations_raise_under_a_plan(ranks, attn, mode):
+    """transformers' "eager" attention (Gemma 2's and GPT-OSS's default) is matmuls nothing can rewrite, eager or
+    compiled; "sdpa" run eagerly meets the guard. Every rank raises, naming the fix."""
+    messages = ranks(2, other_attention, attn, mode)
+    assert messages[0] == messages[1] and messages[0].startswith("LocalAttentionError"), messages
+    assert "cp_compile" in messages[0]
+    if attn == "eager":
+        assert "attn_implementation='eager'" in messages[0], messages[0]

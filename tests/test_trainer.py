@@ -35,6 +35,7 @@ def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     out = run_example("--steps", "6", "--compile", "aot_eager", "--eval-steps", "3", "--plot", str(plot))
     assert "SFTTrainer under CP (C=2, torchrun): 6 steps" in out
     assert "evaluation loss: 2 steps" in out and "C=2 stopped after step 3, resumed at C=1: 3 steps" in out
+    assert "num_tokens: as one process's at every logged step" in out  # TRL's count, padding slots left out
     breaks = {
         line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in out.splitlines() if "graph breaks" in line
     }
@@ -213,3 +214,31 @@ def test_bf16_autocast_within_twice_one_process(ranks):
     (custom ops are left alone by autocast) and stays within 2x the one-process bf16 error against fp64."""
     for cp_error, one_error in ranks(2, autocast_errors):
         assert 0 < one_error and cp_error <= 2 * one_error, (cp_error, one_error)
+
+
+def trainer_without_the_group(output_dir: str) -> str:
+    """A trainer built on gloo ranks that accelerate does not see (no launcher's environment, no use_cpu=True):
+    accelerate runs one process while torch.distributed has two."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from cp_compile.hf import ContextParallelMixin
+
+    class CPTrainer(ContextParallelMixin, Trainer):
+        pass
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    try:
+        CPTrainer(model=model, args=TrainingArguments(output_dir=output_dir, report_to=[]))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_trainer_that_accelerate_runs_single_process_names_the_cause(ranks, tmp_path):
+    messages = ranks(2, trainer_without_the_group, str(tmp_path))
+    assert messages[0] == messages[1] and "accelerate runs 1 process(es) but torch.distributed has 2" in messages[0]
+    assert "use_cpu=True" in messages[0]

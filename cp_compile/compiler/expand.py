@@ -98,7 +98,7 @@ def _described(node: fx.Node) -> str:
     """What a ``cp::agree`` compares, as this graph states it: q/k/v sizes (symbols for dynamic ones), dtype,
     options."""
     q, k, v, _, options = node.args
-    return " ".join(f"{tuple(t.meta['val'].shape)}" for t in (q, k, v)) + f" {q.meta['val'].dtype} {options}"
+    return " ".join(f"{tuple(t.meta['val'].shape)} {t.meta['val'].dtype}" for t in (q, k, v)) + f" {options}"
 
 
 def _symbols(node: fx.Node) -> set:

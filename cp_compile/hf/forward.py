@@ -1,7 +1,7 @@
 """Checks on a whole transformers model call: what only the model's own arguments show.
 
 From the first plan on (``plan.while_active``; they return at once outside every plan) a global
-module forward pre-hook and forward hook follow the outermost ``"cp_compile"`` transformers model of
+module forward pre-hook and forward hook follow the outermost transformers model of
 each eager call (they return at once for every other module, and while Dynamo traces) and check,
 once the model's forward returned and before its output is used:
 
@@ -69,11 +69,10 @@ def _has_compiled_part(module) -> bool:
 
 
 def start_model_call(module, args: tuple) -> None:
-    """Global forward pre-hook: inside a plan, follows the outermost ``"cp_compile"`` model of a call."""
+    """Global forward pre-hook: inside a plan, follows the outermost transformers model of a call."""
     if torch.compiler.is_compiling() or _FORWARDS or active_plan() is None:
         return
-    model = _transformers_model(module)
-    if model is not None and model.config._attn_implementation == "cp_compile":
+    if _transformers_model(module) is not None:
         _FORWARDS.append([module, 0, 0, 0])
 
 
@@ -147,6 +146,9 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs:
     plan, model = active_plan(), _transformers_model(module)
     if plan is None:
         return
+    if model.config._attn_implementation != "cp_compile":
+        _check_other_attention(model, module, plan, args, kwargs)
+        return
     if calls == 0 and not _has_compiled_part(module):
         raise UnsupportedAttention(
             f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
@@ -160,6 +162,28 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs:
     _check_positions(model, plan, kwargs.get("position_ids"))
     _check_labels(model, kwargs)
     _check_mixers(model, module, convs, scans)
+
+
+# transformers' attention implementations whose calls ``plan.backend()`` rewrites (torch's SDPA and FlexAttention)
+_REWRITTEN_WHEN_COMPILED = ("sdpa", "flex_attention")
+
+
+def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> None:
+    """A model on another attention implementation, given this plan's shard or positions, attended within
+    this rank's shard: transformers' "eager" attention is matmuls that neither the guard nor the compiler
+    recognises, compiled or not. SDPA and FlexAttention in a compiled model were rewritten (or refused) by
+    ``plan.backend()``, and the guard stops them where they run eagerly."""
+    if model.config._attn_implementation in _REWRITTEN_WHEN_COMPILED and _has_compiled_part(module):
+        return
+    given = (_inputs(args, kwargs), kwargs.get("position_ids"))
+    if not any(made is not None and made[0] is plan for made in map(made_by, given)):
+        return
+    raise LocalAttentionError(
+        f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
+        f"attn_implementation={model.config._attn_implementation!r}, which attends within this rank's shard "
+        "alone. Load the model with attn_implementation=\"cp_compile\" (import cp_compile.hf first), or call "
+        "model.set_attn_implementation(\"cp_compile\"), or compile it with plan.backend()"
+    )
 
 
 def _check_positions(model, plan, positions) -> None:

@@ -182,6 +182,13 @@ class ContextParallelMixin:
             else:
                 args = (args[0], trainer_args, *args[2:])
         super().__init__(*args, **kwargs)
+        if self.accelerator.num_processes != dist.get_world_size():
+            raise RuntimeError(
+                f"accelerate runs {self.accelerator.num_processes} process(es) but torch.distributed has "
+                f"{dist.get_world_size()}: the trainer would not see the ranks it shares batches with. On CPU pass "
+                "use_cpu=True in the TrainingArguments (accelerate otherwise sets up no process group without "
+                "GPUs), or launch with torchrun / accelerate launch so that accelerate sees every process"
+            )
         self.cp_backend = None  # the plan's backend the model is compiled with (its records: the graphs)
         if self._compile_backend is not None:
             self.cp_backend = self.plan.backend(self._compile_backend)
@@ -233,10 +240,27 @@ class ContextParallelMixin:
         # also in the model's own arguments: trainers that compute the loss from the model's outputs (TRL's
         # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.forward)
         local["num_items_in_batch"] = num_items_in_batch
+        counted = getattr(self, "_total_train_tokens", None) if model.training else None
         with self.plan:
-            return super().compute_loss(
+            result = super().compute_loss(
                 model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        if counted is not None:
+            self._count_tokens_as_without_cp(counted, inputs)
+        return result
+
+    def _count_tokens_as_without_cp(self, counted: int, inputs: dict[str, Any]) -> None:
+        """TRL's SFTTrainer logs ``num_tokens``, the tokens trained on so far, from the inputs its compute_loss
+        sees: under CP each rank's shard, whose padding slots it would count too. Counted again here as TRL
+        counts the whole batch without CP (real tokens summed over data-parallel replicas)."""
+        if "attention_mask" in inputs:
+            mine = inputs["attention_mask"].sum()
+        else:
+            mine = torch.tensor(inputs["position_ids"].size(1))
+        tokens = mine.to(device=self.accelerator.device, dtype=torch.int64)
+        dist.all_reduce(tokens)  # every rank of a replica holds the same batch
+        self._total_train_tokens = counted + int(tokens) // self.plan.world_size // getattr(self, "_tp_size", 1)
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""

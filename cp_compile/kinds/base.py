@@ -179,14 +179,14 @@ class Kind:
     def check(self, q: Tensor, k: Tensor, v: Tensor, call: Call, world_size: int, enable_gqa: bool) -> None:
         """Local checks of the sequence shards; identical inputs give identical verdicts on every rank."""
 
-    def agree_extra(self, extra: list, group_name: str) -> None:
+    def agree_extra(self, q: Tensor, extra: list, call: Call) -> None:
         """Collectives that make every rank agree on the kind's own tensors (run by ``start``)."""
 
     def start(self, q, k, v, extra: list, call: Call, world_size: int, enable_gqa: bool, what: str) -> None:
         """Before any transfer: every rank checks every rank's inputs (the same collectives everywhere)."""
         if world_size > 1:
             torch.ops.cp.agree(q, k, v, call.group_name, f"{what} kind={self.name} {self.agreed(call)}")
-            self.agree_extra(extra, call.group_name)
+            self.agree_extra(q, extra, call)
         self.check(q, k, v, call, world_size, enable_gqa)
 
     def gather(self, t: Tensor, extra: list, call: Call, world_size: int) -> Tensor:

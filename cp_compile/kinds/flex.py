@@ -305,6 +305,16 @@ class Flex(Kind):
     def agreed(self, call: Call) -> str:
         return f"{call.options} layout={call.layout} scale={call.scale!r}"
 
+    def agree_extra(self, q, extra, call: Call) -> None:
+        # the mask's index table (its digest of the global mask, every rank's positions) and the tensors the
+        # mods read steer which tiles run and what they mean: a rank holding another mask, or one sharded for
+        # another length, would run other work. Only a rank's own positions in the table are its own.
+        shared = list(extra)
+        if shared and isinstance(call.mods, Mods) and call.mods.mask is not None:
+            table = shared[0]
+            shared[0] = torch.cat([table[:HEADER], table[HEADER + q.shape[2] :]])
+        torch.ops.cp.agree_tensors(shared, call.group_name, "block_mask (or the tensors its mods read)")
+
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
         check_heads_and_lengths(q, k, enable_gqa)
 

@@ -227,8 +227,8 @@ class Packed(Kind):
     def agreed(self, call: Call) -> str:
         return f"{packed_settings(call)} scale={call.scale!r}"
 
-    def agree_extra(self, extra, group_name: str) -> None:
-        torch.ops.cp.agree_cu_seqlens(extra[0], group_name)
+    def agree_extra(self, q, extra, call: Call) -> None:
+        torch.ops.cp.agree_cu_seqlens(extra[0], call.group_name)
 
     def check(self, q, k, v, call: Call, world_size: int, enable_gqa: bool) -> None:
         if q.dim() == 4:

@@ -4,14 +4,17 @@
 q/k (so ``flex_attention`` accepts it inside the model) whose ``mask_mod`` is
 the global one read through an index table:
 
-    table = [MAGIC, chunk, positions of my tokens (S_local), positions of every rank's tokens (S)]
-    local_mod(b, h, i, j) = global_mod(b, h, table[2 + i], table[2 + j])
+    table = [MAGIC, chunk, digest, positions of my tokens (S_local), positions of every rank's tokens (S)]
+    local_mod(b, h, i, j) = global_mod(b, h, table[3 + i], table[3 + j])
 
 Local indices ``i < S_local`` thus mean this rank's tokens, exactly as the
 local BlockMask says, and the CP ops evaluate the global mask at any global
 pair by passing ``S_local + t`` (t indexes the all-ranks region). The table is
 an ordinary tensor: the traced graph holds no rank, and everything CP reads
-from it beyond the first ``S_local`` entries is the same on every rank.
+from it beyond the first ``S_local`` entries is the same on every rank. The
+digest is of the global mask's blocks: with the rest of the rank-agnostic
+part, what the ranks compare before a call (``kinds.flex``), so that a rank
+holding another mask, or one for another length, raises on every rank.
 
 The shard also records, from the global BlockMask's block counts (identical on
 every rank), how much of each (rank, K/V source) tile lies in visible blocks:
@@ -20,6 +23,7 @@ what the cost model (``cost.masked``) chooses a schedule from.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -32,7 +36,15 @@ from ..torch_compat import OpaqueBase
 from . import Layout
 
 MAGIC = 0x43504D4B  # marks a table made here ("CPMK")
-HEADER = 2
+HEADER = 3
+
+
+def _block_digest(block_mask: BlockMask) -> int:
+    """A digest of the global mask's block tables and lengths: the same on every rank for the same mask."""
+    parts = [repr((block_mask.seq_lengths, block_mask.BLOCK_SIZE)).encode()]
+    for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices):
+        parts.append(b"-" if t is None else t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return zlib.crc32(b"|".join(parts))
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +100,7 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
     local = q_len // world_size
     device = block_mask.kv_num_blocks.device
     perm = perm.to(device=device, dtype=torch.int64)
-    header = torch.tensor([MAGIC, chunk], dtype=torch.int64, device=device)
+    header = torch.tensor([MAGIC, chunk, _block_digest(block_mask)], dtype=torch.int64, device=device)
     table = torch.cat([header, perm[rank * local : (rank + 1) * local], perm])
     global_mod = block_mask.mask_mod
 

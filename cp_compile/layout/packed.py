@@ -62,7 +62,7 @@ def shard_packed(x: Tensor, seq_dim: int, cu_seqlens, rank: int, world_size: int
     local = x.index_select(seq_dim, index)
     shape = [1] * x.dim()
     shape[seq_dim] = -1
-    return local * slots["real"].to(x.device).view(shape) if local.numel() else local
+    return local.masked_fill(~slots["real"].to(x.device).view(shape), 0)  # zero, whatever the row held (NaN)
 
 
 def unshard_packed(shards: list[Tensor], seq_dim: int, cu_seqlens) -> Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
 
@@ -32,6 +33,16 @@ class Sharding(NamedTuple):
     def op_args(self) -> tuple:
         """What the mixer ops take: the group's name, the layout, the documents."""
         return self.group_name, self.layout, self.cu_seqlens
+
+    def agree(self, mixer: str, inputs: tuple[Tensor, Tensor, Tensor], settings: str = "") -> None:
+        """Before a mixer's first transfer: every rank passed alike shapes and dtypes of three of its inputs, the
+        same ``settings`` and documents, or every rank raises the same ValueError (a rank with another local
+        length would otherwise exchange halos or heads that do not fit, or wait forever)."""
+        if self.world_size == 1:
+            return
+        torch.ops.cp.agree(*inputs, self.group_name, f"mixer={mixer} layout={self.layout} {settings}")
+        if self.cu_seqlens is not None:
+            torch.ops.cp.agree_cu_seqlens(self.cu_seqlens, self.group_name)
 
 
 __all__ = ["Sharding"]

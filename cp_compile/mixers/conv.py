@@ -40,6 +40,7 @@ def causal_conv1d(
     ``reset``: the convolution restarts at each document of ``sharding.cu_seqlens`` (a kernel given
     ``seq_idx`` does); without it, tokens of the previous document are read as one process reads them."""
     width, dim = weight.shape[-1], x.dim() - 1
+    sharding.agree("causal_conv1d", (x, weight, x), f"activation={activation} reset={reset}")
     before = halo(x, dim, width, *sharding.op_args, reset)  # [B, D, chunks * (width - 1)]
     if sharding.cu_seqlens is None:  # equal chunks: each chunk's halo in front of it by a reshape
         pieces = chunk_count(sharding.layout, sharding.world_size)

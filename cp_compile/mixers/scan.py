@@ -215,6 +215,7 @@ def selective_scan(
     an all-to-all to channel groups (every channel is its own recurrence), B and C to every rank whole (one copy
     a rank: they are shared by all channels), the scan over the whole sequence for 1/C of the channels. The last
     state ``[B, D, N]`` comes back whole on every rank."""
+    sharding.agree("selective_scan", (hidden_states, dt, B))
     b, channels, local_len = hidden_states.shape
     c = sharding.world_size
     padded = _padded(channels, sharding)
@@ -253,16 +254,24 @@ def selective_scan(
     return out, gather_groups(last, sharding.group_name)[:, :channels]
 
 
-def gated_delta_rule(*args, route: str = "heads", **kwargs) -> tuple[Tensor, Optional[Tensor]]:
+def gated_delta_rule(
+    scan: Callable, query, key, value, g, beta, sharding: Sharding, *, route: str = "heads", **kwargs
+) -> tuple[Tensor, Optional[Tensor]]:
     """``gated_delta_rule_heads``'s call by ``route``: ``"heads"`` (the all-to-all) or ``"states"`` (state
     passing, ``state.gated_delta_rule_states``)."""
-    return (gated_delta_rule_states if route == "states" else gated_delta_rule_heads)(*args, **kwargs)
+    sharding.agree("gated_delta_rule", (query, value, g), f"route={route}")
+    run = gated_delta_rule_states if route == "states" else gated_delta_rule_heads
+    return run(scan, query, key, value, g, beta, sharding, **kwargs)
 
 
-def mamba2_scan(*args, route: str = "heads", **kwargs):
+def mamba2_scan(
+    scan: Callable, hidden_states, dt, A, B, C, chunk_size: int, sharding: Sharding, *, route: str = "heads", **kwargs
+):
     """``mamba2_scan_heads``'s call by ``route``: ``"heads"`` (the all-to-all) or ``"states"`` (state passing,
     ``state.mamba2_scan_states``)."""
-    return (mamba2_scan_states if route == "states" else mamba2_scan_heads)(*args, **kwargs)
+    sharding.agree("mamba2_scan", (hidden_states, dt, B), f"route={route} chunk_size={chunk_size}")
+    run = mamba2_scan_states if route == "states" else mamba2_scan_heads
+    return run(scan, hidden_states, dt, A, B, C, chunk_size, sharding, **kwargs)
 
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_heads", "mamba2_scan", "mamba2_scan_heads", "selective_scan"]

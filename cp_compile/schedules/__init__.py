@@ -39,9 +39,13 @@ def whole_op(schedule: str, group_name: str, mesh_group_names: tuple = ()):
         if len(mesh_group_names) != 2:
             raise ValueError("schedule='hybrid' needs a 2-D DeviceMesh (ring, a2a) as the group")
         return ops.hybrid_attention.default, (group_name, *mesh_group_names)
+    check_schedule_name(schedule)
+    return getattr(ops, f"{schedule}_attention").default, (group_name,)
+
+
+def check_schedule_name(schedule: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    return getattr(ops, f"{schedule}_attention").default, (group_name,)
 
 
 def _groups(group, schedule: str) -> tuple[str, tuple]:
