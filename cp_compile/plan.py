@@ -310,9 +310,7 @@ class ContextParallel:
         shapes = "; ".join(
             f"rank {r}: {tuple(row[1 : 1 + min(row[0], 6)])}, seq_dim {row[8]}" for r, row in enumerate(rows)
         )
-        also = [
-            what for i, what in ((7, "dtypes"), (9, "cu_seqlens")) if any(row[i] != rows[0][i] for row in rows)
-        ]
+        also = [what for i, what in ((7, "dtypes"), (9, "cu_seqlens")) if any(row[i] != rows[0][i] for row in rows)]
         raise ValueError(
             f"unshard: ranks disagree on their shards ({shapes}{'; different ' + ' and '.join(also) if also else ''})"
             ". Every rank passes its own shard of the same tensor, with the same seq_dim and cu_seqlens"

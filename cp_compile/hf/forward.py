@@ -181,8 +181,8 @@ def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> No
     raise LocalAttentionError(
         f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
         f"attn_implementation={model.config._attn_implementation!r}, which attends within this rank's shard "
-        "alone. Load the model with attn_implementation=\"cp_compile\" (import cp_compile.hf first), or call "
-        "model.set_attn_implementation(\"cp_compile\"), or compile it with plan.backend()"
+        'alone. Load the model with attn_implementation="cp_compile" (import cp_compile.hf first), or call '
+        'model.set_attn_implementation("cp_compile"), or compile it with plan.backend()'
     )
 
 

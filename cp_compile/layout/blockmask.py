@@ -42,7 +42,13 @@ HEADER = 3
 def _block_digest(block_mask: BlockMask) -> int:
     """A digest of the global mask's block tables and lengths: the same on every rank for the same mask."""
     parts = [repr((block_mask.seq_lengths, block_mask.BLOCK_SIZE)).encode()]
-    for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices):
+    tables = (
+        block_mask.kv_num_blocks,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+    )
+    for t in tables:
         parts.append(b"-" if t is None else t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
     return zlib.crc32(b"|".join(parts))
 
