@@ -95,7 +95,12 @@ def _dense(every: dict, one: dict) -> float:
     import cp_compile
 
     cfg = {**DENSE, **every, **(one if _rank() == 1 else {})}
-    plan = cp_compile.ContextParallel(load_balance=cfg["layout"])
+    group = None
+    if cfg["schedule"] == "hybrid":  # a 2-D (ring, a2a) mesh over the four ranks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
+    plan = cp_compile.ContextParallel(group, load_balance=cfg["layout"])
     seq = cfg["per_rank"] * plan.world_size
     q, k, v, _ = make_qkv(cfg["b"], cfg["hq"], cfg["hkv"], seq, cfg["d"], dv=cfg["dv"])
     if cfg["poison"] is not None:
@@ -118,7 +123,7 @@ def _dense(every: dict, one: dict) -> float:
             got = run(*local)
     else:
         attention = getattr(cp_compile, f"{cfg['schedule']}_attention")
-        extra = {"layout": cfg["layout"]}
+        extra = {"layout": cfg["layout"], **({"mesh": group} if group is not None else {})}
         if cfg["dropout"]:
             extra["dropout_p"] = cfg["dropout"]
         got = attention(*local, **kwargs, **extra)
@@ -190,6 +195,26 @@ for schedule in ("ring", "allgather", "ulysses"):
         # the last token's key: only the last query may see it; every other row stays exact and finite
         case(f"{schedule} {value} in a masked key", dense(poison=("k", -1, float(value)), per_rank=8, **h, **s))
 
+case("hybrid exact", dense(schedule="hybrid", hq=4, hkv=4), sizes=(4,))
+case(
+    "hybrid nan in a masked key",
+    dense(poison=("k", -1, float("nan")), per_rank=8, schedule="hybrid", hq=4, hkv=4),
+    sizes=(4,),
+)
+case(
+    "hybrid one rank: length",
+    dense(dict(per_rank=8), schedule="hybrid", hq=4, hkv=4),
+    "ValueError",
+    "ranks disagree",
+    sizes=(4,),
+)
+case(
+    "hybrid all ranks: heads not divisible by the all-to-all",
+    dense(schedule="hybrid", hq=1, hkv=1),
+    "ValueError",
+    "heads",
+    sizes=(4,),
+)
 case("ring all ranks: dropout", dense(dropout=0.1), "NotImplementedError", "dropout_p=0.1")
 case(
     "ulysses all ranks: heads not divisible by C",
@@ -347,7 +372,16 @@ def _flex(mask: str, one_mask, schedule: str, more: dict) -> float:
         block_mask = None
     else:
         block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=4))
-    got = cp_compile.flex_attention(*(plan.shard(t, 2) for t in (q, k, v)), block_mask=block_mask, schedule=schedule)
+    local = [plan.shard(t, 2) for t in (q, k, v)]
+    if more.get("compiled"):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        with plan:
+            got = torch.compile(flex_attention, backend=plan.backend("aot_eager"), fullgraph=True)(
+                *local, block_mask=block_mask
+            )
+    else:
+        got = cp_compile.flex_attention(*local, block_mask=block_mask, schedule=schedule)
     return _err(got, want)
 
 
@@ -370,6 +404,16 @@ for schedule in ("auto", "ring", "allgather"):
         "refused this call",
     )
     case(f"flex {schedule} all ranks: an unsharded mask", flex("unsharded", **f), "ValueError", "not sharded")
+
+case("compiled flex exact: window", flex("window", compiled=True), sizes=(2, 4), timeout=120.0)
+case(
+    "compiled flex one rank: a mask of another length",
+    flex("causal", "causal, twice the length", compiled=True),
+    "ValueError",
+    "ranks disagree",
+    sizes=(2, 4),
+    timeout=120.0,
+)
 
 
 # ----------------------------------------------------------------------------
@@ -406,7 +450,18 @@ def _varlen(lengths: tuple, every: dict, one: dict) -> float:
     want = plan.shard(torch.cat(pieces), 0, cu_seqlens=cu)
     given = torch.tensor(cfg["cu"], dtype=torch.int32) if cfg["cu"] is not None else cu
     local = [plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, v)]
-    got = cp_compile.varlen_attention(*local, given, window_size=cfg["window"], schedule=cfg["schedule"])
+    if cfg.get("compiled"):
+        from torch.nn.attention.varlen import varlen_attn
+
+        longest = max(lengths)
+
+        def model(q, k, v, cu):
+            return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=cfg["window"])
+
+        with plan:
+            got = torch.compile(model, backend=plan.backend("aot_eager"), fullgraph=True)(*local, given)
+    else:
+        got = cp_compile.varlen_attention(*local, given, window_size=cfg["window"], schedule=cfg["schedule"])
     real = plan.positions(cu_seqlens=cu) >= 0
     from cp_compile.layout.packed import packed_slots
 
@@ -433,6 +488,26 @@ for schedule in ("auto", "ring", "allgather", "ulysses"):
         "ValueError",
         "refused this call",
     )
+COMPILED = dict(sizes=(2, 4), timeout=120.0)
+case(
+    "compiled varlen: empty and short documents, nan in another document's key",
+    varlen(poison="nan", compiled=True),
+    **COMPILED,
+)
+case(
+    "compiled varlen one rank: other documents",
+    varlen(one=dict(cu=[0, 4, 5, 7, 16]), compiled=True),
+    "ValueError",
+    "cu_seqlens differs",
+    **COMPILED,
+)
+case(
+    "compiled varlen one rank: another window",
+    varlen(one=dict(window=(3, 0)), compiled=True),
+    "ValueError",
+    "ranks disagree",
+    **COMPILED,
+)
 case("varlen all ranks: cu_seqlens not from 0", varlen(cu=[1, 5, 5, 7, 16]), "ValueError", "cu_seqlens")
 case("varlen all ranks: unknown schedule", varlen(schedule="spiral"), "ValueError", "spiral")
 case("varlen one rank: unknown schedule", varlen(one=dict(schedule="spiral")), "ValueError", "refused this call")

@@ -77,15 +77,17 @@ def positions_attn(
 
 def fused_masked_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """CPU's fused kernel takes a mask and returns lse; it computes in the inputs' dtype, so only where that is
-    the accumulator dtype (fp32, fp64), and it cannot apply a soft-cap. Its mask is an additive bias, which a
-    key holding NaN or inf survives (NaN - inf is NaN) in the rows that must not see it: such keys take the
-    paths that mask by replacing scores (one pass over K, on CPU)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == acc_dtype(q.dtype)
-        and q.shape[-1] == v.shape[-1]
-        and bool(torch.isfinite(k).all())
-    )
+    the accumulator dtype (fp32, fp64), and it cannot apply a soft-cap.
+
+    Its mask is an additive bias, which a key holding NaN or inf survives (NaN - inf is NaN) in the rows that
+    must not see it: callers whose masked keys may hold anything (a training batch's) check ``all_finite``
+    first. A KV cache's masked slots are zeros or keys the model made, which a NaN would have poisoned first."""
+    return q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == acc_dtype(q.dtype) and q.shape[-1] == v.shape[-1]
+
+
+def all_finite(k: Tensor) -> bool:
+    """No NaN or inf in ``k``: one pass over it and a host read, for the CPU paths of ``fused_masked_ready``."""
+    return bool(torch.isfinite(k).all())
 
 
 def _bias(visible: Tensor, dtype: torch.dtype) -> Tensor:

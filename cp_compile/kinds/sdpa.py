@@ -36,7 +36,7 @@ from ..kernels.block import (
     check_block_args,
     dense_like,
 )
-from ..kernels.masked import fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
+from ..kernels.masked import all_finite, fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
 from ..layout import layout_named
 from .base import GATHERED, Call, Kind, Units, check_heads_and_lengths, register_kind
@@ -148,8 +148,8 @@ def _gathered_visible(q, k, v, units: Units, call: Call):
     """[Lq, Lk] bool of what the local queries see of the gathered keys, where one masked call of the fused
     kernel serves the whole block (short, on CPU); None where the tiles run."""
     lq, lk = q.shape[2], k.shape[2]
-    if lq * lk > ONE_CALL_ENTRIES or not fused_masked_ready(q, k, v):
-        return None
+    if lq * lk > ONE_CALL_ENTRIES or not fused_masked_ready(q, k, v) or not all_finite(k):
+        return None  # (a NaN key the mask hides would pass the fused kernel's additive mask)
     visible = torch.zeros(lq, lk, dtype=torch.bool, device=q.device)
     for rows, seen, _ in _q_chunks(lq, units.rank, units.world_size, call.is_causal, call.layout):
         if seen is None:  # every key
