@@ -42,6 +42,13 @@ def ranks(tmp_path_factory):
             pools[world_size] = RankPool(world_size, env=env)
         return pools[world_size].run(fn, *args, timeout=timeout, **kwargs)
 
+    def restart(world_size: int) -> None:
+        """Kill the pool of ``world_size``: the next call starts fresh ranks (after a case that may have left the
+        process group broken, a collective timed out or a rank waiting)."""
+        if world_size in pools:
+            pools.pop(world_size).close(force=True)
+
+    run.restart = restart
     yield run
     for pool in pools.values():
         pool.close()

@@ -225,8 +225,9 @@ case(
 )
 case("ring all ranks: unknown layout", dense(layout="spiral"), "ValueError", "spiral")
 
-# (k in another dtype on one rank is refused by torch itself while that rank traces: an error of the user's
-# program before any collective of ours, which no library call can carry to the other ranks)
+# (k in another dtype on one rank, or a BlockMask of another length, is refused by torch itself while that rank
+# traces: an error of the user's program before any collective of ours, which no library call can carry to the
+# other ranks)
 for name, one in {"length": dict(per_rank=8), "causal": dict(causal=False), "heads": dict(hq=4, hkv=4)}.items():
     case(
         f"compiled one rank: {name}",
@@ -234,13 +235,13 @@ for name, one in {"length": dict(per_rank=8), "causal": dict(causal=False), "hea
         "ValueError",
         "ranks disagree",
         sizes=(2, 4),
-        timeout=120.0,
+        timeout=50.0,
     )
 case(
     "compiled nan in a masked key",
     dense(poison=("k", -1, float("nan")), per_rank=8, compiled=True),
     sizes=(2, 4),
-    timeout=120.0,
+    timeout=50.0,
 )
 
 for name, one in {"dropout": dict(dropout=0.1), "scale": dict(scale="x")}.items():
@@ -405,14 +406,14 @@ for schedule in ("auto", "ring", "allgather"):
     )
     case(f"flex {schedule} all ranks: an unsharded mask", flex("unsharded", **f), "ValueError", "not sharded")
 
-case("compiled flex exact: window", flex("window", compiled=True), sizes=(2, 4), timeout=120.0)
+case("compiled flex exact: window", flex("window", compiled=True), sizes=(2, 4), timeout=50.0)
 case(
-    "compiled flex one rank: a mask of another length",
-    flex("causal", "causal, twice the length", compiled=True),
+    "compiled flex one rank: another mask",
+    flex("causal", "window", compiled=True),
     "ValueError",
     "ranks disagree",
     sizes=(2, 4),
-    timeout=120.0,
+    timeout=50.0,
 )
 
 
@@ -488,7 +489,7 @@ for schedule in ("auto", "ring", "allgather", "ulysses"):
         "ValueError",
         "refused this call",
     )
-COMPILED = dict(sizes=(2, 4), timeout=120.0)
+COMPILED = dict(sizes=(2, 4), timeout=50.0)
 case(
     "compiled varlen: empty and short documents, nan in another document's key",
     varlen(poison="nan", compiled=True),
@@ -658,4 +659,6 @@ def test_fuzz(ranks, name, world_size):
     except Exception as e:  # noqa: BLE001  (a hang, a crash: the pool restarts its ranks)
         pytest.fail(f"{name} on {world_size} ranks did not end on every rank: {type(e).__name__}: {e}")
     problem = classify(spec, results)
+    if problem:  # a rank may be left waiting, or the group broken by a timeout: the next case gets fresh ranks
+        ranks.restart(world_size)
     assert not problem, problem
