@@ -234,13 +234,13 @@ for name, one in {"length": dict(per_rank=8), "causal": dict(causal=False), "hea
         dense(one, compiled=True),
         "ValueError",
         "ranks disagree",
-        sizes=(2, 4),
+        sizes=(2, 3, 4),
         timeout=50.0,
     )
 case(
     "compiled nan in a masked key",
     dense(poison=("k", -1, float("nan")), per_rank=8, compiled=True),
-    sizes=(2, 4),
+    sizes=(2, 3, 4),
     timeout=50.0,
 )
 
@@ -406,13 +406,13 @@ for schedule in ("auto", "ring", "allgather"):
     )
     case(f"flex {schedule} all ranks: an unsharded mask", flex("unsharded", **f), "ValueError", "not sharded")
 
-case("compiled flex exact: window", flex("window", compiled=True), sizes=(2, 4), timeout=50.0)
+case("compiled flex exact: window", flex("window", compiled=True), sizes=(2, 3, 4), timeout=50.0)
 case(
     "compiled flex one rank: another mask",
     flex("causal", "window", compiled=True),
     "ValueError",
     "ranks disagree",
-    sizes=(2, 4),
+    sizes=(2, 3, 4),
     timeout=50.0,
 )
 
@@ -489,7 +489,7 @@ for schedule in ("auto", "ring", "allgather", "ulysses"):
         "ValueError",
         "refused this call",
     )
-COMPILED = dict(sizes=(2, 4), timeout=50.0)
+COMPILED = dict(sizes=(2, 3, 4), timeout=50.0)
 case(
     "compiled varlen: empty and short documents, nan in another document's key",
     varlen(poison="nan", compiled=True),
