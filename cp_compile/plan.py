@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -70,9 +71,13 @@ def _made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
 
 def _sequence_dim(x: Tensor, seq_dim: int, what: str) -> int:
     """``seq_dim`` as a dim of ``x`` (negative dims count from the end), or a ValueError naming both."""
-    if not isinstance(seq_dim, int) or not -x.dim() <= seq_dim < x.dim():
+    try:
+        dim = operator.index(seq_dim)
+    except TypeError:
+        dim = None
+    if dim is None or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{what}: seq_dim={seq_dim!r} is not a dim of a tensor of shape {tuple(x.shape)}")
-    return seq_dim % x.dim()
+    return dim % x.dim()
 
 
 def _dynamic(x: Tensor, dim: int) -> Tensor:
