@@ -158,6 +158,11 @@ def train(opts) -> None:
                 }
             )
         )
+    # every rank done before any tears its process group down: a rank that exits while gloo's threads still
+    # serve another's last collective aborts now and then ("terminate called without an active exception")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=()) -> list[dict]:
