@@ -17,6 +17,14 @@ import importlib
 
 import torch
 
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is first
+# imported (torch._dynamo imports it, at the first custom op call). Imported after init_process_group,
+# those defaults hold the default group past destroy_process_group: gloo's worker threads then still run
+# at interpreter exit, and one that drops a finished collective's tensors there needs the GIL Python is
+# tearing down, which aborts the process ("terminate called without an active exception"). Importing it
+# with cp_compile, before the group exists, binds None instead.
+import torch.distributed.nn.functional  # noqa: F401
+
 TESTED_TORCH = ("2.13", "2.15")
 
 # c10d: a Python-side Work, registered on tensors, is what lets the functional

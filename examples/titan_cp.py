@@ -280,6 +280,8 @@ def main() -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: NCCL on GPUs, gloo on CPU
         import torch.distributed as dist
 
+        import cp_compile  # noqa: F401  (before the group exists: docs/guides/errors.md, "A rank aborts as it exits")
+
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -181,7 +182,6 @@ def test_virtual_rank_computes_its_share(world_size, causal):
 
 def test_torchrun_driver_on_gloo(tmp_path):
     """The multi-GPU entry point (``torchrun ... -m cp_compile bench``), run here on CPU ranks with gloo."""
-    import os
     import subprocess
     import sys
 
@@ -220,6 +220,47 @@ def test_torchrun_driver_on_gloo(tmp_path):
     assert data["meta"]["device"] == "cpu"
     (cfg,) = data["configs"]  # under torchrun C is the launched world size
     assert cfg["config"]["world_size"] == 2 and cfg["variants"][bench.OURS]["valid"]
+
+
+EXITS_CLEANLY = """
+import gc, os, sys
+import torch
+import torch.distributed as dist
+import cp_compile
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(1)
+before = threads()
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+q = torch.randn(1, 2, 8, 4)
+cp_compile.ring_attention(q, q, q, is_causal=True)  # the first op call imports torch._dynamo
+dist.destroy_process_group()
+gc.collect()
+print(before, threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_a_destroyed_group_leaves_no_gloo_thread_running(tmp_path):
+    """After destroy_process_group nothing holds the group, so gloo's threads are joined before the
+    interpreter exits. One still running there may drop a finished collective's tensors while Python tears
+    down, which aborts the process ('terminate called without an active exception')."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", EXITS_CLEANLY, f"file://{tmp_path / 'store'}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    before, after = map(int, res.stdout.split())
+    assert after == before, f"{after - before} threads still run after destroy_process_group"
 
 
 def profiled_steps():
