@@ -12,8 +12,10 @@ Imports that pull in Inductor or functorch are made on first use, so that
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 
 import torch
 
@@ -55,6 +57,27 @@ def assume_constant_result(fn):
     result as a constant), without importing Dynamo, which that function does and ``import cp_compile`` must not."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+@contextlib.contextmanager
+def hooks_taken_out(handles) -> Iterator[None]:
+    """The module hooks of ``handles`` (``register_module_forward_hook``'s) out of torch's dicts inside the block, put
+    back under the same keys in the same order: Dynamo guards on those dicts, and hooks registered anew would make
+    every compiled module that ran with them recompile."""
+    saved = []
+    for handle in handles:
+        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+            hooks = ref()
+            if hooks is not None and handle.id in hooks:
+                saved.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+    try:
+        yield
+    finally:
+        for hooks, order, key, hook in saved:
+            hooks[key] = hook
+            for k in [*order, *(k for k in list(hooks) if k not in order)]:
+                if k in hooks:
+                    hooks.move_to_end(k)
 
 
 def missing(what: str) -> RuntimeError:

@@ -21,6 +21,7 @@ of each run, plots the curves, and exits 1 when a difference exceeds --tol (fp32
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -158,7 +159,12 @@ def train(opts) -> None:
                 }
             )
         )
-    # gloo's threads are joined here, while Python still runs (docs/guides/errors.md, "A rank aborts as it exits")
+    # The trainer goes first, while the process groups are registered: its DDP wrapper's reducer, if it dropped a
+    # group's last reference, would join gloo's threads holding the GIL, which one of them may still need to free
+    # a finished collective's tensors (a hang). Destroyed from Python, a group lets go of the GIL while it joins
+    # them (docs/guides/errors.md, "A rank aborts or hangs as it exits").
+    del trainer
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 

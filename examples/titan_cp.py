@@ -280,7 +280,7 @@ def main() -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: NCCL on GPUs, gloo on CPU
         import torch.distributed as dist
 
-        import cp_compile  # noqa: F401  (before the group exists: docs/guides/errors.md, "A rank aborts as it exits")
+        import cp_compile  # noqa: F401  (before the group exists: docs/guides/errors.md, "A rank aborts or hangs as it exits")
 
         cuda = torch.cuda.is_available()
         if cuda:

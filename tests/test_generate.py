@@ -57,11 +57,12 @@ def test_cached_attention_matches_one_device(ranks, world_size, window):
         assert err <= 2 * single and same, (err, single)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("prompt", [1, 7, 24])
 def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt):
     """The C shards of one layer (built in one process; placement needs no collective): a prompt prefilled by
-    the packed layout, then 1-, 3- and 1-token appends. Every position lives on exactly one rank, in one slot."""
+    the packed layout, then 1-, 3- and 1-token appends. Every position lives on exactly one rank, in one slot,
+    and the slots that hold tokens are the first ``written()`` (what an eager decode step reads, unmasked)."""
     from cp_compile.inference.cache import CacheShard
     from cp_compile.kernels.masked import EMPTY_POSITION
     from cp_compile.layout.packed import packed_slots, shard_packed
@@ -75,10 +76,13 @@ def test_cache_shards_hold_every_token_once_and_stay_balanced(world_size, prompt
         local = shard_packed(tokens[:, :, :prompt], 2, cu, r, world_size)
         shard.prefill(local, local, torch.where(slots["real"], slots["pos"], EMPTY_POSITION), prompt)
         start = prompt
-        for n in (1, 3, 1):
-            step = shard.append(tokens[:, :, start : start + n], tokens[:, :, start : start + n])
-            assert torch.equal(step.query_positions, torch.arange(start, start + n))
+        for n in (0, 1, 3, 1):
+            if n:
+                step = shard.append(tokens[:, :, start : start + n], tokens[:, :, start : start + n])
+                assert torch.equal(step.query_positions, torch.arange(start, start + n))
             start += n
+            holds = shard.positions[: shard.capacity] != EMPTY_POSITION
+            assert holds[: shard.written()].all() and not holds[shard.written() :].any()
     held = [s.positions[: s.capacity][s.positions[: s.capacity] != EMPTY_POSITION] for s in shards]
     assert sorted(torch.cat(held).tolist()) == list(range(total))
     assert max(map(len, held)) - min(map(len, held)) <= 2
@@ -456,3 +460,29 @@ def decode_step_syncs():
 
 def test_decode_steps_read_nothing_from_the_device(ranks):
     assert ranks(2, decode_step_syncs) == [(0, 14), (0, 14)]
+
+
+def test_decoding_takes_the_model_call_hooks_out_and_puts_them_back_in_place():
+    """While ``cp_compile.hf.generate`` decodes, module calls take torch's fast path (a global hook turns it off for
+    every module); the hooks come back under the same keys, in the same order, so no compiled module recompiles."""
+    from torch.nn.modules import module as torch_module
+
+    from cp_compile.hf.forward import model_call_checks, model_calls_unfollowed
+
+    with model_call_checks():
+        pass
+    others = torch_module.register_module_forward_hook(lambda *args: None)  # a hook of someone else's, after ours
+    try:
+        dicts = (
+            torch_module._global_forward_pre_hooks,
+            torch_module._global_forward_hooks,
+            torch_module._global_forward_hooks_with_kwargs,
+            torch_module._global_forward_hooks_always_called,
+        )
+        before = [list(d.items()) for d in dicts]
+        with model_calls_unfollowed():
+            assert not torch_module._global_forward_pre_hooks
+            assert list(torch_module._global_forward_hooks) == [others.id]
+        assert [list(d.items()) for d in dicts] == before
+    finally:
+        others.remove()

@@ -218,10 +218,20 @@ def _variant(
     return _Variant(spec, float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"))
 
 
+def _declared(module, name: str, default):
+    """A plain attribute of ``module``: read from its ``__dict__`` first (``nn.Module.__getattr__`` raises and
+    catches for a name it does not hold, which costs more than the attention call of a decoded token)."""
+    found = module.__dict__.get(name, _ABSENT)
+    return getattr(module, name, default) if found is _ABSENT else found
+
+
+_ABSENT = object()
+
+
 def _check_module(module) -> None:
     """What a module declares that changes its queries by local position (Llama 4's temperature tuning
     of its layers without RoPE numbers the tokens of the shard from 0)."""
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+    if _declared(module, "attn_temperature_tuning", False) and not _declared(module, "use_rope", True):
         raise UnsupportedAttention(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) scales its queries by their "
             "position counted from the start of this rank's shard (attn_temperature_tuning on a layer without "
@@ -255,7 +265,7 @@ def _cached(
             f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
         )
-    options = cached_options(variant.spec.chunk or 0, variant.softcap)
+    options = cached_options(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else ""
     out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options)
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
@@ -265,13 +275,14 @@ def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
     the forward, it would attend to the shard alone. Each module remembers whether its latest forward
     ran under a plan; a recompute (a forward inside backward) without one raises."""
     recomputing = torch._C._current_autograd_node() is not None
-    if recomputing and plan is None and getattr(module, "_cp_compile_under_plan", False):
+    under_plan = module.__dict__.get("_cp_compile_under_plan", False)
+    if recomputing and plan is None and under_plan:
         raise LocalAttentionError(
             f"{type(module).__name__} recomputes its attention during backward (activation checkpointing) "
             "outside `with plan:`, while its forward ran inside the plan: the recompute would attend to this "
             "rank's shard of the sequence alone. Call loss.backward() inside `with plan:` as well."
         )
-    if not recomputing:
+    if not recomputing and under_plan is not (plan is not None):  # set on a change only: nn.Module.__setattr__ is slow
         module._cp_compile_under_plan = plan is not None
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from transformers import PreTrainedModel
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..layout import layout_named
 from ..plan import active_plan, made_by
+from ..torch_compat import hooks_taken_out
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
@@ -108,6 +110,15 @@ def model_call_checks():
         yield
     finally:
         _FORWARDS.clear()
+
+
+@contextlib.contextmanager
+def model_calls_unfollowed() -> Iterator[None]:
+    """Inside, the two global hooks are out of torch's dicts: module calls take torch's fast path, which a global
+    hook turns off for every module of the process (a few microseconds each, as much as a small layer's work).
+    For a caller that checks its model calls in its own way (decoding in ``cp_compile.hf.generate``)."""
+    with hooks_taken_out(_HOOKS):
+        yield
 
 
 def check_outside_plan(module, position_ids) -> None:
@@ -237,4 +248,4 @@ def _check_labels(model, kwargs: dict) -> None:
         )
 
 
-__all__ = ["CONV", "SCAN", "check_outside_plan", "count_call", "model_call_checks"]
+__all__ = ["CONV", "SCAN", "check_outside_plan", "count_call", "model_call_checks", "model_calls_unfollowed"]

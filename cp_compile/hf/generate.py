@@ -26,6 +26,7 @@ from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
+from .forward import model_calls_unfollowed
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -129,7 +130,8 @@ class SameTokensOnEveryRank(StoppingCriteria):
 
     def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
         self.cache.check_attended()
-        self.agreement.note(input_ids[:, -1])
+        if self.agreement.world_size > 1:  # one rank has no other to differ from
+            self.agreement.note(input_ids[:, -1])
         return self.agreement.differs.expand(input_ids.shape[0]).clone()
 
 
@@ -171,8 +173,9 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
     )
     # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
-    # mode, which sees every torch call, would cost as much host time per step as the step's own Python
-    with set_aside():
+    # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
+    # fast path, would cost as much host time per step as the step's own Python
+    with set_aside(), model_calls_unfollowed():
         result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
     if cache.agreement.finish():
         raise RuntimeError(

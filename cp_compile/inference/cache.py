@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from ..comm.gather import gather_dim0
-from ..kernels.masked import EMPTY_POSITION
+from ..kernels.masked import EMPTY_POSITION, every_key_attn
 from ..kernels.merge import acc_dtype
-from .cached import cached_attention, payload_numel
+from .cached import cached_attention, cached_options, merge_over_ranks, payload_numel
 
 
 def capacity_for(max_tokens: int, world_size: int) -> int:
@@ -47,6 +47,7 @@ def capacity_for(max_tokens: int, world_size: int) -> int:
 _DIGEST = 2**24
 _IN_STEP, _FINAL = 0, 1
 TAG_NUMEL = 2  # an Agreement's tag: [marker, digest]
+_PLAIN = ("", cached_options())  # the options of attention without a chunk or a soft-cap
 
 
 class Agreement:
@@ -156,6 +157,10 @@ class CacheShard:
         self.host_seen: Optional[int] = 0
         self._append_start = torch.zeros((), dtype=torch.int64)  # first position kept round robin
         self._append_slot = torch.zeros((), dtype=torch.int64)  # this rank's slot for its first such token
+        # the two above as Python ints (no step changes them): with ``host_seen``, an eager step knows which
+        # slots hold tokens without reading the device
+        self.host_append = (0, 0)
+        self.host_rank = rank
         self.agreement: Optional[Agreement] = None  # the first layer of a cache sends its tag
         self.index = 0  # the layer's place in its cache
 
@@ -200,18 +205,22 @@ class CacheShard:
                 f"{positions.shape[0]} slots of the prompt: the model does not hand the cache [batch, heads, tokens, "
                 "dim] keys and values of its shard (a model with attention code of its own)"
             )
-        positions = positions.to(self.positions.device)
         self.seen.fill_(tokens)
         self.host_seen = tokens
         if self.ring is not None:
-            self._deal_last_window(k, v, positions, tokens)
+            self._deal_last_window(k, v, positions.to(self.positions.device), tokens)
             return
-        slots = k.shape[2]
-        self.keys[:, :, :slots] = k
-        self.values[:, :, :slots] = v
-        self.positions[:slots] = positions
+        # the tokens alone, padding left out, from slot 0 on: the slots that hold tokens are a prefix
+        # (``written``), which an eager decode step reads without a mask
+        real = (positions != EMPTY_POSITION).nonzero().flatten()  # the caller's positions are on the host
+        slots = real.numel()
+        real = real.to(k.device)
+        self.keys[:, :, :slots] = k.index_select(2, real)
+        self.values[:, :, :slots] = v.index_select(2, real)
+        self.positions[:slots] = positions.to(self.positions.device).index_select(0, real)
         self._append_start.fill_(tokens)
         self._append_slot.fill_(slots)
+        self.host_append = (tokens, slots)
 
     def _deal_last_window(self, k: Tensor, v: Tensor, positions: Tensor, tokens: int) -> None:
         """The prompt's tokens a later query can see (the first, at ``tokens``, sees back to
@@ -220,6 +229,7 @@ class CacheShard:
         first = max(0, tokens - self.window + 1)
         self._append_start.fill_(first)
         self._append_slot.fill_(0)
+        self.host_append = (first, 0)
         most = min(self.window - 1, k.shape[2])  # what one rank can hold of the last window
         if most == 0:
             return
@@ -263,6 +273,8 @@ class CacheShard:
                     f"{k.shape[2]} more arrived (make the cache for the generation's max_length)"
                 )
             self.host_seen = stored + k.shape[2]
+            if self.ring is None:
+                return self._append_known(k, v, stored)
         new = self.seen + torch.arange(k.shape[2], device=self.seen.device)
         turn = new - self._append_start
         mine = turn % self.world_size == self._rank
@@ -288,6 +300,32 @@ class CacheShard:
         )
         return step
 
+    def _append_known(self, k: Tensor, v: Tensor, stored: int) -> Step:
+        """``append`` where the host knows the count (eager steps): this rank's tokens copied into their slots,
+        the same slots and positions as the tensor arithmetic gives, in a third of the calls."""
+        length, world_size = k.shape[2], self.world_size
+        new = torch.arange(stored, stored + length, device=self.seen.device)
+        self.seen.add_(length)
+        start, first_slot = self.host_append
+        first = (self.host_rank - (stored - start)) % world_size  # the step's first token this rank keeps
+        kept = len(range(first, length, world_size))
+        if kept:
+            slot = first_slot + (stored - start + first) // world_size
+            mine = slice(first, None, world_size)
+            self.keys[:, :, slot : slot + kept] = k[:, :, mine]
+            self.values[:, :, slot : slot + kept] = v[:, :, mine]
+            self.positions[slot : slot + kept] = new[mine]
+        return Step(self.keys, self.values, self.positions, new)
+
+    def written(self) -> Optional[int]:
+        """Eagerly, the slots ``[0, n)`` of this rank that hold tokens (every one of them; a read of the device
+        only after a compiled step); None for a window's ring, whose slots are overwritten in turn."""
+        if self.ring is not None:
+            return None
+        start, first_slot = self.host_append
+        turns = self.stored() - start  # appended tokens, dealt round robin from this rank's turn on
+        return first_slot + max(0, (turns - self.host_rank + self.world_size - 1) // self.world_size)
+
     def stored(self) -> int:
         """Tokens of the sequence stored so far, over all ranks (a device read only after a compiled step)."""
         if self.host_seen is None:
@@ -305,20 +343,32 @@ class CacheShard:
         ``options`` from ``inference.cached.cached_options``."""
         left = -1 if self.window is None else self.window - 1
         check = self.agreement
-        tag = check.tag(acc_dtype(q.dtype)) if check is not None and self.index == 0 else None
-        attention = torch.ops.cp.cached_attention if torch.compiler.is_compiling() else cached_attention
-        out, lse, tags = attention(
-            q,
-            step.keys,
-            step.values,
-            step.query_positions,
-            step.key_positions,
-            self.group_name,
-            left,
-            scale,
-            options,
-            tag,
-        )
+        # one rank has no other to agree with (``Agreement.finish`` has nothing to gather either)
+        sent = check is not None and self.index == 0 and self.world_size > 1
+        tag = check.tag(acc_dtype(q.dtype)) if sent else None
+        compiling = torch.compiler.is_compiling()
+        written = None if compiling or q.shape[2] != 1 or options not in _PLAIN else self.written()
+        if written and (self.window is None or self.window >= self.max_tokens):
+            # one token after every stored one, no window or chunk: it sees every slot written so far
+            # (a compiled step reads the whole preallocated cache by position, as a static cache does)
+            out, lse = every_key_attn(q, step.keys[:, :, :written], step.values[:, :, :written], scale)
+            if self.world_size == 1:
+                return out.to(q.dtype), lse
+            out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
+        else:
+            attention = torch.ops.cp.cached_attention if compiling else cached_attention
+            out, lse, tags = attention(
+                q,
+                step.keys,
+                step.values,
+                step.query_positions,
+                step.key_positions,
+                self.group_name,
+                left,
+                scale,
+                options,
+                tag,
+            )
         if check is not None:
             check.record(self.index, tags, payload_numel(q[:, :, :1], step.values))
         return out, lse

@@ -56,12 +56,20 @@ def cached_attention(
     ``group_name`` calls it with the same ``q``."""
     chunk, softcap = _cached_settings(options)
     out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)
+    return merge_over_ranks(q, out, lse, group_name, tag)
+
+
+def merge_over_ranks(
+    q: Tensor, out: Tensor, lse: Tensor, group_name: str, tag: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``cached_attention`` returns, from this rank's (out, lse) of ``q`` over its own share: one
+    all-gather of every rank's, merged in rank order. Collective."""
     world_size = resolve_group(group_name).size()
-    tag = out.new_empty(0) if tag is None else tag.to(out.dtype)
+    tag = lse.new_empty(0) if tag is None else tag.to(lse.dtype)
     if world_size == 1:
         return out.to(q.dtype), lse.contiguous(), tag[None].clone()
     # out, lse and the tag travel as one tensor: one collective per layer
-    payload = torch.cat([torch.cat([out, lse.unsqueeze(-1)], dim=-1).flatten(), tag])
+    payload = torch.cat([torch.cat([out.to(lse.dtype), lse.unsqueeze(-1)], dim=-1).flatten(), tag])
     gathered = gather_dim0(payload[None], group_name, world_size)
     tags_at = payload.numel() - tag.numel()
     both = gathered[:, :tags_at].reshape(world_size, *out.shape[:-1], out.shape[-1] + 1)

@@ -108,6 +108,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         for counter in (self.seen, self._append_start, self._append_slot):
             counter.zero_()
         self.host_seen = 0
+        self.host_append = (0, 0)
 
     crop = _unsupported("cropping (assisted decoding, rolling back tokens)")
     reorder_cache = _unsupported("reordering (beam search)")

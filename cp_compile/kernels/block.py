@@ -150,12 +150,14 @@ def _pad_dim(t: Tensor, dim: int) -> Tensor:
     return t if t.shape[-1] == dim else torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
 
 
-def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in the accumulator dtype) of one dense tile, causal (top-left) or not: one fused
+    kernel call where the device has one."""
     if q.shape[-1] != v.shape[-1] and not _use_math(q):
         # the fused kernels take one head dim: zero columns change neither the scores (q, k) nor the
         # kept columns of the output (v); multi-head latent attention has q/k wider than v
         dim = max(q.shape[-1], v.shape[-1])
-        out, lse = _tile_fwd(_pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim), causal, scale)
+        out, lse = tile_fwd(_pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim), causal, scale)
         return out[..., : v.shape[-1]], lse
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -172,7 +174,7 @@ def _tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tu
 
 def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
     """(dq, dk, dv) of one dense tile, in the inputs' dtype or, where the kernel gives it, the accumulator's."""
-    if q.shape[-1] != v.shape[-1] and not _use_math(q):  # see _tile_fwd
+    if q.shape[-1] != v.shape[-1] and not _use_math(q):  # see tile_fwd
         dim = max(q.shape[-1], v.shape[-1])
         dq, dk, dv = _tile_bwd(*(_pad_dim(t, dim) for t in (dout, q, k, v, out)), lse, causal, scale)
         return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
@@ -282,10 +284,10 @@ def block_attn_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) ->
     tiles = _pieces(q.shape[2], k.shape[2], mask)
     if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[2]):
         _, cols, causal = tiles[0]
-        return _tile_fwd(q, k[:, :, cols], v[:, :, cols], causal, scale)
+        return tile_fwd(q, k[:, :, cols], v[:, :, cols], causal, scale)
     out, lse = _empty_result(q, v)
     for rows, cols, causal in tiles:
-        part_out, part_lse = _tile_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        part_out, part_lse = tile_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
         _merge_into(out, lse, part_out, part_lse, rows)
     return out, lse
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .block import aten, soft_cap
+from .block import aten, soft_cap, tile_fwd
 from .merge import acc_dtype, pivot
 
 # Positions far beyond any sequence: a cache slot holding no token carries it and is never visible.
@@ -73,6 +73,15 @@ def positions_attn(
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def every_key_attn(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in the accumulator dtype) of queries that see every key (a decoded token against the
+    cache slots written so far): one call of the fused kernel without a mask, the query heads of a key/value head
+    folded into rows, so that the cache is read in place."""
+    b, hq, lq, _ = q.shape
+    out, lse = tile_fwd(_fold_groups(q, k.shape[1]), k, v, False, scale)
+    return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
 
 
 def fused_masked_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -66,12 +66,12 @@ def _stub_our_kernels():
     def bwd(dout, q, k, v, out, lse, causal, scale):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    saved = block._tile_fwd, block._tile_bwd
-    block._tile_fwd, block._tile_bwd = fwd, bwd
+    saved = block.tile_fwd, block._tile_bwd
+    block.tile_fwd, block._tile_bwd = fwd, bwd
     try:
         yield
     finally:
-        block._tile_fwd, block._tile_bwd = saved
+        block.tile_fwd, block._tile_bwd = saved
 
 
 def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
