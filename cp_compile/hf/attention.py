@@ -254,8 +254,6 @@ def _cached(
     latent, as DeepSeek-V3's multi-head latent attention does, expands it after the update)."""
     layer, appended = step
     appended = appended._replace(keys=key, values=value)
-    if not _compiling():
-        layer.unattended = False
     if not variant.spec.causal:
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r}: a KV cache under context parallelism needs causal attention"
@@ -321,6 +319,8 @@ def attention(
     check_layer_types(module.config)
     query, key, value = _autocast(query, key, value)
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
+    if step is not None and not _compiling():
+        step[0].unattended = False  # what ShardedCache.check_attended asks
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: a forward without gradients that fills a KV "

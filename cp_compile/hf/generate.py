@@ -91,8 +91,10 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
+    # the guard's mode is set aside as while decoding: each layer's attention is checked by the cache, and the
+    # convolutions and scans by the model-call hooks (the input is the plan's shard)
     with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
-        with torch.no_grad():
+        with torch.no_grad(), set_aside():
             model(
                 input_ids=local_ids,
                 position_ids=local_positions[None],
@@ -102,6 +104,7 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
                 cu_seq_lens_q=documents,
                 cu_seq_lens_k=documents,
             )
+    cache.check_attended()
 
 
 def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:

@@ -85,6 +85,8 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             self.pending_prefill = None
             self.prefill(key_states, value_states, positions, tokens)
             kwargs[CACHE_STEP] = (self, None)
+            if not torch.compiler.is_compiling():
+                self.unattended = True
             return key_states, value_states
         step = self.append(key_states, value_states)
         kwargs[CACHE_STEP] = (self, step)
