@@ -64,20 +64,20 @@ def hooks_taken_out(handles) -> Iterator[None]:
     """The module hooks of ``handles`` (``register_module_forward_hook``'s) out of torch's dicts inside the block, put
     back under the same keys in the same order: Dynamo guards on those dicts, and hooks registered anew would make
     every compiled module that ran with them recompile."""
-    saved = []
+    taken: dict = {}  # id of a dict -> (the dict, its keys before, the hooks taken out of it by key)
     for handle in handles:
         for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
             hooks = ref()
             if hooks is not None and handle.id in hooks:
-                saved.append((hooks, list(hooks), handle.id, hooks.pop(handle.id)))
+                _, _, ours = taken.setdefault(id(hooks), (hooks, list(hooks), {}))
+                ours[handle.id] = hooks.pop(handle.id)
     try:
         yield
     finally:
-        for hooks, order, key, hook in saved:
-            hooks[key] = hook
-            for k in [*order, *(k for k in list(hooks) if k not in order)]:
-                if k in hooks:
-                    hooks.move_to_end(k)
+        for hooks, before, ours in taken.values():
+            hooks.update(ours)
+            for key in [*(k for k in before if k in hooks), *(k for k in list(hooks) if k not in before)]:
+                hooks.move_to_end(key)
 
 
 def missing(what: str) -> RuntimeError:

@@ -280,7 +280,7 @@ def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
             "outside `with plan:`, while its forward ran inside the plan: the recompute would attend to this "
             "rank's shard of the sequence alone. Call loss.backward() inside `with plan:` as well."
         )
-    if not recomputing and under_plan is not (plan is not None):  # set on a change only: nn.Module.__setattr__ is slow
+    if not recomputing and under_plan != (plan is not None):  # set on a change only: nn.Module.__setattr__ is slow
         module._cp_compile_under_plan = plan is not None
 
 
