@@ -244,8 +244,9 @@ def follow_up_and_plain_generate(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks, arch):
-    for follow_up, plain in ranks(3, follow_up_and_plain_generate, arch):
+@pytest.mark.parametrize("world_size", [1, 3])  # one rank: each prompt is one step on the fused causal kernel
+def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks, arch, world_size):
+    for follow_up, plain in ranks(world_size, follow_up_and_plain_generate, arch):
         assert follow_up and plain
 
 
@@ -279,13 +280,16 @@ def compiled_decode(arch: str, prompts: list, new: int):
     return same, counts, [gm.code for gm in graphs]
 
 
-def test_compiled_decode_captures_one_graph_for_every_token(ranks):
+@pytest.mark.parametrize("world_size", [1, 2])  # one rank: the step attends as one process does, lowered whole
+def test_compiled_decode_captures_one_graph_for_every_token(ranks, world_size):
     """64 tokens from one graph; a second prompt length (a new cache size) compiles once more, a third none.
     The graphs hold neither the rank nor the position: the same code on every rank."""
-    per_rank = ranks(2, compiled_decode, "qwen2", [9, 20, 30], NEW, timeout=600)
+    per_rank = ranks(world_size, compiled_decode, "qwen2", [9, 20, 30], NEW, timeout=600)
     for same, counts, _ in per_rank:
         assert all(same) and counts == [1, 2, 2], (same, counts)
-    assert per_rank[0][2] == per_rank[1][2]
+    assert all(codes == per_rank[0][2] for _, _, codes in per_rank)
+    one_rank = "cp.cached_attention" not in per_rank[0][2][0]
+    assert one_rank == (world_size == 1)
 
 
 def _own_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

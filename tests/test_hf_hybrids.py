@@ -124,26 +124,40 @@ def test_packed_documents_as_one_process_runs_them(ranks, family):
         _check(ranks(world_size, train_step, family, "eager", [1, 7, 19, 13]), (family, world_size))
 
 
-def swapped_scan() -> str:
-    """A scan function replaced after the plan wrapped it runs on this rank's shard alone: the model call raises."""
+def swapped_scan() -> list[str]:
+    """A scan function replaced after the plan wrapped it runs on this rank's shard alone: the model call raises,
+    and so does generation's sharded prefill (which follows its one model call without the global hooks)."""
     import importlib
 
     import cp_compile
+    import cp_compile.hf
 
     plan = cp_compile.ContextParallel()
     module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
-    try:
-        with plan:  # entering the plan wraps the mixers of the families loaded so far
-            model, inputs = _tiny_inputs("qwen3_5_text", plan)
-            wrapped = module.torch_chunk_gated_delta_rule
-            module.torch_chunk_gated_delta_rule = wrapped.__wrapped__  # what a kernel swapped in would be
-            try:
-                model(**inputs)
-            finally:
-                module.torch_chunk_gated_delta_rule = wrapped
-    except cp_compile.LocalAttentionError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for route in ("forward", "generate"):
+        try:
+            with plan:  # entering the plan wraps the mixers of the families loaded so far
+                model, inputs = _tiny_inputs("qwen3_5_text", plan)
+                wrapped = module.torch_chunk_gated_delta_rule
+
+                def own_kernel(*args, cu_seqlens=None, **kwargs):  # a kernel of the user's, blind to the plan
+                    return wrapped.__wrapped__(*args, **kwargs)
+
+                module.torch_chunk_gated_delta_rule = own_kernel
+                try:
+                    if route == "forward":
+                        model(**inputs)
+                    else:
+                        prompt = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(2))
+                        cp_compile.hf.generate(model, prompt, max_new_tokens=2, do_sample=False)
+                finally:
+                    module.torch_chunk_gated_delta_rule = wrapped
+        except cp_compile.LocalAttentionError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
 
 
 def _tiny_inputs(family, plan):
@@ -159,8 +173,8 @@ def _tiny_inputs(family, plan):
 def test_a_scan_that_escapes_the_wrappers_raises(ranks):
     import cp_compile.hf  # noqa: F401
 
-    for message in ranks(2, swapped_scan):
-        assert "scans ran under CP" in message, message
+    for messages in ranks(2, swapped_scan):
+        assert len(messages) == 2 and all("scans ran under CP" in m for m in messages), messages
 
 
 def generate_tokens(family: str) -> dict:

@@ -27,7 +27,7 @@ entry for every site pattern.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -254,21 +254,28 @@ def _needs_grad(*tensors) -> bool:
 def choose_packed(
     q, k, v, cu_seqlens, world_size: int, window: tuple[int, int], machine: Optional[Machine] = None, mesh: tuple = ()
 ) -> tuple[str, str, list[Estimate]]:
-    """Eager ``varlen_attention(schedule="auto")``: [T, H, D] q, k, v and the global ``cu_seqlens``."""
-    facts = packed_facts(cu_seqlens, q.shape[0], world_size, window)
-    return choose_masked(
-        "packed",
-        tuple(q.shape),
-        tuple(k.shape),
-        tuple(v.shape),
-        q.dtype,
-        world_size,
-        facts,
-        causal=window[1] == 0,
-        backward=_needs_grad(q, k, v),
-        machine=machine or default_machine(q.device.type),
-        mesh=mesh,
+    """Eager ``varlen_attention(schedule="auto")``: [T, H, D] q, k, v and the global ``cu_seqlens``.
+
+    Every layer of a model's forward asks the same question (the same documents and shapes): answered once."""
+    cu = None if cu_seqlens is None else tuple(check_cu_seqlens(cu_seqlens))
+    machine = machine or default_machine(q.device.type)
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    schedule, reason, estimates = _choose_packed(
+        cu, shapes, q.dtype, world_size, tuple(window), _needs_grad(q, k, v), machine, tuple(mesh)
     )
+    return schedule, reason, [replace(e, notes=list(e.notes)) for e in estimates]  # the caller's own
+
+
+@functools.lru_cache(maxsize=64)
+def _choose_packed(
+    cu, shapes: tuple, dtype: torch.dtype, world_size: int, window: tuple, backward: bool, machine: Machine, mesh: tuple
+) -> tuple[str, str, tuple[Estimate, ...]]:
+    facts = packed_facts(cu, shapes[0][0], world_size, window)
+    causal = window[1] == 0
+    schedule, reason, estimates = choose_masked(
+        "packed", *shapes, dtype, world_size, facts, causal=causal, backward=backward, machine=machine, mesh=mesh
+    )
+    return schedule, reason, tuple(estimates)
 
 
 def choose_flex(

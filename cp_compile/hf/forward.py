@@ -121,6 +121,23 @@ def model_calls_unfollowed() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def one_model_call_followed(model) -> Iterator[None]:
+    """Inside, the one model call a caller makes on the plan's shard is followed without the global hooks (module
+    calls take torch's fast path): that attention ran through ``"cp_compile"``, and the convolutions and scans under
+    CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
+    arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
+    entry = [model, 0, 0, 0]
+    with hooks_taken_out(_HOOKS):
+        _FORWARDS.append(entry)
+        try:
+            yield
+        finally:
+            _FORWARDS.remove(entry)
+    _check_attention_reached(model, model, entry[1])
+    _check_mixers(model, model, entry[CONV], entry[SCAN])
+
+
 def check_outside_plan(module, position_ids) -> None:
     """Outside every plan, the attention function of ``"cp_compile"`` refuses positions a plan made: the model
     was fed a plan's shard and is attending within it."""
@@ -132,15 +149,22 @@ def check_outside_plan(module, position_ids) -> None:
         )
 
 
+def _check_attention_reached(model, module, calls: int) -> None:
+    if calls == 0 and not _has_compiled_part(module):
+        raise UnsupportedAttention(
+            f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
+            "attention interface (its own attention code, or a recurrent model with none), so every rank "
+            "processed only its shard of the sequence; this model cannot run under context parallelism"
+        )
+
+
 def _check_mixers(model, module, convs: int, scans: int) -> None:
     """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
     after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
-    if _has_compiled_part(module):
-        return
     layer_types = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
     mixing = sum(t in ("linear_attention", "conv", "hybrid") for t in layer_types)
     scanning = sum(t in ("linear_attention", "hybrid") for t in layer_types)
-    if convs < mixing or scans < scanning:
+    if (convs < mixing or scans < scanning) and not _has_compiled_part(module):
         raise LocalAttentionError(
             f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
             f"convolutions and {scans} scans ran under CP in this forward: the others mixed this rank's shard alone "
@@ -160,12 +184,7 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs:
     if model.config._attn_implementation != "cp_compile":
         _check_other_attention(model, module, plan, args, kwargs)
         return
-    if calls == 0 and not _has_compiled_part(module):
-        raise UnsupportedAttention(
-            f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
-            "attention interface (its own attention code, or a recurrent model with none), so every rank "
-            "processed only its shard of the sequence; this model cannot run under context parallelism"
-        )
+    _check_attention_reached(model, module, calls)
     inputs = _inputs(args, kwargs)
     made = made_by(inputs)
     if made is None or made[0] is not plan or made[1] != "shard":
@@ -248,4 +267,12 @@ def _check_labels(model, kwargs: dict) -> None:
         )
 
 
-__all__ = ["CONV", "SCAN", "check_outside_plan", "count_call", "model_call_checks", "model_calls_unfollowed"]
+__all__ = [
+    "CONV",
+    "SCAN",
+    "check_outside_plan",
+    "count_call",
+    "model_call_checks",
+    "model_calls_unfollowed",
+    "one_model_call_followed",
+]

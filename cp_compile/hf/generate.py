@@ -26,7 +26,7 @@ from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
-from .forward import model_calls_unfollowed
+from .forward import model_calls_unfollowed, one_model_call_followed
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -86,24 +86,25 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     is one packed document: the attention reads it from ``cu_seq_lens_q``, a model's convolutions and scans
     from the plan's documents while it runs (``plan.documents_during``)."""
     tokens = input_ids.shape[1]
-    cu = torch.tensor([0, tokens], dtype=torch.int32)
-    slots = packed_slots(cu, plan.rank, plan.world_size)
-    positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
-    local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
-    documents = cu.to(input_ids.device)
     # the guard's mode is set aside as while decoding: each layer's attention is checked by the cache, and the
-    # convolutions and scans by the model-call hooks (the input is the plan's shard)
-    with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
-        with torch.no_grad(), set_aside():
-            model(
-                input_ids=local_ids,
-                position_ids=local_positions[None],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                cu_seq_lens_q=documents,
-                cu_seq_lens_k=documents,
-            )
+    # convolutions and scans by the count of this one call (the positions are the plan's, and no labels are given)
+    with set_aside():
+        cu = torch.tensor([0, tokens], dtype=torch.int32)
+        slots = packed_slots(cu, plan.rank, plan.world_size)
+        positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+        local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
+        documents = cu.to(input_ids.device)
+        with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
+            with torch.no_grad(), one_model_call_followed(model):
+                model(
+                    input_ids=local_ids,
+                    position_ids=local_positions[None],
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    cu_seq_lens_q=documents,
+                    cu_seq_lens_k=documents,
+                )
     cache.check_attended()
 
 
@@ -170,7 +171,10 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             "prompt cannot be prefilled sharded"
         )
     _check_same_prompt(plan, input_ids)
-    if input_ids.shape[1] > 1 and not cache.holds_tokens():
+    # over one rank a prompt has nothing to shard: generate() runs it as one step through the cache, as one process
+    # does (sharding it would pad it to the layout and add a step); a hybrid's states come from the sharded prefill
+    one_rank = plan.world_size == 1 and not any(cache.is_linear)
+    if input_ids.shape[1] > 1 and not cache.holds_tokens() and not one_rank:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
     criteria = StoppingCriteriaList(
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]

@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from ..comm.gather import gather_dim0
-from ..kernels.masked import EMPTY_POSITION, every_key_attn
+from ..kernels.block import block_attn_impl
+from ..kernels.masked import EMPTY_POSITION, every_key_attn, positions_visible, visible_attn
 from ..kernels.merge import acc_dtype
 from .cached import cached_attention, cached_options, merge_over_ranks, payload_numel
 
@@ -90,7 +91,10 @@ class Agreement:
 
     def record(self, layer: int, tags: Tensor, per_query: int) -> None:
         """Every rank's tag as a layer's gather returned it (``[C, n]``; n = 0 for a layer without one)."""
-        self.per_query[layer] = per_query
+        if not torch.compiler.is_compiling():
+            # the same for every step of a layer (one query's payload), kept by the eager ones (a generation's first
+            # step is eager): a compiled step then writes no Python state, and its graph reads none
+            self.per_query[layer] = per_query
         if tags.shape[1]:
             self._compare(tags)
 
@@ -214,10 +218,15 @@ class CacheShard:
         # (``written``), which an eager decode step reads without a mask
         real = (positions != EMPTY_POSITION).nonzero().flatten()  # the caller's positions are on the host
         slots = real.numel()
-        real = real.to(k.device)
-        self.keys[:, :, :slots] = k.index_select(2, real)
-        self.values[:, :, :slots] = v.index_select(2, real)
-        self.positions[:slots] = positions.to(self.positions.device).index_select(0, real)
+        if slots and int(real[-1]) == slots - 1:  # a prefix already (the packed layout pads at the end): copies
+            self.keys[:, :, :slots] = k[:, :, :slots]
+            self.values[:, :, :slots] = v[:, :, :slots]
+            self.positions[:slots] = positions[:slots]
+        else:
+            real = real.to(k.device)
+            self.keys[:, :, :slots] = k.index_select(2, real)
+            self.values[:, :, :slots] = v.index_select(2, real)
+            self.positions[:slots] = positions.to(self.positions.device).index_select(0, real)
         self._append_start.fill_(tokens)
         self._append_slot.fill_(slots)
         self.host_append = (tokens, slots)
@@ -347,14 +356,25 @@ class CacheShard:
         sent = check is not None and self.index == 0 and self.world_size > 1
         tag = check.tag(acc_dtype(q.dtype)) if sent else None
         compiling = torch.compiler.is_compiling()
-        written = None if compiling or q.shape[2] != 1 or options not in _PLAIN else self.written()
-        if written and (self.window is None or self.window >= self.max_tokens):
+        if compiling and self.world_size == 1 and options in _PLAIN:
+            # one rank holds every slot: one process's attention over a static cache, which the compiler lowers with
+            # the step around it (a query always sees its own slot, written before it attends)
+            visible = positions_visible(step.query_positions, step.key_positions, left)
+            return visible_attn(q, step.keys, step.values, visible, scale)
+        written = None if compiling or options not in _PLAIN else self.written()
+        if written and (self.window is None or self.window >= self.max_tokens) and q.shape[2] == 1:
             # one token after every stored one, no window or chunk: it sees every slot written so far
             # (a compiled step reads the whole preallocated cache by position, as a static cache does)
             out, lse = every_key_attn(q, step.keys[:, :, :written], step.values[:, :, :written], scale)
             if self.world_size == 1:
                 return out.to(q.dtype), lse
             out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
+        elif written and self.window is None and self.world_size == 1:
+            # several tokens after every stored one on a rank that holds them all, slot i at position i: each sees
+            # the slots up to its own, the causal mask anchored at the last slot (a prompt run as one step)
+            keys, values = step.keys[:, :, :written], step.values[:, :, :written]
+            out, lse = block_attn_impl(q, keys, values, "causal_bottom_right", scale)
+            return out.to(q.dtype), lse
         else:
             attention = torch.ops.cp.cached_attention if compiling else cached_attention
             out, lse, tags = attention(
@@ -369,6 +389,6 @@ class CacheShard:
                 options,
                 tag,
             )
-        if check is not None:
+        if check is not None and self.world_size > 1:  # one rank has no other to agree with
             check.record(self.index, tags, payload_numel(q[:, :, :1], step.values))
         return out, lse

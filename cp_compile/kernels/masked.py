@@ -84,6 +84,21 @@ def every_key_attn(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
 
 
+def visible_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in the accumulator dtype) of ``q [B, Hq, Lq, D]`` against ``k, v`` (GQA) where
+    ``visible [Lq, Lk]``, every row seeing some key, as plain torch ops that a compiler lowers whole: SDPA for the
+    output, the log-sum-exp from the scores beside it, which a compiled graph drops where nothing reads it."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    b, hq, lq, _ = q.shape
+    dt = acc_dtype(q.dtype)
+    scores = torch.matmul(_fold_groups(q.to(dt), k.shape[1]), k.to(dt).transpose(-1, -2)) * scale
+    folded = visible.repeat(hq // k.shape[1], 1)
+    lse = torch.logsumexp(scores.masked_fill(~folded, float("-inf")), dim=-1)
+    return out, lse.reshape(b, hq, lq)
+
+
 def fused_masked_ready(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """CPU's fused kernel takes a mask and returns lse; it computes in the inputs' dtype, so only where that is
     the accumulator dtype (fp32, fp64), and it cannot apply a soft-cap.

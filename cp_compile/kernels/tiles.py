@@ -136,6 +136,7 @@ def tiles_attn(
     dt = acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)
     lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=dt, device=q.device)
+    reach = 0  # rows from here on hold no earlier tile's result
     for t in tiles:
         qt = _bhld(q, t.q_row, t.q_len)
         kt, vt = _bhld(k, t.k_row, t.k_len), _bhld(v, t.k_row, t.k_len)
@@ -143,7 +144,13 @@ def tiles_attn(
             part_out, part_lse = math_attn_impl(qt, kt, vt, _visible(t, q.device), scale, softcap)
         else:
             part_out, part_lse = block_attn_impl(qt, kt, vt, t.mask, scale)
-        merge_into_(_bhld(out, t.q_row, t.q_len), _bhld(lse, t.q_row, t.q_len), part_out, part_lse)
+        rows_out, rows_lse = _bhld(out, t.q_row, t.q_len), _bhld(lse, t.q_row, t.q_len)
+        if t.q_row >= reach:  # the first result for these rows: a copy, not a merge with the empty start
+            rows_out.copy_(part_out)
+            rows_lse.copy_(part_lse)
+        else:
+            merge_into_(rows_out, rows_lse, part_out, part_lse)
+        reach = max(reach, t.q_row + t.q_len)
     return out.to(q.dtype), lse
 
 
