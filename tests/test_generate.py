@@ -206,6 +206,57 @@ def test_generate_matches_one_process(ranks, world_size):
             assert longest["window_bytes"] == longest["one_process_window_bytes"] / 7 * slots
 
 
+def update_without_kwargs_parity(family: str, prompts: list, new: int, compiled: bool = False):
+    """A family whose attention calls cache.update(k, v, layer_idx) without its kwargs, from the model sweep's tiny
+    config: cp_compile.hf.generate against "sdpa" generate on one process (tokens, logits), and the graphs a compiled
+    decode made (transformers' CompileConfig, aot_eager)."""
+    from test_hf import rel_err
+    from transformers import CompileConfig
+
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.tools.bench import model_configs, model_run
+
+    torch._dynamo.reset()
+    config, cls, _ = model_configs.tiny_config(family)
+    model, reference = model_run._build(cls, config, "cp_compile"), model_run._build(cls, config, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    kwargs = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    if compiled:
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=counting, mode=None)
+        kwargs["compile_config"]._compile_all_devices = True  # transformers compiles decoding by itself on GPUs only
+    plan = cp_compile.ContextParallel()
+    results = []
+    for n in prompts:
+        ids = torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(n))
+        ref = reference.generate(ids, **{k: v for k, v in kwargs.items() if k != "compile_config"})
+        with plan:
+            out = cp_compile.hf.generate(model, ids, **kwargs)
+        same = torch.equal(out.sequences, ref.sequences)
+        results.append((same, rel_err(torch.stack(out.logits), torch.stack(ref.logits))))
+    return results, len(graphs)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("family", ["gpt_neox", "ctrl"])
+def test_generate_when_the_model_updates_the_cache_without_its_kwargs(ranks, family, world_size):
+    """GPT-NeoX and CTRL hand the attention only the keys cache.update returned: the step rides with them."""
+    for results, _ in ranks(world_size, update_without_kwargs_parity, family, [1, 9, 30], 16):
+        assert all(same and err < 1e-5 for same, err in results), results
+
+
+def test_compiled_decode_when_the_model_updates_the_cache_without_its_kwargs(ranks):
+    """The step handed over with the keys is traced with them: one graph for every token."""
+    for results, graphs in ranks(2, update_without_kwargs_parity, "gpt_neox", [9], 16, True):
+        assert all(same and err < 1e-5 for same, err in results) and graphs == 1, (results, graphs)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sampling_with_one_seed_matches_one_process(ranks, world_size):
     for results in ranks(world_size, hf_generate_parity, "qwen2", [9], 32, True):

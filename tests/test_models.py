@@ -8,6 +8,7 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 # one sequence, a sliding-window layer, windows on every layer; chunked attention (applied only by the mask),
 # a window applied only by the mask, soft-capped scores, attention sinks, multi-head latent attention
 MUST_BE_EXACT = ["llama", "qwen2", "mistral", "llama4_text", "phimoe", "gemma2", "gpt_oss", "deepseek_v3"]
+MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx) without their attention kwargs
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, short convolutions): exact in
 # both phases (Mamba2 alone, linear layers only, is refused in generation by name)
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]

@@ -65,7 +65,7 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
-from ..inference.hf_cache import CACHE_STEP, runs_mixers_under_cp
+from ..inference.hf_cache import CACHE_STEP, runs_mixers_under_cp, step_handed_with
 from ..kernels.merge import fold_sinks
 from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
@@ -317,8 +317,10 @@ def attention(
         )
     count_call()
     check_layer_types(module.config)
-    query, key, value = _autocast(query, key, value)
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
+    if step is None:
+        step = step_handed_with(key)  # an update called without the attention kwargs
+    query, key, value = _autocast(query, key, value)
     if step is not None and not _compiling():
         step[0].unattended = False  # what ShardedCache.check_attended asks
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():

@@ -43,6 +43,27 @@ from .cache import Agreement, CacheShard
 # Key of the attention kwargs under which ``update`` leaves (layer, its ``cache.Step``, or None in a sharded prefill).
 CACHE_STEP = "cp_compile_cache_step"
 
+# A model that calls ``cache.update(k, v, layer_idx)`` without its attention kwargs (GPT-NeoX, CTRL) hands the
+# attention function the keys ``update`` returned, and nothing else of the cache's: the step rides with those keys,
+# (the keys, then what ``CACHE_STEP`` would hold) for the one attention call that follows the update in that layer.
+_HANDED: list = [None]
+
+
+def step_handed_with(key: Tensor) -> Optional[tuple]:
+    """(layer, step) that ``update`` handed over with ``key`` when it had no attention kwargs to leave it in; None when
+    ``key`` is not what the latest such update returned. Taken once."""
+    handed, _HANDED[0] = _HANDED[0], None
+    if handed is None:
+        return None
+    keys, step = handed
+    if keys is not key:
+        raise UnsupportedAttention(
+            "ShardedCache: the model called cache.update without its attention kwargs and attention was handed other "
+            "keys than the ones update returned (keys repeated or changed in between); the cache's step cannot follow "
+            "them. Models that pass kwargs=kwargs to cache.update can change their keys in between."
+        )
+    return step
+
 
 def _unsupported(what: str):
     def refuse(*args, **kwargs):
@@ -69,10 +90,10 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, kwargs: Optional[dict] = None, **_):
         if kwargs is None:
-            raise UnsupportedAttention(
-                "ShardedCache: this model calls cache.update without its attention kwargs "
-                "(cache.update(k, v, layer_idx, kwargs=kwargs), as Llama, Qwen2 and Mistral do); it cannot be sharded"
-            )
+            handed: dict = {}
+            keys, values = self.update(key_states, value_states, kwargs=handed)
+            _HANDED[0] = (keys, handed[CACHE_STEP])
+            return keys, values
         if not torch.compiler.is_compiling() and active_plan() is None:
             raise UnsupportedAttention(
                 "ShardedCache is used outside `with plan:`: attention would see this rank's "
@@ -241,6 +262,7 @@ class ShardedCache(Cache):
         that attention saw one rank's share alone. Where the guard of ``with plan:`` is set aside (decoding in
         ``cp_compile.hf.generate``), this is the check that takes its place."""
         missed = [i for i, layer in enumerate(self.layers) if getattr(layer, "unattended", False)]
+        _HANDED[0] = None  # a step handed over and never taken (the attention that would have taken it is missed)
         if missed:
             raise LocalAttentionError(
                 f"layers {missed} of the ShardedCache handed their keys and values to attention that is not "
