@@ -21,7 +21,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ..comm.gather import gather_dim0
 from ..errors import UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import ShardedCache
+from ..inference.hf_cache import ShardedCache, drop_handed_step
 from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
@@ -182,8 +182,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
     # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
     # fast path, would cost as much host time per step as the step's own Python
-    with set_aside(), model_calls_unfollowed():
-        result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+    try:
+        with set_aside(), model_calls_unfollowed():
+            result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+    finally:
+        drop_handed_step()
     if cache.agreement.finish():
         raise RuntimeError(
             "cp_compile.hf.generate: the ranks generated different tokens or stopped at different "

@@ -21,6 +21,7 @@ function builds no mask, and attention masks by the positions the cache holds.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -46,23 +47,31 @@ CACHE_STEP = "cp_compile_cache_step"
 # A model that calls ``cache.update(k, v, layer_idx)`` without its attention kwargs (GPT-NeoX, CTRL) hands the
 # attention function the keys ``update`` returned, and nothing else of the cache's: the step rides with those keys,
 # (the keys, then what ``CACHE_STEP`` would hold) for the one attention call that follows the update in that layer.
+# Eagerly the keys are held weakly; a compiled step makes and takes the handoff inside its own trace.
 _HANDED: list = [None]
+
+
+def hand_over(keys: Tensor, step: tuple) -> None:
+    _HANDED[0] = (keys if torch.compiler.is_compiling() else weakref.ref(keys), step)
 
 
 def step_handed_with(key: Tensor) -> Optional[tuple]:
     """(layer, step) that ``update`` handed over with ``key`` when it had no attention kwargs to leave it in; None when
-    ``key`` is not what the latest such update returned. Taken once."""
-    handed, _HANDED[0] = _HANDED[0], None
-    if handed is None:
+    ``key`` is not what the latest such update returned. Taken once. (A model whose attention is handed other keys, or
+    attends on its own, leaves its layer unattended: ``ShardedCache.check_attended`` names it.)"""
+    handed = _HANDED[0]
+    if handed is None:  # read, not written: a compiled forward without a cache traces no side effect
         return None
+    _HANDED[0] = None
     keys, step = handed
-    if keys is not key:
-        raise UnsupportedAttention(
-            "ShardedCache: the model called cache.update without its attention kwargs and attention was handed other "
-            "keys than the ones update returned (keys repeated or changed in between); the cache's step cannot follow "
-            "them. Models that pass kwargs=kwargs to cache.update can change their keys in between."
-        )
-    return step
+    if isinstance(keys, weakref.ref):
+        keys = keys()
+    return step if keys is key else None
+
+
+def drop_handed_step() -> None:
+    """Forget a step handed over and never taken (its attention was not ``"cp_compile"``'s, or the call failed)."""
+    _HANDED[0] = None
 
 
 def _unsupported(what: str):
@@ -92,7 +101,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         if kwargs is None:
             handed: dict = {}
             keys, values = self.update(key_states, value_states, kwargs=handed)
-            _HANDED[0] = (keys, handed[CACHE_STEP])
+            hand_over(keys, handed[CACHE_STEP])
             return keys, values
         if not torch.compiler.is_compiling() and active_plan() is None:
             raise UnsupportedAttention(
@@ -262,7 +271,7 @@ class ShardedCache(Cache):
         that attention saw one rank's share alone. Where the guard of ``with plan:`` is set aside (decoding in
         ``cp_compile.hf.generate``), this is the check that takes its place."""
         missed = [i for i, layer in enumerate(self.layers) if getattr(layer, "unattended", False)]
-        _HANDED[0] = None  # a step handed over and never taken (the attention that would have taken it is missed)
+        drop_handed_step()
         if missed:
             raise LocalAttentionError(
                 f"layers {missed} of the ShardedCache handed their keys and values to attention that is not "
