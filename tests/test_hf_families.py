@@ -241,9 +241,9 @@ def declared_refusal(family: str, phase: str) -> str:
 
 @pytest.mark.parametrize("phase", ["train", "generate"])
 def test_hybrid_layers_are_refused_by_their_declared_type(ranks, phase):
-    """MiniMax's lightning attention (an inline loop cp_compile does not run under CP), in both phases."""
-    for message in ranks(2, declared_refusal, "minimax", phase):
-        assert "linear_attention" in message, message
+    """Zaya's "hybrid" layers (its attention's q/k/v made by a convolution of its own), in both phases."""
+    for message in ranks(2, declared_refusal, "zaya", phase):
+        assert "'hybrid'" in message, message
 
 
 def escaped_convolution() -> str:

@@ -22,10 +22,12 @@ COVERED = [
     "lfm3",
     "mamba",
     "mamba2",
+    "minimax",  # its lightning attention, a module with code of its own, over the gathered sequence
     "nemotron_h",
     "olmo_hybrid",
     "qwen3_5_text",
     "qwen3_next",
+    "zamba",  # Mamba's selective scan once per head
     "zamba2",
 ]
 
@@ -115,7 +117,7 @@ def test_gradient_checkpointing(ranks, family):
     _check(ranks(2, train_step, family, "eager", None, checkpointing=True), family)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "minimax"])
 def test_packed_documents_as_one_process_runs_them(ranks, family):
     """Documents of 1, 7, 19 and 13 tokens in one row, with position_ids alone: one process's convolution and
     scan read across document boundaries (its torch bodies reset only given cu_seqlens / seq_idx, which they
@@ -191,22 +193,92 @@ def generate_tokens(family: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_generate_token_for_token(ranks, world_size):
-    """Every covered family with an attention layer; Mamba and Mamba2 (linear layers alone) are refused by name."""
     for family in COVERED:
         for result in ranks(world_size, generate_tokens, family):
-            if family in ("mamba", "mamba2"):
-                assert result["status"] == "refused" and "linear" in result["detail"], result
-            else:
-                assert result["status"] == "exact", (family, result)
+            assert result["status"] == "exact", (family, result)
 
 
-def explained_mixers() -> list:
+class _StopAtLength:
+    """A user's stopping rule that reads the whole sequence: stops once it holds ``length`` tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def generate_reading_the_sequence(family: str, prompts: list) -> list:
+    """What reads the whole sequence (repetition penalties, n-gram bans, minimum lengths, a user's own stopping
+    rule, sampling with one seed) decides as on one process, also for a model of linear layers alone, whose
+    decoding loop starts from the prompt's last token; then ranks seeded differently all raise."""
+    import torch.distributed as dist
+    from transformers import StoppingCriteriaList
+
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    model.eval(), reference.eval()
+    plan = cp_compile.ContextParallel()
+    results = []
+    for n in prompts:
+        ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
+        kwargs = dict(
+            max_new_tokens=24,
+            min_new_tokens=4,
+            repetition_penalty=1.5,
+            no_repeat_ngram_size=2,
+            do_sample=True,
+            top_k=5,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        stop = StoppingCriteriaList([_StopAtLength(n + 20)])
+        torch.manual_seed(3)
+        with torch.no_grad():
+            ref = reference.generate(ids, stopping_criteria=stop, **kwargs)
+        torch.manual_seed(3)
+        with plan, torch.no_grad():
+            out = cp_compile.hf.generate(model, ids, stopping_criteria=stop, **kwargs)
+        results.append((torch.equal(out.sequences, ref.sequences), out.sequences.shape[1] - n, _rel_logits(out, ref)))
+    torch.manual_seed(dist.get_rank())
+    try:
+        with plan:
+            cp_compile.hf.generate(model, ids, max_new_tokens=16, do_sample=True, temperature=5.0)
+    except RuntimeError as e:
+        results.append(str(e))
+    else:
+        results.append("no error")
+    return results
+
+
+def _rel_logits(out, ref) -> float:
+    mine, theirs = torch.stack(out.logits), torch.stack(ref.logits)
+    return float((mine - theirs).abs().max() / theirs.abs().max())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_generate_sampled_with_processors(ranks, world_size):
+    """Mamba and Mamba2 (linear layers alone) and Qwen3.5: prompts of 1, 2 and 30 tokens (the first step's mixers
+    run over the whole prompt on every rank, one token prefilled, 29)."""
+    for family in ("mamba", "mamba2", "qwen3_5_text"):
+        for results in ranks(world_size, generate_reading_the_sequence, family, [1, 2, 30]):
+            *runs, refusal = results
+            for same, new, err in runs:
+                assert same and new == 20 and err < 1e-5, (family, runs)
+            assert ("different tokens" in refusal) if world_size > 1 else refusal == "no error", refusal
+
+
+def explained_mixers(family: str) -> list:
     import cp_compile
     import cp_compile.hf  # noqa: F401
 
     torch._dynamo.reset()
     plan = cp_compile.ContextParallel()
-    model, inputs = _tiny_inputs("qwen3_5_text", plan)
+    model, inputs = _tiny_inputs(family, plan)
     with plan:
         report = cp_compile.explain(model, plan=plan, **inputs)
     return [(m.route, m.received_bytes) for m in report.mixers] + [str(report).splitlines()[0]]
@@ -214,8 +286,16 @@ def explained_mixers() -> list:
 
 def test_explain_lists_the_mixers(ranks):
     """The compiled model's convolution halo and its scan's exchanges, each with its route and bytes."""
-    for result in ranks(2, explained_mixers):
+    for result in ranks(2, explained_mixers, "qwen3_5_text"):
         *mixers, header = result
         routes = {route for route, _ in mixers}
         assert "halo" in routes and ({"heads all-to-all", "heads all-to-all (back)"} <= routes or "states" in routes)
         assert all(n > 0 for _, n in mixers) and "mixer op(s)" in header, result
+
+
+def test_explain_lists_the_gathered_modules(ranks):
+    """MiniMax's lightning attention, compiled whole (no graph break): one gathered hidden state per linear layer,
+    C-1 shards received."""
+    for result in ranks(2, explained_mixers, "minimax"):
+        *mixers, header = result
+        assert mixers == [("gathered", 32 * 64 * 4)] and "0 graph break(s)" in header, result

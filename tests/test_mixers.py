@@ -76,6 +76,75 @@ def conv_case(layout_name, width, reset):
     return errs
 
 
+def sequence_tails(count: int, lengths: list) -> list:
+    """A convolution's state after a sharded prefill (the sequence's last ``count`` tokens, zeros before its first)
+    against the unsharded sequence's: every layout, one sequence of each length (the packed layout pads it to 2C
+    chunks, some of them empty)."""
+    import cp_compile
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.halo import sequence_tail
+
+    wrong = []
+    for layout in ("zigzag", "contiguous", "packed"):
+        for n in lengths:
+            plan = cp_compile.ContextParallel(load_balance="contiguous" if layout == "contiguous" else "zigzag")
+            cu = torch.tensor([0, n]) if layout == "packed" else None
+            if cu is None and n % (2 * plan.world_size):
+                continue  # one sequence per row splits evenly or is refused by the plan
+            x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(n))
+            want = torch.nn.functional.pad(x, (max(count - n, 0), 0))[..., -count:]
+            sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+            got = sequence_tail(_shard(plan, x, 2, cu), 2, count, sharding)
+            if not torch.equal(got, want):
+                wrong.append((layout, n, got[0, 0].tolist(), want[0, 0].tolist()))
+    return wrong
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sequence_tail_is_the_prompts_last_tokens(ranks, world_size):
+    for wrong in ranks(world_size, sequence_tails, 4, [*range(1, 14), 23, 24, 25]):
+        assert not wrong, wrong
+
+
+def _own_mixer(x, w):
+    """A mixer of its own: a recurrence with a learned decay per channel, plus a read of the whole sequence."""
+    decay, state, out = torch.sigmoid(w), torch.zeros_like(x[:, 0]), []
+    for t in range(x.shape[1]):
+        state = decay * state + x[:, t]
+        out.append(state)
+    return torch.stack(out, 1) + x.mean(1, keepdim=True)
+
+
+def gathered_case(layout_name):
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.gathered import gather_sequence, rank_rows
+
+    plan, cu, total = _setup(layout_name)
+    torch.manual_seed(0)
+    x = torch.randn(2, total, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, total, 5, dtype=torch.float64)
+    ref = _own_mixer(x, w)
+    ref.backward(dy)
+    xs = _shard(plan, x.detach(), 1, cu).requires_grad_()
+    wl = w.detach().clone().requires_grad_()
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    y = rank_rows(_own_mixer(gather_sequence(xs, 1, sharding), wl), 1, xs.shape[1], sharding)
+    y.backward(_shard(plan, dy, 1, cu))
+    torch.distributed.all_reduce(wl.grad)
+    errs = _errors(plan, [(y.detach(), ref.detach(), 1), (xs.grad, x.grad, 1)], cu)
+    return errs + [float((wl.grad - w.grad).abs().max())]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_a_mixer_of_its_own_over_the_gathered_sequence(ranks, world_size):
+    """The gathered route: output, input and parameter gradients in fp64, every layout (packed: padding dropped,
+    documents of length 1 and 0)."""
+    for layout in LAYOUTS:
+        for errs in ranks(world_size, gathered_case, layout):
+            assert max(errs) < 1e-10, (layout, errs)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_conv_halo_fp64_equals_one_process(ranks, world_size):
     cases = [(layout, width, False) for layout in LAYOUTS for width in (2, 4, 7)] + [("packed", 4, True)]
@@ -320,6 +389,8 @@ def opcheck_mixer_ops():
         (torch.ops.cp.to_head_groups, (groups, plan.group_name, "contiguous", None)),
         (torch.ops.cp.rank_slice, (groups[0], plan.group_name)),
         (torch.ops.cp.gather_groups, (groups, plan.group_name)),
+        (torch.ops.cp.gather_sequence, (groups, plan.group_name, "zigzag", None)),
+        (torch.ops.cp.gather_sequence, (packed.transpose(1, 2), plan.group_name, "zigzag", cu)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -9,14 +9,12 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 # a window applied only by the mask, soft-capped scores, attention sinks, multi-head latent attention
 MUST_BE_EXACT = ["llama", "qwen2", "mistral", "llama4_text", "phimoe", "gemma2", "gpt_oss", "deepseek_v3"]
 MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx) without their attention kwargs
-# hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, short convolutions): exact in
-# both phases (Mamba2 alone, linear layers only, is refused in generation by name)
+# hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
+# Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
-ALL_LINEAR = ("mamba2", "mamba", "falcon_mamba")
-# hybrids not covered (MiniMax's lightning attention), sparse attention, recurrent models and models with
-# attention code of their own: each stopped by a different check
+HYBRIDS += ["zamba", "minimax"]  # Mamba's scan per head; lightning attention over the gathered sequence
+# sparse attention, recurrent models and models with attention code of their own: each stopped by a different check
 MUST_BE_REFUSED = [
-    "minimax",
     "deepseek_v32",
     "rwkv",
     "openai-gpt",
@@ -70,7 +68,7 @@ def test_families_whose_attention_cp_runs_are_exact(rows, family):
 def test_hybrid_families_are_exact(rows, family):
     row = rows[family]
     assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
-    assert row["generate"]["status"] == ("refused" if family in ALL_LINEAR else "exact"), row["generate"]
+    assert row["generate"]["status"] == "exact", row["generate"]
 
 
 @pytest.mark.parametrize("family", MUST_BE_REFUSED)

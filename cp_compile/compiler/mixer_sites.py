@@ -2,7 +2,8 @@
 
 A convolution's halo (``cp::halo``) and a scan's exchanges to and from head groups
 (``cp::to_head_groups`` / ``cp::from_head_groups``) or its summaries' all-gather (``cp::gather_groups``,
-state passing) are custom ops the model's code called under a plan;
+state passing), and the sequence gathered into a module with mixing code of its own (``cp::gather_sequence``),
+are custom ops the model's code called under a plan;
 the backend leaves them as they are and reports each: where it is, its route and why, and the bytes one
 rank receives for it in the forward (the backward moves the same again).
 """
@@ -32,6 +33,10 @@ _ROUTES = {
     torch.ops.cp.gather_groups.default: (
         "states",
         "all-gather of one fp32 summary per chunk, folded in sequence order (state passing; or a final state)",
+    ),
+    torch.ops.cp.gather_sequence.default: (
+        "gathered",
+        "the whole sequence into a module with mixing code of its own, run on every rank (C times its compute)",
     ),
 }
 
@@ -78,7 +83,7 @@ def _received(node: fx.Node, shape: tuple[int, ...], itemsize: int, world_size: 
         _, dim, width, _, layout, cu = node.args[:6]
         chunks = chunk_count(layout, world_size, _example(cu) if cu is not None else None)
         return elements // shape[dim] * chunks * (width - 1) * world_size
-    if node.target is torch.ops.cp.gather_groups.default:
+    if node.target in (torch.ops.cp.gather_groups.default, torch.ops.cp.gather_sequence.default):
         return elements * (world_size - 1)
     return elements * (world_size - 1) // world_size
 

@@ -10,7 +10,10 @@ extension points:
   never reaches attention);
 - with ``plan.while_active``, the token mixers of the hybrid families (short convolutions, Gated DeltaNet /
   KDA, Mamba2; ``mixers.py``): their modeling modules' mixer functions, the ones transformers' kernel hub
-  swaps, wrapped when a plan is entered, calling the original unchanged outside every plan.
+  swaps, wrapped when a plan is entered, calling the original unchanged outside every plan;
+- per-module forward hooks on the modules of the families that mix tokens in code of their own (MiniMax's
+  lightning attention; ``gathered.py``), put on a model's modules before its first call under a plan: such a
+  module runs over the gathered sequence.
 
 ``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL ``SFTTrainer`` under CP.
 ``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs
@@ -28,6 +31,7 @@ from ..inference.hf_cache import ShardedCache
 from ..plan import while_active
 from .attention import NAME, attention, mask
 from .forward import model_call_checks
+from .gathered import hook_gathered_modules  # noqa: F401  (prepares the models it runs over the gathered sequence)
 from .generate import generate, sharded_prefill
 from .mixers import mixers_under_plans
 from .trainer import ContextParallelMixin

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,27 @@ def _has_compiled_part(module) -> bool:
     )
 
 
+# what prepares a model for its calls under a plan, before each eager call followed (``hf.gathered`` puts the
+# hooks of its route on the modules that mix tokens in code of their own)
+_PREPARE: list[Callable] = []
+
+
+def prepare_models_with(prepare: Callable) -> None:
+    _PREPARE.append(prepare)
+
+
+def _prepare(model) -> None:
+    for prepare in _PREPARE:
+        prepare(model)
+
+
 def start_model_call(module, args: tuple) -> None:
     """Global forward pre-hook: inside a plan, follows the outermost transformers model of a call."""
     if torch.compiler.is_compiling() or _FORWARDS or active_plan() is None:
         return
-    if _transformers_model(module) is not None:
+    model = _transformers_model(module)
+    if model is not None:
+        _prepare(model)
         _FORWARDS.append([module, 0, 0, 0])
 
 
@@ -128,6 +144,7 @@ def one_model_call_followed(model) -> Iterator[None]:
     CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
     arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
     entry = [model, 0, 0, 0]
+    _prepare(model)
     with hooks_taken_out(_HOOKS):
         _FORWARDS.append(entry)
         try:

@@ -7,7 +7,9 @@ prefill and keeps 1/C of the K/V in a ``ShardedCache``), then hands over to
 ``model.generate`` with that cache: transformers continues from a cache that
 already holds those tokens, so everything after the prefill (logits
 processors, sampling, stopping criteria, streamers, compiled decoding with a
-compileable cache) is transformers' own code, unchanged.
+compileable cache) is transformers' own code, unchanged. A model of linear layers alone,
+whose cache has no length for ``generate`` to slice the prompt by, continues through
+``_continue_prefilled``, transformers' decoding loop started from the prompt's last token.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .forward import model_calls_unfollowed, one_model_call_followed
+from .gathered import sharded_cache
+from .mixers import same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -108,16 +112,77 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     cache.check_attended()
 
 
-def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
-    """Every rank must generate from the same prompt: its length and a digest, compared on every rank."""
-    ids = input_ids.flatten().long()
+def _same_on_every_rank(plan: ContextParallel, ids: Tensor) -> bool:
+    """Collective: whether ``ids`` has the same length and digest on every rank (the same answer on every rank)."""
+    ids = ids.flatten().long()
     weights = torch.arange(1, ids.numel() + 1, device=ids.device) % 1_000_003
     mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), (ids * weights).sum()])
-    if not bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all()):
+    return bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all())
+
+
+def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
+    if not _same_on_every_rank(plan, input_ids):
         raise ValueError(
             "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
             "prompt, the same on every rank"
         )
+
+
+class _SeesWholeSequence:
+    """A logits processor list or stopping criteria list called with the prompt's prefilled tokens put back in
+    front of the ids it is given, so that what reads the sequence (repetition penalties, lengths, a user's own
+    rules) sees what one process's ``generate`` shows it."""
+
+    def __init__(self, inner, prefix: Tensor):
+        self.inner, self.prefix = inner, prefix
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs):
+        return self.inner(torch.cat([self.prefix, input_ids], 1), scores, **kwargs)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    @property
+    def max_length(self):
+        return self.inner.max_length
+
+
+def _continue_prefilled(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    **model_kwargs,
+):
+    """``generate()``'s decoding loop (passed as its ``custom_generate``) for a model of linear layers alone,
+    whose cache holds the state after all but the prompt's last token.
+
+    ``generate()`` slices the prompt by the cache's length only when some layer has one; a recurrent state has
+    none, so it would feed the whole prompt again. transformers' own loop runs here from the last prompt token
+    instead, with processors and criteria built for the whole prompt; the prefix goes back on the result."""
+    prefix = input_ids[:, :-1]
+    if model_kwargs.get("attention_mask") is not None:  # all ones (checked): one column per token fed
+        model_kwargs["attention_mask"] = model_kwargs["attention_mask"][:, -1:]
+    result = type(model)._sample(
+        model,
+        input_ids[:, -1:],
+        logits_processor=_SeesWholeSequence(logits_processor, prefix),
+        stopping_criteria=_SeesWholeSequence(stopping_criteria, prefix),
+        generation_config=generation_config,
+        synced_gpus=synced_gpus,
+        streamer=streamer,
+        **model_kwargs,
+    )
+    if isinstance(result, Tensor):
+        return torch.cat([prefix, result], 1)
+    result.sequences = torch.cat([prefix, result.sequences], 1)
+    return result
 
 
 class SameTokensOnEveryRank(StoppingCriteria):
@@ -158,17 +223,17 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     _check(model, input_ids, generate_kwargs, config)
     longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
-        cache = ShardedCache(model.config, longest, plan)
+        cache = sharded_cache(model, longest, plan)
     elif cache.get_max_length() < longest:
         raise ValueError(
             f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
             f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}"
         )
-    if all(cache.is_linear):
+    all_linear = all(cache.is_linear)
+    if all_linear and generate_kwargs.get("custom_generate") is not None:
         raise UnsupportedAttention(
-            "cp_compile.hf.generate: a model of linear (recurrent and convolution) layers alone; transformers' "
-            "generate() cannot continue such a model from a prefilled cache (it has no length to read), so the "
-            "prompt cannot be prefilled sharded"
+            "cp_compile.hf.generate: custom_generate with a model of linear layers alone (its decoding loop is "
+            "cp_compile's, which continues from the prefilled state)"
         )
     _check_same_prompt(plan, input_ids)
     # over one rank a prompt has nothing to shard: generate() runs it as one step through the cache, as one process
@@ -182,12 +247,17 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
     # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
     # fast path, would cost as much host time per step as the step's own Python
+    if all_linear and input_ids.shape[1] > 1:
+        generate_kwargs["custom_generate"] = _continue_prefilled
     try:
-        with set_aside(), model_calls_unfollowed():
+        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
             result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
     finally:
         drop_handed_step()
-    if cache.agreement.finish():
+    # a model of linear layers alone decodes with no collective to carry the agreement: its tokens are compared once
+    sequences = result if isinstance(result, Tensor) else result.sequences
+    differs = all_linear and not _same_on_every_rank(plan, sequences)
+    if cache.agreement.finish() or differs:
         raise RuntimeError(
             "cp_compile.hf.generate: the ranks generated different tokens or stopped at different "
             "steps; sampling needs the same seed on every rank (torch.manual_seed(s) on each before "

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from typing import Optional
 
 from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
@@ -71,10 +72,42 @@ FAMILIES = (
     "qwen3_5_moe",
     "qwen3_next",
     "qwen4_exp",
+    "zamba",
     "zamba2",
 )
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
+# families whose token mixers are modules with code of their own, no function to wrap: their modules run over the
+# gathered sequence (``hf.gathered``). By class name: the arguments that hold one row per token (gathered), and those
+# the module takes but does not read (passed as None)
+GATHERED_MIXERS = {
+    "minimax": {"MiniMaxLightningAttention": (("hidden_states",), ("position_embeddings",))},
+}
+GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
+# nothing to wrap: their modules take the hooks at their model's first call under a plan, whenever it was imported
+WRAPPED_MODULES.update(GATHERED_MODULES)
+
+
+class _Steps:
+    on_every_rank = False
+
+
+def _plan_of_shards() -> Optional[ContextParallel]:
+    """The active plan while the mixers are given this rank's shard of a sequence: none outside every plan, and
+    none while every rank runs the same tokens (``same_tokens_on_every_rank``)."""
+    return None if _Steps.on_every_rank else active_plan()
+
+
+@contextlib.contextmanager
+def same_tokens_on_every_rank():
+    """The steps of ``model.generate`` after a sharded prefill: every rank feeds the model the same tokens and
+    holds the whole conv and recurrent state, so a mixer that runs over several tokens (a prompt of one token, a
+    follow-up prompt) runs as one process runs it."""
+    before, _Steps.on_every_rank = _Steps.on_every_rank, True
+    try:
+        yield
+    finally:
+        _Steps.on_every_rank = before
 
 
 def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:
@@ -93,7 +126,7 @@ def _refuse_seq_idx(name: str, kwargs: dict) -> None:
 def _conv(original):
     @functools.wraps(original)
     def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        plan = active_plan()
+        plan = _plan_of_shards()
         if plan is None:
             return original(hidden_states, weight, bias, activation, **kwargs)
         _refuse_seq_idx("causal_conv1d_fn", kwargs)
@@ -118,7 +151,7 @@ def _route(plan: ContextParallel, shape: ScanShape, device) -> str:
 def _delta_rule(original):
     @functools.wraps(original)
     def delta_rule(query, key, value, g, beta, *args, **kwargs):
-        plan = active_plan()
+        plan = _plan_of_shards()
         if plan is None:
             return original(query, key, value, g, beta, *args, **kwargs)
         if args:
@@ -143,7 +176,7 @@ def _delta_rule(original):
 def _mamba2(original):
     @functools.wraps(original)
     def scan(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs):
-        plan = active_plan()
+        plan = _plan_of_shards()
         if plan is None:
             return original(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs)
         if args:
@@ -167,7 +200,7 @@ def _mamba2(original):
 def _selective(original):
     @functools.wraps(original)
     def scan(hidden_states, dt, A, B, C, *args, **kwargs):
-        plan = active_plan()
+        plan = _plan_of_shards()
         if plan is None:
             return original(hidden_states, dt, A, B, C, *args, **kwargs)
         if args:
@@ -182,7 +215,7 @@ def _selective(original):
 def _unfused(original):
     @functools.wraps(original)
     def fused(*args, **kwargs):
-        return None if active_plan() is not None else original(*args, **kwargs)
+        return None if _plan_of_shards() is not None else original(*args, **kwargs)
 
     return fused
 
@@ -217,4 +250,12 @@ def mixers_under_plans():
     yield
 
 
-__all__ = ["FAMILIES", "MIXER_LAYER_TYPES", "mixers_under_plans", "wrap_loaded_families"]
+__all__ = [
+    "FAMILIES",
+    "GATHERED_MIXERS",
+    "GATHERED_MODULES",
+    "MIXER_LAYER_TYPES",
+    "mixers_under_plans",
+    "same_tokens_on_every_rank",
+    "wrap_loaded_families",
+]

@@ -148,7 +148,8 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
     batch_select_indices = _unsupported("selecting batch rows")
 
 
-# the modeling modules whose token mixers ``cp_compile.hf`` has wrapped (``hf.mixers``), by name
+# the modeling modules whose token mixers ``cp_compile.hf`` runs under CP (``hf.mixers``: functions wrapped, or
+# modules run over the gathered sequence), by name
 WRAPPED_MODULES: set[str] = set()
 
 
@@ -258,7 +259,7 @@ class ShardedCache(Cache):
         self.agreement = Agreement(plan.group_name, plan.world_size)
         for index, layer in enumerate(layers):
             layer.agreement, layer.index = self.agreement, index
-        super().__init__(layers=layers)
+        Cache.__init__(self, layers=layers)  # not the next class in a subclass's order (a family's own cache class)
         self.plan = plan
 
     def reset(self) -> None:

@@ -110,7 +110,8 @@ def sequence_tail(x: Tensor, dim: int, count: int, sharding: Sharding) -> Tensor
     rank = resolve_group(group_name).rank()
     key = _key(sharding.cu_seqlens)
     per_rank, tails, exported = _exports(sharding.layout, x.shape[dim], world_size, count, key)
-    total = max((c.start + c.real for rank_chunks in per_rank for c in rank_chunks), default=0)
+    # the real tokens fill positions [0, total) (an empty chunk can start past them, in the layout's padding)
+    total = sum(c.real for rank_chunks in per_rank for c in rank_chunks)
     zero = world_size * tails.shape[1]
     rows = torch.tensor([exported.get(p, zero) if p >= 0 else zero for p in range(total - count, total)])
     seq = x.detach().movedim(dim, 0)

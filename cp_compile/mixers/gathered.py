@@ -1,0 +1,103 @@
+"""Any token mixer over the whole sequence: the route for a module with mixing code of its own.
+
+``gather_sequence`` all-gathers this rank's shard into the whole sequence in global order, the same tensor on
+every rank; the mixer runs on it as one process runs it; ``rank_rows`` keeps this rank's rows of its output.
+The gather's backward is a reduce-scatter: each rank's backward through the mixer gives the gradient that its
+own rows send to every token, and the sum over the ranks is the one-process gradient. Exact for any mixer,
+at C times its compute and activation memory, receiving (C-1)/C of the sequence per call (and sending as
+much back in the backward).
+
+``cp::gather_sequence``: ``[B, L, ...]`` (this rank's L slots) -> ``[B, C*L, ...]``, the real tokens in global
+order first and the padding slots (packed documents) after them, zeroed; ``gather_sequence`` cuts the
+padding off, so a mixer sees no token that one process would not. The reorder is the same on every rank and
+``rank_rows`` picks the rank's rows with ``cp::rank_slice``, so a compiled graph never holds the rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..comm import resolve_group
+from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..layout.runs import sequence_order
+from . import Sharding
+from .heads import rank_slice
+
+
+def _order(local_len: int, world_size: int, layout: str, cu_seqlens, device) -> tuple[Tensor, Tensor]:
+    order, real = sequence_order(layout, local_len, world_size, cu_seqlens)
+    return order.to(device), (torch.arange(order.numel()) < real).to(device)
+
+
+@torch.library.custom_op("cp::gather_sequence", mutates_args=())
+def gather_sequence_op(x: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """``[B, L, ...]`` shard -> ``[B, C*L, ...]`` on every rank: global order, padding slots last (zero)."""
+    c = resolve_group(group_name).size()
+    rows = gather_dim0(x.movedim(1, 0), group_name, c)  # [C*L, B, ...] rank-major
+    order, real = _order(x.shape[1], c, layout, cu_seqlens, x.device)
+    ordered = rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
+    return ordered.movedim(0, 1).contiguous()
+
+
+@torch.library.custom_op("cp::gather_sequence_backward", mutates_args=())
+def gather_sequence_backward(grad: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """Every rank's gradient of the gathered sequence, summed, for this rank's slots."""
+    c = resolve_group(group_name).size()
+    order, real = _order(grad.shape[1] // c, c, layout, cu_seqlens, grad.device)
+    rows = grad.movedim(1, 0) * real.view(-1, *[1] * (grad.dim() - 1)).to(grad)
+    rank_major = torch.empty_like(rows).index_copy_(0, order, rows)
+    return reduce_scatter_dim0(rank_major, group_name, c).movedim(0, 1).contiguous()
+
+
+@gather_sequence_op.register_fake
+def _(x, group_name, layout, cu_seqlens):
+    return x.new_empty(x.shape[0], x.shape[1] * resolve_group(group_name).size(), *x.shape[2:])
+
+
+@gather_sequence_backward.register_fake
+def _(grad, group_name, layout, cu_seqlens):
+    return grad.new_empty(grad.shape[0], grad.shape[1] // resolve_group(group_name).size(), *grad.shape[2:])
+
+
+def _setup(ctx, inputs, output):
+    ctx.settings = inputs[1:]
+    ctx.set_materialize_grads(False)
+
+
+gather_sequence_op.register_autograd(
+    lambda ctx, grad: (None if grad is None else gather_sequence_backward(grad, *ctx.settings), None, None, None),
+    setup_context=_setup,
+)
+
+
+def _real(local_len: int, sharding: Sharding) -> int:
+    if sharding.cu_seqlens is None:
+        return local_len * sharding.world_size
+    return int(sharding.cu_seqlens[-1])
+
+
+def gather_sequence(x: Tensor, dim: int, sharding: Sharding) -> Tensor:
+    """The whole sequence in global order, padding dropped, from this rank's shard ``x`` (tokens along ``dim``),
+    the same on every rank; differentiable (the gradient of every rank's copy comes back to the row's rank)."""
+    sharding.agree("gather_sequence", (x, x, x), f"dim={dim}")
+    ordered = gather_sequence_op(x.movedim(dim, 1), *sharding.op_args)
+    return ordered.narrow(1, 0, _real(x.shape[dim], sharding)).movedim(1, dim)
+
+
+def rank_rows(full: Tensor, dim: int, local_len: int, sharding: Sharding) -> Tensor:
+    """This rank's ``local_len`` rows (zeros in its padding slots) of ``full``, a whole sequence along ``dim`` that
+    every rank holds the same."""
+    c = sharding.world_size
+    order, _ = _order(local_len, c, sharding.layout, sharding.cu_seqlens, full.device)
+    rows = full.movedim(dim, 0)
+    padded = torch.cat([rows, rows.new_zeros(c * local_len - rows.shape[0], *rows.shape[1:])])
+    # every rank-major slot's row of ``padded`` (its padding slots read the zeros after the real rows)
+    source = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=full.device))
+    rank_major = padded.index_select(0, source)
+    return rank_slice(rank_major, sharding.group_name).movedim(0, dim)
+
+
+__all__ = ["gather_sequence", "gather_sequence_backward", "gather_sequence_op", "rank_rows"]
