@@ -27,6 +27,7 @@ COVERED = [
     "olmo_hybrid",
     "qwen3_5_text",
     "qwen3_next",
+    "recurrent_gemma",  # its RG-LRU blocks, modules with code of their own, over the gathered sequence
     "zamba",  # Mamba's selective scan once per head
     "zamba2",
 ]
@@ -117,7 +118,7 @@ def test_gradient_checkpointing(ranks, family):
     _check(ranks(2, train_step, family, "eager", None, checkpointing=True), family)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "minimax"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "minimax", "recurrent_gemma"])
 def test_packed_documents_as_one_process_runs_them(ranks, family):
     """Documents of 1, 7, 19 and 13 tokens in one row, with position_ids alone: one process's convolution and
     scan read across document boundaries (its torch bodies reset only given cu_seqlens / seq_idx, which they
@@ -262,9 +263,9 @@ def _rel_logits(out, ref) -> float:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_generate_sampled_with_processors(ranks, world_size):
-    """Mamba and Mamba2 (linear layers alone) and Qwen3.5: prompts of 1, 2 and 30 tokens (the first step's mixers
-    run over the whole prompt on every rank, one token prefilled, 29)."""
-    for family in ("mamba", "mamba2", "qwen3_5_text"):
+    """Mamba and Mamba2 (linear layers alone), Qwen3.5 and RecurrentGemma (states on its modules): prompts of 1, 2
+    and 30 tokens (the first step's mixers run over the whole prompt on every rank, one token prefilled, 29)."""
+    for family in ("mamba", "mamba2", "qwen3_5_text", "recurrent_gemma"):
         for results in ranks(world_size, generate_reading_the_sequence, family, [1, 2, 30]):
             *runs, refusal = results
             for same, new, err in runs:

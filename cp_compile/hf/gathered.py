@@ -16,14 +16,17 @@ prompt, so the state it leaves in the cache is the whole sequence's on every ran
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import weakref
 
 import torch
 from torch import Tensor
 
 from ..errors import UnsupportedAttention
-from ..inference.hf_cache import ShardedCache
+from ..guard import set_aside
+from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
 from ..mixers.gathered import gather_sequence, rank_rows
 from .forward import CONV, SCAN, count_call, prepare_models_with
 from .mixers import GATHERED_MODULES, _plan_of_shards, _sharding
@@ -31,36 +34,47 @@ from .mixers import GATHERED_MODULES, _plan_of_shards, _sharding
 _PADDING_MASK = "attention_mask"
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
-_IN_FLIGHT: dict[int, list[tuple[int, object]]] = {}  # id(module) -> (local length, sharding) of calls running
+# id(module) -> (local length, sharding, the guard set aside) of its calls running
+_IN_FLIGHT: dict[int, list[tuple[int, object, contextlib.ExitStack]]] = {}
+
+
+def _by_name(module, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments, each by its name (a ``**kwargs`` parameter's spread out)."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    named = dict(bound.arguments)
+    for name, parameter in inspect.signature(module.forward).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(name, {}))
+    return named
 
 
 def _before(module, args: tuple, kwargs: dict):
     plan = _plan_of_shards()
     if plan is None:
         return None
-    if args:
-        raise UnsupportedAttention(
-            f"{type(module).__name__} under context parallelism takes its arguments by name (the gathered route "
-            f"knows them by name); it was given {len(args)} by position"
-        )
+    kwargs = _by_name(module, args, kwargs)
     mask = kwargs.get(_PADDING_MASK)
     if isinstance(mask, Tensor) and not bool(mask.all()):
         raise UnsupportedAttention(
             f"{type(module).__name__} under context parallelism: a padding mask with padding in it (the gathered "
             "sequence is the plan's tokens, without padding)"
         )
-    hidden = kwargs["hidden_states"]
+    gathered, unread = _arguments(module)
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
-    _IN_FLIGHT.setdefault(id(module), []).append((hidden.shape[1], sharding))
-    gathered, unread = _arguments(module)
-    kwargs = dict(kwargs)
+    # the module's own convolutions run on the whole sequence, on purpose: the guard would take them for a shard's
+    guard = contextlib.ExitStack()
+    if not torch.compiler.is_compiling():
+        guard.enter_context(set_aside())
+    _IN_FLIGHT.setdefault(id(module), []).append((kwargs[gathered[0]].shape[1], sharding, guard))
     for name in gathered:
         kwargs[name] = gather_sequence(kwargs[name], 1, sharding)
     for name in (*unread, _PADDING_MASK):
         kwargs[name] = None
-    return args, kwargs
+    return (), kwargs
 
 
 def _arguments(module) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -71,7 +85,8 @@ def _after(module, args: tuple, kwargs: dict, output):
     calls = _IN_FLIGHT.get(id(module))
     if not calls:  # not a gathered call (outside every plan, decoding)
         return None
-    local_len, sharding = calls.pop()
+    local_len, sharding, guard = calls.pop()
+    guard.close()
     if not calls:
         del _IN_FLIGHT[id(module)]
     if output is None:  # the forward raised
@@ -131,12 +146,42 @@ def _minimax_cache_class():
     return ShardedMiniMaxCache
 
 
-_CACHE_CLASSES = {"transformers.models.minimax.modeling_minimax": _minimax_cache_class}
+class ShardedCacheOfModuleStates(ShardedCache):
+    """For a family whose recurrent layers keep their state on their own modules (RecurrentGemma's recurrent
+    blocks): the cache's linear layers hold nothing. The sharded prefill runs those modules over the whole prompt
+    (the gathered route), so each rank's modules keep the whole prompt's state; the model-call check counts them."""
+
+    @contextlib.contextmanager
+    def sharded_prefill(self, positions: Tensor, tokens: int):
+        with super().sharded_prefill(positions, tokens):
+            for layer in self.layers:
+                if isinstance(layer, ReplicatedLinearLayer):
+                    layer.pending_conv = None
+            yield self
+
+
+_CACHE_CLASSES = {
+    "transformers.models.minimax.modeling_minimax": _minimax_cache_class,
+    "transformers.models.recurrent_gemma.modeling_recurrent_gemma": lambda: ShardedCacheOfModuleStates,
+}
+
+
+def _fresh_module_states(model) -> None:
+    """RecurrentGemma's model zeroes its blocks' states only when it is given no cache: a new cache starts them anew
+    here, as its own call would (else a one-token prefill decodes from an earlier call's state)."""
+    embeddings = model.get_input_embeddings().weight
+    model.base_model._setup_cache(model.config, 1, embeddings.device, embeddings.dtype)
+
+
+_FRESH_STATES = {"transformers.models.recurrent_gemma.modeling_recurrent_gemma": _fresh_module_states}
 
 
 def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
-    """A ``ShardedCache`` for ``model``, of the cache class its family requires where it requires one."""
+    """A new ``ShardedCache`` for ``model`` (one prompt), of the cache class its family requires where it requires
+    one; a family that keeps states on its modules starts them anew."""
     make = _CACHE_CLASSES.get(type(model).__module__)
+    if type(model).__module__ in _FRESH_STATES:
+        _FRESH_STATES[type(model).__module__](model)
     return (make() if make is not None else ShardedCache)(model.config, max_cache_len, plan)
 
 

@@ -82,6 +82,8 @@ _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
 # the module takes but does not read (passed as None)
 GATHERED_MIXERS = {
     "minimax": {"MiniMaxLightningAttention": (("hidden_states",), ("position_embeddings",))},
+    # its RG-LRU restarts where position_ids are 0: they are gathered with the tokens
+    "recurrent_gemma": {"RecurrentGemmaRecurrentBlock": (("input_states", "position_ids"), ())},
 }
 GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
 # nothing to wrap: their modules take the hooks at their model's first call under a plan, whenever it was imported
