@@ -99,6 +99,14 @@ def test_train_eager_at_every_c(ranks, world_size):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
+    """RWKV's time and channel mixing, OpenAI GPT's attention and xLSTM's mLSTM layers, modules with mixing code of
+    their own, with no layer types declared (C = 2: the model sweep)."""
+    for family in ("rwkv", "openai-gpt", "xlstm"):
+        _check(ranks(world_size, train_step, family, "eager", None), family)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
 def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)

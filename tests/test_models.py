@@ -16,11 +16,13 @@ HYBRIDS += ["zamba", "minimax", "recurrent_gemma"]  # Mamba's scan per head; mod
 # sparse attention, recurrent models and models with attention code of their own: each stopped by a different check
 MUST_BE_REFUSED = [
     "deepseek_v32",
-    "rwkv",
-    "openai-gpt",
+    "cpmant",
     "xlnet",
     "bloom",
 ]
+# their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
+# transformers cache (RWKV's state is its own list, OpenAI GPT has none), so generation is refused by name
+GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
 KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}
@@ -74,6 +76,14 @@ def test_hybrid_families_are_exact(rows, family):
 @pytest.mark.parametrize("family", MUST_BE_REFUSED)
 def test_families_cp_cannot_run_are_refused_in_training(rows, family):
     assert rows[family]["train"]["status"] == "refused", rows[family]["train"]
+
+
+@pytest.mark.parametrize("family", [*GATHERED_WITHOUT_CACHE, "xlstm"])
+def test_modules_of_their_own_train_exactly_over_the_gathered_sequence(rows, family):
+    row = rows[family]
+    assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
+    if family in GATHERED_WITHOUT_CACHE:
+        assert row["generate"]["status"] == "refused" and "keeps no transformers cache" in row["generate"]["detail"]
 
 
 def test_sliding_windows_and_chunks_are_shorter_than_the_sequence():

@@ -12,8 +12,8 @@ extension points:
   KDA, Mamba2; ``mixers.py``): their modeling modules' mixer functions, the ones transformers' kernel hub
   swaps, wrapped when a plan is entered, calling the original unchanged outside every plan;
 - per-module forward hooks on the modules of the families that mix tokens in code of their own (MiniMax's
-  lightning attention; ``gathered.py``), put on a model's modules before its first call under a plan: such a
-  module runs over the gathered sequence.
+  lightning attention, RecurrentGemma's recurrent blocks, RWKV, xLSTM, OpenAI GPT's attention; ``gathered.py``),
+  put on a model's modules before its first call under a plan: such a module runs over the gathered sequence.
 
 ``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL ``SFTTrainer`` under CP.
 ``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs

@@ -1,7 +1,8 @@
 """transformers modules that mix tokens in code of their own, run under a plan over the gathered sequence.
 
 Some families mix tokens in a module's own forward, with no module-level function to wrap (MiniMax's
-lightning attention: a loop over blocks of the sequence inside ``MiniMaxLightningAttention.forward``). Under a
+lightning attention: a loop over blocks of the sequence inside ``MiniMaxLightningAttention.forward``; RWKV's
+time mixing; OpenAI GPT's attention, by matmuls of its own). Under a
 plan, each such module (``hf.mixers.GATHERED_MIXERS``, by class) runs over the whole sequence: a forward
 pre-hook gathers its sequence-shaped arguments from every rank (``mixers.gathered.gather_sequence``), the
 module runs unchanged, as one process runs it, and a forward hook keeps this rank's rows of its output
@@ -72,8 +73,10 @@ def _before(module, args: tuple, kwargs: dict):
     _IN_FLIGHT.setdefault(id(module), []).append((kwargs[gathered[0]].shape[1], sharding, guard))
     for name in gathered:
         kwargs[name] = gather_sequence(kwargs[name], 1, sharding)
-    for name in (*unread, _PADDING_MASK):
+    for name in unread:
         kwargs[name] = None
+    if _PADDING_MASK in kwargs:
+        kwargs[_PADDING_MASK] = None
     return (), kwargs
 
 
@@ -91,9 +94,10 @@ def _after(module, args: tuple, kwargs: dict, output):
         del _IN_FLIGHT[id(module)]
     if output is None:  # the forward raised
         return None
-    first, *rest = output if isinstance(output, tuple) else (output,)
-    mine = rank_rows(first, 1, local_len, sharding)
-    return (mine, *rest) if isinstance(output, tuple) else mine
+    if not isinstance(output, (tuple, list)):
+        return rank_rows(output, 1, local_len, sharding)
+    first, *rest = output
+    return type(output)([rank_rows(first, 1, local_len, sharding), *rest])
 
 
 def hook_gathered_modules(model) -> None:

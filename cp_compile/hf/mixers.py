@@ -84,6 +84,10 @@ GATHERED_MIXERS = {
     "minimax": {"MiniMaxLightningAttention": (("hidden_states",), ("position_embeddings",))},
     # its RG-LRU restarts where position_ids are 0: they are gathered with the tokens
     "recurrent_gemma": {"RecurrentGemmaRecurrentBlock": (("input_states", "position_ids"), ())},
+    # time mixing (its WKV recurrence) and channel mixing (a shift by one token)
+    "rwkv": {"RwkvSelfAttention": (("hidden",), ()), "RwkvFeedForward": (("hidden",), ())},
+    "openai": {"Attention": (("x",), ())},  # attention of its own: scores by matmul under a causal buffer
+    "xlstm": {"xLSTMLayer": (("x",), ())},  # the mLSTM cell's chunked recurrence
 }
 GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
 # nothing to wrap: their modules take the hooks at their model's first call under a plan, whenever it was imported
@@ -245,6 +249,18 @@ def wrap_loaded_families() -> None:
         WRAPPED_MODULES.add(name)
 
 
+def route_of(model) -> str:
+    """How ``model``'s tokens mix under a plan, for the model table: attention by the CP schedules, and each token
+    mixer that is not attention by its route and what that costs."""
+    module = type(model).__module__
+    if module in GATHERED_MODULES:
+        classes = ", ".join(GATHERED_MODULES[module])
+        return f"attention schedules; {classes} over the gathered sequence (C times its compute)"
+    if module in _MODULES:
+        return "attention schedules; convolution halo; scans by all-to-all or state passing"
+    return "attention schedules"
+
+
 @contextlib.contextmanager
 def mixers_under_plans():
     """Entered with each outermost plan (``plan.while_active``): the covered families loaded by then are wrapped."""
@@ -258,6 +274,7 @@ __all__ = [
     "GATHERED_MODULES",
     "MIXER_LAYER_TYPES",
     "mixers_under_plans",
+    "route_of",
     "same_tokens_on_every_rank",
     "wrap_loaded_families",
 ]

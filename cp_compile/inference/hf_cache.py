@@ -313,4 +313,7 @@ class ShardedCache(Cache):
             for i in missed:
                 self.layers[i].pending_prefill = self.layers[i].pending_conv = None
         if missed:
-            raise RuntimeError(f"the sharded prefill did not reach layers {missed} of the cache")
+            raise UnsupportedAttention(
+                f"the sharded prefill did not reach layers {missed} of the ShardedCache: the model keeps no "
+                "transformers cache there (a state of its own, or none), and generation under CP decodes from it"
+            )

@@ -269,6 +269,8 @@ def _destroy(group) -> None:
 
 
 def _family(name: str, groups) -> dict:
+    from ...hf.mixers import route_of
+
     row: dict[str, Any] = {"family": name}
     try:
         config, cls, note = tiny_config(name)
@@ -296,6 +298,7 @@ def _family(name: str, groups) -> dict:
             )
         return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
     row["parameters"] = sum(p.numel() for p in model.parameters())
+    row["route"] = route_of(model)
     row["takes_position_ids"] = "position_ids" in inspect.signature(type(model).forward).parameters
     for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):
         row[phase] = run(model, reference, group)

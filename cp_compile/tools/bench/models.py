@@ -179,6 +179,12 @@ def summary(rows: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def _route(row: dict) -> str:
+    """The route that ran the family under the plan, where it ran."""
+    ran = any(_status(row, phase) == "exact" for phase in ("train", "generate"))
+    return row.get("route", "") if ran else ""
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     """The table as a Markdown section (what docs/guides/models.md embeds)."""
 
@@ -194,11 +200,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"*{summary(rows)}.*",
         "",
-        "| Family | Train | Generate | Detail |",
-        "|---|---|---|---|",
+        "| Family | Train | Generate | Route | Detail |",
+        "|---|---|---|---|---|",
     ]
     lines += [
-        f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {cell(detail(row))} |"
+        f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {_route(row)} | "
+        f"{cell(detail(row))} |"
         for row in rows
     ]
     return "\n".join(lines) + "\n"
