@@ -473,5 +473,5 @@ def test_mixers_command(capsys):
 
     assert main(["mixers", "--lengths", "128", "--world-sizes", "2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    for row in ("conv halo", "GDN heads", "GDN states", "Mamba2 heads", "Mamba2 states"):
+    for row in ("conv halo", "GDN heads", "GDN states", "GDN gathered", "Mamba2 heads", "Mamba2 states"):
         assert f"\n{row}" in out, out

@@ -5,7 +5,9 @@ route, fp32, with transformers' own torch bodies of the scans (the ones a CPU ru
 
 - ``conv halo``: a causal convolution of width 4 over the layer's channels (Qwen3.5's ``conv1d`` width);
 - ``GDN heads`` / ``GDN states``: the gated delta rule by the all-to-all to head groups and by state passing;
-- ``Mamba2 heads`` / ``Mamba2 states``: Mamba2's SSD likewise.
+- ``Mamba2 heads`` / ``Mamba2 states``: Mamba2's SSD likewise;
+- ``GDN gathered``: the same gated delta rule over the gathered sequence, the route of a module with mixing code
+  of its own (every rank runs the whole scan and keeps its rows).
 
 Each row: milliseconds per rank (the median of ``--repeats`` steps, the slowest rank), the same call on one
 process over the whole sequence, and the bytes one rank moves (forward and backward, the cost model's count of
@@ -64,6 +66,7 @@ def _calls(sharding):
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     from ...mixers.conv import causal_conv1d, depthwise_causal_conv1d
+    from ...mixers.gathered import gather_sequence, rank_rows
     from ...mixers.scan import gated_delta_rule, mamba2_scan
 
     gdn_kw = dict(chunk_size=64, use_qk_l2norm_in_kernel=True)
@@ -82,6 +85,12 @@ def _calls(sharding):
         calls[f"Mamba2 {route}"] = lambda t, r=route: mamba2_scan(
             mamba2_chunk_scan, *t[:3], t[3], t[4], 64, sharding, route=r, **m2_kw
         )
+
+    def gdn_gathered(t):
+        whole = torch_chunk_gated_delta_rule(*(gather_sequence(x, 1, sharding) for x in t), **gdn_kw)[0]
+        return rank_rows(whole, 1, t[0].shape[1], sharding)
+
+    calls["GDN gathered"] = gdn_gathered
     return calls
 
 
@@ -158,6 +167,8 @@ def bytes_and_route(total: int, world_size: int) -> dict:
         }
     channels = 2 * d["hk"] * d["dk"] + d["hv"] * d["dv"]
     out["conv halo"] = {"bytes": {"halo": 2 * world_size * 2 * (CONV_WIDTH - 1) * channels * 4}}
+    # q, k, v, g and beta from the C-1 other ranks, and their gradients back
+    out["GDN"]["bytes"]["gathered"] = 2 * (world_size - 1) * local * (channels + 2 * d["hv"]) * 4
     return out
 
 
@@ -196,7 +207,8 @@ def main(args: argparse.Namespace) -> int:
                             "ms": 1e3 * max(r[name] for r in per_rank),
                             "one_process_ms": 1e3 * one[n]["conv halo" if family == "conv" else family],
                             "bytes": info["bytes"]["halo" if family == "conv" else route],
-                            "pick": info.get("pick"),
+                            # the cost model chooses between the routes built for a scan, not the gathered one
+                            "pick": None if route == "gathered" else info.get("pick"),
                             "crossover": info.get("crossover"),
                         }
                     )
