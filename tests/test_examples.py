@@ -20,7 +20,7 @@ def test_train_packed_example(tmp_path):
             sys.executable,
             str(ROOT / "examples" / "train_packed.py"),
             "--steps",
-            "8",
+            "5",
             "--inner",
             "aot_eager",
             "--plot",
