@@ -241,9 +241,9 @@ def declared_refusal(family: str, phase: str) -> str:
 
 @pytest.mark.parametrize("phase", ["train", "generate"])
 def test_hybrid_layers_are_refused_by_their_declared_type(ranks, phase):
-    """Zaya's "hybrid" layers (its attention's q/k/v made by a convolution of its own), in both phases."""
-    for message in ranks(2, declared_refusal, "zaya", phase):
-        assert "'hybrid'" in message, message
+    """Inkling's "hybrid" layers (relative-position logits from positions counted within the call), both phases."""
+    for message in ranks(2, declared_refusal, "inkling_text", phase):
+        assert "'hybrid" in message, message
 
 
 def escaped_convolution() -> str:

@@ -30,6 +30,7 @@ COVERED = [
     "recurrent_gemma",  # its RG-LRU blocks, modules with code of their own, over the gathered sequence
     "zamba",  # Mamba's selective scan once per head
     "zamba2",
+    "zaya",  # its q/k/v projection (a convolution and a one-token delay of its own) over the gathered sequence
 ]
 
 

@@ -12,7 +12,8 @@ MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx)
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
-HYBRIDS += ["zamba", "minimax", "recurrent_gemma"]  # Mamba's scan per head; modules over the gathered sequence
+# Mamba's scan per head; modules over the gathered sequence
+HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
 # sparse attention, recurrent models and models with attention code of their own: each stopped by a different check
 MUST_BE_REFUSED = [
     "deepseek_v32",

@@ -30,9 +30,10 @@ from ..guard import set_aside
 from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
 from ..mixers.gathered import gather_sequence, rank_rows
 from .forward import CONV, SCAN, count_call, prepare_models_with
-from .mixers import GATHERED_MODULES, _plan_of_shards, _sharding
+from .mixers import GATHERED_MODULES, GatheredModule, _plan_of_shards, _sharding
 
-_PADDING_MASK = "attention_mask"
+# padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
+_PADDING_MASKS = ("attention_mask", "conv_mask")
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
 # id(module) -> (local length, sharding, the guard set aside) of its calls running
@@ -56,13 +57,14 @@ def _before(module, args: tuple, kwargs: dict):
     if plan is None:
         return None
     kwargs = _by_name(module, args, kwargs)
-    mask = kwargs.get(_PADDING_MASK)
-    if isinstance(mask, Tensor) and not bool(mask.all()):
-        raise UnsupportedAttention(
-            f"{type(module).__name__} under context parallelism: a padding mask with padding in it (the gathered "
-            "sequence is the plan's tokens, without padding)"
-        )
-    gathered, unread = _arguments(module)
+    for name in _PADDING_MASKS:
+        mask = kwargs.get(name)
+        if isinstance(mask, Tensor) and not bool(mask.all()):
+            raise UnsupportedAttention(
+                f"{type(module).__name__} under context parallelism: a padding mask ({name}) with padding in it "
+                "(the gathered sequence is the plan's tokens, without padding)"
+            )
+    call = _call_of(module)
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
@@ -70,18 +72,27 @@ def _before(module, args: tuple, kwargs: dict):
     guard = contextlib.ExitStack()
     if not torch.compiler.is_compiling():
         guard.enter_context(set_aside())
-    _IN_FLIGHT.setdefault(id(module), []).append((kwargs[gathered[0]].shape[1], sharding, guard))
-    for name in gathered:
+    _IN_FLIGHT.setdefault(id(module), []).append((kwargs[call.sequence[0]].shape[1], sharding, guard))
+    for name in call.sequence:
         kwargs[name] = gather_sequence(kwargs[name], 1, sharding)
-    for name in unread:
+    for name in (*call.unread, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
-    if _PADDING_MASK in kwargs:
-        kwargs[_PADDING_MASK] = None
+    _whole_states_from(module, kwargs.get("cache"))
     return (), kwargs
 
 
-def _arguments(module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _call_of(module) -> GatheredModule:
     return GATHERED_MODULES[type(module).__module__][type(module).__name__]
+
+
+def _whole_states_from(module, cache) -> None:
+    """In a sharded prefill, a cache layer given states by a gathered module takes them as they are: they are the
+    whole prompt's (not a shard's tail to gather, as a wrapped convolution's are)."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if isinstance(cache, ShardedCache) and layer_idx is not None:
+        layer = cache.layers[layer_idx]
+        if isinstance(layer, ReplicatedLinearLayer):
+            layer.pending_conv = None
 
 
 def _after(module, args: tuple, kwargs: dict, output):
@@ -96,8 +107,8 @@ def _after(module, args: tuple, kwargs: dict, output):
         return None
     if not isinstance(output, (tuple, list)):
         return rank_rows(output, 1, local_len, sharding)
-    first, *rest = output
-    return type(output)([rank_rows(first, 1, local_len, sharding), *rest])
+    rows = _call_of(module).outputs
+    return type(output)([rank_rows(t, 1, local_len, sharding) if i in rows else t for i, t in enumerate(output)])
 
 
 def hook_gathered_modules(model) -> None:

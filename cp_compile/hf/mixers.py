@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
@@ -77,17 +77,31 @@ FAMILIES = (
 )
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
+
+
+class GatheredModule(NamedTuple):
+    """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered),
+    those it takes but does not read (passed as None), and the places of its outputs that hold one row per token
+    (this rank's rows kept); every one of those tensors has the tokens along dim 1."""
+
+    sequence: tuple[str, ...]
+    unread: tuple[str, ...] = ()
+    outputs: tuple[int, ...] = (0,)
+
+
 # families whose token mixers are modules with code of their own, no function to wrap: their modules run over the
-# gathered sequence (``hf.gathered``). By class name: the arguments that hold one row per token (gathered), and those
-# the module takes but does not read (passed as None)
+# gathered sequence (``hf.gathered``), by class name
 GATHERED_MIXERS = {
-    "minimax": {"MiniMaxLightningAttention": (("hidden_states",), ("position_embeddings",))},
+    "minimax": {"MiniMaxLightningAttention": GatheredModule(("hidden_states",), ("position_embeddings",))},
     # its RG-LRU restarts where position_ids are 0: they are gathered with the tokens
-    "recurrent_gemma": {"RecurrentGemmaRecurrentBlock": (("input_states", "position_ids"), ())},
+    "recurrent_gemma": {"RecurrentGemmaRecurrentBlock": GatheredModule(("input_states", "position_ids"))},
     # time mixing (its WKV recurrence) and channel mixing (a shift by one token)
-    "rwkv": {"RwkvSelfAttention": (("hidden",), ()), "RwkvFeedForward": (("hidden",), ())},
-    "openai": {"Attention": (("x",), ())},  # attention of its own: scores by matmul under a causal buffer
-    "xlstm": {"xLSTMLayer": (("x",), ())},  # the mLSTM cell's chunked recurrence
+    "rwkv": {"RwkvSelfAttention": GatheredModule(("hidden",)), "RwkvFeedForward": GatheredModule(("hidden",))},
+    "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
+    "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
+    # queries and keys by a convolution of its own, values half from the token before: the projection is gathered,
+    # the attention after it runs by the schedules
+    "zaya": {"ZayaCCAProjection": GatheredModule(("hidden_states",), outputs=(0, 1, 2))},
 }
 GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
 # nothing to wrap: their modules take the hooks at their model's first call under a plan, whenever it was imported
@@ -270,6 +284,7 @@ def mixers_under_plans():
 
 __all__ = [
     "FAMILIES",
+    "GatheredModule",
     "GATHERED_MIXERS",
     "GATHERED_MODULES",
     "MIXER_LAYER_TYPES",
