@@ -123,9 +123,37 @@ def test_train_by_state_passing(ranks, world_size):
         _check(ranks(2, train_step, "qwen3_5_text", "aot_eager", None, scan_route="states"), "compiled")
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "rwkv"])
 def test_gradient_checkpointing(ranks, family):
+    """The mixers run again in the backward under the plan (RWKV: its modules over the gathered sequence)."""
     _check(ranks(2, train_step, family, "eager", None, checkpointing=True), family)
+
+
+def recompute_outside_the_plan() -> str:
+    """RWKV checkpointed (no attention layer to catch it): the forward inside the plan, the backward outside."""
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config("rwkv")
+    model = model_run._build(cls, config, "cp_compile")
+    model.gradient_checkpointing_enable()
+    model.train()
+    plan = cp_compile.ContextParallel()
+    seq = model_run.seq_len(plan.world_size)
+    ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    with plan:
+        out = model(plan.shard(ids, 1), position_ids=plan.positions(seq)[None], use_cache=False)
+    try:
+        out.logits.sum().backward()
+    except cp_compile.LocalAttentionError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_gathered_module_recomputed_outside_the_plan_raises(ranks):
+    for message in ranks(2, recompute_outside_the_plan):
+        assert "RwkvSelfAttention recomputes its forward during backward" in message, message
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "minimax", "recurrent_gemma"])

@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from ..errors import UnsupportedAttention
+from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
 from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
 from ..mixers.gathered import gather_sequence, rank_rows
@@ -36,6 +36,7 @@ from .mixers import GATHERED_MODULES, GatheredModule, _plan_of_shards, _sharding
 _PADDING_MASKS = ("attention_mask", "conv_mask")
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
+_UNDER_PLAN: weakref.WeakSet = weakref.WeakSet()  # the gathered modules whose latest forward ran under a plan
 # id(module) -> (local length, sharding, the guard set aside) of its calls running
 _IN_FLIGHT: dict[int, list[tuple[int, object, contextlib.ExitStack]]] = {}
 
@@ -52,8 +53,24 @@ def _by_name(module, args: tuple, kwargs: dict) -> dict:
     return named
 
 
+def _check_recompute(module, plan) -> None:
+    """A checkpointed layer recomputes its forward during backward: outside the plan that ran the forward, the
+    module would run on this rank's shard alone (eagerly; a compiled graph recomputes what it traced)."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._current_autograd_node() is None:
+        (_UNDER_PLAN.add if plan is not None else _UNDER_PLAN.discard)(module)
+    elif plan is None and module in _UNDER_PLAN:
+        raise LocalAttentionError(
+            f"{type(module).__name__} recomputes its forward during backward (activation checkpointing) outside "
+            "`with plan:`, while its forward ran inside the plan: the recompute would mix this rank's shard of the "
+            "sequence alone. Call loss.backward() inside `with plan:` as well."
+        )
+
+
 def _before(module, args: tuple, kwargs: dict):
     plan = _plan_of_shards()
+    _check_recompute(module, plan)
     if plan is None:
         return None
     kwargs = _by_name(module, args, kwargs)
