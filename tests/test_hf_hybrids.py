@@ -252,6 +252,7 @@ def generate_reading_the_sequence(family: str, prompts: list) -> list:
     rule, sampling with one seed) decides as on one process, also for a model of linear layers alone, whose
     decoding loop starts from the prompt's last token; then ranks seeded differently all raise."""
     import torch.distributed as dist
+    from test_hf import rel_err
     from transformers import StoppingCriteriaList
 
     import cp_compile
@@ -282,7 +283,8 @@ def generate_reading_the_sequence(family: str, prompts: list) -> list:
         torch.manual_seed(3)
         with plan, torch.no_grad():
             out = cp_compile.hf.generate(model, ids, stopping_criteria=stop, **kwargs)
-        results.append((torch.equal(out.sequences, ref.sequences), out.sequences.shape[1] - n, _rel_logits(out, ref)))
+        err = rel_err(torch.stack(out.logits), torch.stack(ref.logits))
+        results.append((torch.equal(out.sequences, ref.sequences), out.sequences.shape[1] - n, err))
     torch.manual_seed(dist.get_rank())
     try:
         with plan:
@@ -292,11 +294,6 @@ def generate_reading_the_sequence(family: str, prompts: list) -> list:
     else:
         results.append("no error")
     return results
-
-
-def _rel_logits(out, ref) -> float:
-    mine, theirs = torch.stack(out.logits), torch.stack(ref.logits)
-    return float((mine - theirs).abs().max() / theirs.abs().max())
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -45,9 +45,9 @@ def _by_name(module, args: tuple, kwargs: dict) -> dict:
     """The call's arguments, each by its name (a ``**kwargs`` parameter's spread out)."""
     if not args:
         return dict(kwargs)
-    bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    named = dict(bound.arguments)
-    for name, parameter in inspect.signature(module.forward).parameters.items():
+    signature = inspect.signature(module.forward)
+    named = dict(signature.bind(*args, **kwargs).arguments)
+    for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             named.update(named.pop(name, {}))
     return named
@@ -170,7 +170,6 @@ def _minimax_cache_class():
             layer = self.layers[layer_idx]
             layer.update_recurrent_state(linear_cache, 0)
             layer.has_previous_state[0] = True
-            layer.pending_conv = None  # a sharded prefill reached it: the module ran over the whole prompt
 
         def __len__(self) -> int:
             return len(self.layers)
@@ -211,9 +210,10 @@ _FRESH_STATES = {"transformers.models.recurrent_gemma.modeling_recurrent_gemma":
 def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
     """A new ``ShardedCache`` for ``model`` (one prompt), of the cache class its family requires where it requires
     one; a family that keeps states on its modules starts them anew."""
-    make = _CACHE_CLASSES.get(type(model).__module__)
-    if type(model).__module__ in _FRESH_STATES:
-        _FRESH_STATES[type(model).__module__](model)
+    family = type(model).__module__
+    if family in _FRESH_STATES:
+        _FRESH_STATES[family](model)
+    make = _CACHE_CLASSES.get(family)
     return (make() if make is not None else ShardedCache)(model.config, max_cache_len, plan)
 
 

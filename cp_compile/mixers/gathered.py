@@ -22,14 +22,8 @@ from torch import Tensor
 
 from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
-from ..layout.runs import sequence_order
 from . import Sharding
-from .heads import rank_slice
-
-
-def _order(local_len: int, world_size: int, layout: str, cu_seqlens, device) -> tuple[Tensor, Tensor]:
-    order, real = sequence_order(layout, local_len, world_size, cu_seqlens)
-    return order.to(device), (torch.arange(order.numel()) < real).to(device)
+from .heads import _order, rank_slice
 
 
 @torch.library.custom_op("cp::gather_sequence", mutates_args=())
@@ -94,9 +88,8 @@ def rank_rows(full: Tensor, dim: int, local_len: int, sharding: Sharding) -> Ten
     order, _ = _order(local_len, c, sharding.layout, sharding.cu_seqlens, full.device)
     rows = full.movedim(dim, 0)
     padded = torch.cat([rows, rows.new_zeros(c * local_len - rows.shape[0], *rows.shape[1:])])
-    # every rank-major slot's row of ``padded`` (its padding slots read the zeros after the real rows)
-    source = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=full.device))
-    rank_major = padded.index_select(0, source)
+    # back to every rank's slots in rank order (the padding slots take the zeros after the real rows)
+    rank_major = torch.empty_like(padded).index_copy_(0, order, padded)
     return rank_slice(rank_major, sharding.group_name).movedim(0, dim)
 
 
