@@ -151,6 +151,37 @@ def recompute_outside_the_plan() -> str:
     return "no error"
 
 
+def padding_on_one_rank() -> str:
+    """MiniMax's lightning attention given a padding mask with padding in rank 1's shard alone: every rank raises,
+    none waits in the gather."""
+    import torch.distributed as dist
+
+    import cp_compile
+    from cp_compile.hf.gathered import hook_gathered_modules
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config("minimax")
+    model = model_run._build(cls, config, "cp_compile")
+    hook_gathered_modules(model)
+    module = next(m for m in model.modules() if type(m).__name__ == "MiniMaxLightningAttention")
+    plan = cp_compile.ContextParallel()
+    hidden = torch.randn(1, 8, config.hidden_size)
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[0, 0] = int(dist.get_rank() != 1)
+    try:
+        with plan:
+            module(hidden_states=hidden, position_embeddings=None, attention_mask=mask)
+    except (cp_compile.UnsupportedAttention, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_padding_on_one_rank_is_refused_on_every_rank(ranks):
+    other, own = ranks(2, padding_on_one_rank, timeout=120)
+    assert all("ranks [1] refused this call before its first transfer" in m for m in (own, other)), (own, other)
+    assert "UnsupportedAttention" in own and "padding mask (attention_mask)" in own, own
+
+
 def test_a_gathered_module_recomputed_outside_the_plan_raises(ranks):
     for message in ranks(2, recompute_outside_the_plan):
         assert "RwkvSelfAttention recomputes its forward during backward" in message, message

@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
 from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
@@ -74,14 +75,17 @@ def _before(module, args: tuple, kwargs: dict):
     if plan is None:
         return None
     kwargs = _by_name(module, args, kwargs)
+    call = _call_of(module)
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
         if isinstance(mask, Tensor) and not bool(mask.all()):
-            raise UnsupportedAttention(
+            # this rank's shard alone may hold the padding: the refusal meets the others' first agreement
+            shard = kwargs[call.sequence[0]]
+            error = UnsupportedAttention(
                 f"{type(module).__name__} under context parallelism: a padding mask ({name}) with padding in it "
                 "(the gathered sequence is the plan's tokens, without padding)"
             )
-    call = _call_of(module)
+            refuse_together(error, shard, shard, shard, plan.group_name)
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
