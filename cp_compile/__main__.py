@@ -1,5 +1,5 @@
 """Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step``, ``models`` and
-``mixers``."""
+``mixers`` and ``indexed``."""
 
 import argparse
 import sys
@@ -18,6 +18,12 @@ def _mixers():
     from .tools.bench import mixers  # imports transformers' scan bodies only when asked
 
     return mixers
+
+
+def _indexed():
+    from .tools.bench import indexed
+
+    return indexed
 
 
 def main(argv=None) -> int:
@@ -59,6 +65,12 @@ def main(argv=None) -> int:
         "model's pick and crossover",
     )
     _mixers().add_arguments(sub_mixers)
+    _indexed().add_arguments(
+        sub.add_parser(
+            "indexed",
+            help="an indexed sparse-attention layer's (DSA) indexer and attention under CP vs one process: ms, bytes",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
@@ -74,6 +86,8 @@ def main(argv=None) -> int:
         return _models().main(args)
     if args.command == "mixers":
         return _mixers().main(args)
+    if args.command == "indexed":
+        return _indexed().main(args)
     return 2
 
 

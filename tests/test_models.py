@@ -9,14 +9,17 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 # a window applied only by the mask, soft-capped scores, attention sinks, multi-head latent attention
 MUST_BE_EXACT = ["llama", "qwen2", "mistral", "llama4_text", "phimoe", "gemma2", "gpt_oss", "deepseek_v3"]
 MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx) without their attention kwargs
+# sparse attention chosen by an indexer (DSA); an attention sink and an output gate besides (HY-v4)
+MUST_BE_EXACT += ["deepseek_v32", "glm_moe_dsa", "hy_v4"]
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
 # Mamba's scan per head; modules over the gathered sequence
 HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
-# sparse attention, recurrent models and models with attention code of their own: each stopped by a different check
+# compressed attention, recurrent models and models with attention code of their own: each stopped by a different
+# check
 MUST_BE_REFUSED = [
-    "deepseek_v32",
+    "deepseek_v4",
     "cpmant",
     "xlnet",
     "bloom",

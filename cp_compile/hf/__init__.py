@@ -33,6 +33,7 @@ from .attention import NAME, attention, mask
 from .forward import model_call_checks
 from .gathered import hook_gathered_modules  # noqa: F401  (prepares the models it runs over the gathered sequence)
 from .generate import generate, sharded_prefill
+from .indexed import hook_indexers  # noqa: F401  (prepares the models whose sparse-attention indexers run under CP)
 from .mixers import mixers_under_plans
 from .trainer import ContextParallelMixin
 

@@ -55,6 +55,7 @@ too, and compiled with ``plan.backend()``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -65,13 +66,16 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
-from ..inference.hf_cache import CACHE_STEP, runs_mixers_under_cp, step_handed_with
+from ..inference.hf_cache import CACHE_STEP, runs_indexers_under_cp, runs_mixers_under_cp, step_handed_with
 from ..kernels.merge import fold_sinks
+from ..mixers.indexed import indexed_attention
 from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
-from .mixers import MIXER_LAYER_TYPES
+from .mixers import MIXER_LAYER_TYPES, _sharding
+
+INDEXED_LAYER_TYPE = "indexed_attention"  # transformers' layer type of sparse attention chosen by an indexer (DSA)
 
 NAME = "cp_compile"
 
@@ -105,6 +109,8 @@ def check_layer_types(config) -> None:
     other = (_other_layer_types if _compiling() else _other_layer_types_cached)(layer_types)
     if other and runs_mixers_under_cp(config):  # its convolutions and scans run under CP (mixers.py)
         other = [t for t in other if t not in MIXER_LAYER_TYPES]
+    if other and runs_indexers_under_cp(config):  # its sparse-attention indexers run under CP (indexed.py)
+        other = [t for t in other if t != INDEXED_LAYER_TYPE]
     if other:
         where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)
         raise UnsupportedAttention(
@@ -147,12 +153,15 @@ def mask(*args, **kwargs):
             "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
             "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
         )
-    return describe(
+    spec = describe(
         kwargs.get("mask_function") or causal_mask_function,
         config,
         kwargs.get("local_size"),
         bool(kwargs.get("use_vmap", False)),
     )
+    if INDEXED_LAYER_TYPE in (getattr(config, "layer_types", None) or ()) and runs_indexers_under_cp(config):
+        spec = dataclasses.replace(spec, indexed=True)
+    return spec
 
 
 def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[Tensor]:
@@ -245,7 +254,14 @@ def _fold_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor], head_dim: int
 
 
 def _cached(
-    module, query: Tensor, key: Tensor, value: Tensor, variant: _Variant, scaling: Optional[float], step: tuple
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    variant: _Variant,
+    scaling: Optional[float],
+    step: tuple,
+    indices: Optional[Tensor],
 ) -> Tensor:
     """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt).
 
@@ -264,7 +280,28 @@ def _cached(
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
         )
     options = cached_options(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else ""
-    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options)
+    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices)
+    return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
+
+
+def _indexed(
+    plan: ContextParallel,
+    variant: _Variant,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    indices: Tensor,
+    scaling: Optional[float],
+    kwargs: dict,
+) -> Tensor:
+    """Each of this rank's queries against the keys of the global sequence its indexer chose (``mixers.indexed``)."""
+    if variant.spec.chunk or variant.softcap or variant.spec.window is not None or not variant.spec.causal:
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r} under context parallelism: sparse attention chosen by an indexer is "
+            "supported causal, without a window, chunks or soft-capping"
+        )
+    sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+    out, lse = indexed_attention(query, key, value, indices, sharding, softmax_scale(query, scaling))
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 
@@ -330,10 +367,13 @@ def attention(
             "input_ids, ...), which shards the prompt and the cache; for a forward that needs no cache, pass "
             "use_cache=False"
         )
+    indices = kwargs.pop("indices", None)  # the keys a sparse-attention indexer chose for each query (DSA)
     if step is not None and step[1] is not None:
         variant = _variant(module, query, query, attention_mask, dropout, is_causal, kwargs)
-        return _cached(module, query, key, value, variant, scaling, step), None
+        return _cached(module, query, key, value, variant, scaling, step, indices), None
     variant = _variant(module, query, key, attention_mask, dropout, is_causal, kwargs)
+    if indices is not None:
+        return _indexed(plan, variant, query, key, value, indices, scaling, kwargs), None
     causal, window = variant.spec.causal, variant.spec.window
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape

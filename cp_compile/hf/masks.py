@@ -45,6 +45,9 @@ class MaskSpec:
     window: Optional[int] = None
     chunk: Optional[int] = None
     model: str = ""
+    # the layer's attention module slices its mask for a sparse-attention indexer (``mask[:, 0, :, :]``): the
+    # slice is the spec again, and the indexer's hook (``hf.indexed``) gives the indexer a mask of its own
+    indexed: bool = False
 
     # transformers tells a 2-D padding mask from a prepared one by ``ndim`` (generation prepares the masks
     # of a compileable cache, a ShardedCache, once and hands them back to the model's mask builders)
@@ -57,8 +60,13 @@ class MaskSpec:
             "parallelism no rank holds the mask of the whole sequence, so this model cannot run under a plan"
         )
 
-    # whatever a tensor mask would be used for: indexing, arithmetic, torch functions, tensor methods
-    __getitem__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = refuse
+    def __getitem__(self, index):
+        if not self.indexed:
+            self.refuse()
+        return self
+
+    # whatever else a tensor mask would be used for: arithmetic, torch functions, tensor methods
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = refuse
     __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = refuse
 
     @classmethod

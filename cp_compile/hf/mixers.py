@@ -44,7 +44,7 @@ from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
 from ..errors import UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import WRAPPED_MODULES
+from ..inference.hf_cache import INDEXED_MODULES, WRAPPED_MODULES
 from ..layout.runs import chunk_count
 from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
@@ -272,6 +272,8 @@ def route_of(model) -> str:
         return f"attention schedules; {classes} over the gathered sequence (C times its compute)"
     if module in _MODULES:
         return "attention schedules; convolution halo; scans by all-to-all or state passing"
+    if module in INDEXED_MODULES:
+        return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
     return "attention schedules"
 
 

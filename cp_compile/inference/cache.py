@@ -35,6 +35,7 @@ from ..comm.gather import gather_dim0
 from ..kernels.block import block_attn_impl
 from ..kernels.masked import EMPTY_POSITION, every_key_attn, positions_visible, visible_attn
 from ..kernels.merge import acc_dtype
+from ..kernels.sparse import picked_attention, picks_in_slots
 from .cached import cached_attention, cached_options, merge_over_ranks, payload_numel
 
 
@@ -347,22 +348,29 @@ class CacheShard:
         self.values.index_copy_(2, slot, v.to(self.values.dtype))
         self.positions.index_copy_(0, slot, torch.where(mine, positions, EMPTY_POSITION))
 
-    def attend(self, q: Tensor, step: Step, scale: float, options: str = "") -> tuple[Tensor, Tensor]:
+    def attend(
+        self, q: Tensor, step: Step, scale: float, options: str = "", picked: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
-        ``options`` from ``inference.cached.cached_options``."""
+        ``options`` from ``inference.cached.cached_options``; ``picked [B, Lq, k]``: the tokens each query reads, by
+        their place in the sequence (a sparse-attention indexer's choice), or None for every one it may see."""
         left = -1 if self.window is None else self.window - 1
         check = self.agreement
         # one rank has no other to agree with (``Agreement.finish`` has nothing to gather either)
         sent = check is not None and self.index == 0 and self.world_size > 1
         tag = check.tag(acc_dtype(q.dtype)) if sent else None
         compiling = torch.compiler.is_compiling()
-        if compiling and self.world_size == 1 and options in _PLAIN:
+        if compiling and self.world_size == 1 and options in _PLAIN and picked is None:
             # one rank holds every slot: one process's attention over a static cache, which the compiler lowers with
             # the step around it (a query always sees its own slot, written before it attends)
             visible = positions_visible(step.query_positions, step.key_positions, left)
             return visible_attn(q, step.keys, step.values, visible, scale)
-        written = None if compiling or options not in _PLAIN else self.written()
-        if written and (self.window is None or self.window >= self.max_tokens) and q.shape[2] == 1:
+        written = None if compiling or options not in _PLAIN or picked is not None else self.written()
+        if picked is not None:
+            slots = picks_in_slots(picked, step.query_positions, step.key_positions, self.max_tokens)
+            out, lse = picked_attention(q, step.keys, step.values, *slots, scale)
+            out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
+        elif written and (self.window is None or self.window >= self.max_tokens) and q.shape[2] == 1:
             # one token after every stored one, no window or chunk: it sees every slot written so far
             # (a compiled step reads the whole preallocated cache by position, as a static cache does)
             out, lse = every_key_attn(q, step.keys[:, :, :written], step.values[:, :, :written], scale)

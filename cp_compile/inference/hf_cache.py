@@ -153,9 +153,22 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
 WRAPPED_MODULES: set[str] = set()
 
 
+# the modeling modules whose sparse-attention indexers (DSA) ``cp_compile.hf`` runs under CP (``hf.indexed``), by name
+INDEXED_MODULES: set[str] = set()
+
+
+def _modeling_module(config) -> str:
+    return type(config).__module__.replace(".configuration_", ".modeling_")
+
+
 def runs_mixers_under_cp(config) -> bool:
     """Whether the modeling module of ``config``'s model has its token mixers wrapped by ``cp_compile.hf``."""
-    return type(config).__module__.replace(".configuration_", ".modeling_") in WRAPPED_MODULES
+    return _modeling_module(config) in WRAPPED_MODULES
+
+
+def runs_indexers_under_cp(config) -> bool:
+    """Whether ``config``'s model has its sparse-attention indexers run under CP by ``cp_compile.hf``."""
+    return _modeling_module(config) in INDEXED_MODULES
 
 
 def _pending(layer) -> bool:
@@ -216,6 +229,34 @@ class ShardedHybridLayer(ReplicatedLinearLayer, ShardedLayer):
         ShardedLayer.reset(self)
 
 
+class ShardedIndexedLayer(ShardedLayer):
+    """An indexed sparse-attention layer (DSA): this rank's share of the K/V, and the indexer's keys of the whole
+    sequence on every rank (one head of ``index_head_dim`` per token, a fraction of the K/V): the indexer of a
+    decoded token scores every earlier token as one process does, and each rank reads its share of what it chose.
+    In a sharded prefill the indexer is handed every rank's keys of the prompt (``hf.indexed``) and stores them."""
+
+    def __init__(self, plan: ContextParallel, max_tokens: int):
+        super().__init__(plan, max_tokens)
+        self.index_keys: Optional[Tensor] = None
+
+    def update_indexer(self, keys: Tensor) -> Tensor:
+        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=1)
+        return self.index_keys
+
+    def indexed(self) -> int:
+        """Tokens whose index keys the layer holds."""
+        return 0 if self.index_keys is None else self.index_keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        keys = 0 if self.index_keys is None else self.index_keys.numel() * self.index_keys.element_size()
+        return super().nbytes + keys
+
+    def reset(self) -> None:
+        super().reset()
+        self.index_keys = None
+
+
 _LINEAR = ("linear_attention", "conv")
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -246,11 +287,14 @@ class ShardedCache(Cache):
             if layer_type == "dummy" and linear_ok:  # a hybrid's MLP or MoE layer: nothing to keep
                 layers.append(DummyLayer())
                 continue
+            if layer_type == "indexed_attention" and runs_indexers_under_cp(config):
+                layers.append(ShardedIndexedLayer(plan, max_cache_len))
+                continue
             if layer_type not in (*_ATTENTION, "hybrid"):
                 raise UnsupportedAttention(
                     f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and chunked "
-                    "attention layers, and the linear-attention, convolution and hybrid layers of the families "
-                    "cp_compile.hf runs under CP, can be kept"
+                    "attention layers, and the linear-attention, convolution, hybrid and indexed sparse-attention "
+                    "layers of the families cp_compile.hf runs under CP, can be kept"
                 )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if layer_type == "sliding_attention" else None
@@ -285,6 +329,10 @@ class ShardedCache(Cache):
         if all(self.is_linear):
             return any(any(layer.has_previous_state.values()) for layer in self.layers)
         return self.get_seq_length() > 0
+
+    def update_indexer(self, keys: Tensor, layer_idx: int) -> Tensor:
+        """A sparse-attention indexer's keys (``[B, n, D]``) of layer ``layer_idx``, stored; returns all it holds."""
+        return self.layers[layer_idx].update_indexer(keys)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0

@@ -1,0 +1,57 @@
+"""transformers' indexed sparse attention (DSA) under CP against one process.
+
+Each family's own config and model classes (the model sweep's tiny configs: a top k of 16, below every sequence
+length here), random weights, fp32: a training step's loss and every gradient, and greedy generation token for
+token, at C = 3 and 4 (C = 2: the model sweep), compiled, and on packed documents. DeepSeek-V3.2 and GLM-MoE-DSA
+(whose "shared" layers reuse the previous layer's choice) at every C, the other DSA families at C = 3.
+"""
+
+import pytest
+from test_hf_hybrids import _check, generate_tokens, train_step
+
+pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
+
+EVERY_C = ["deepseek_v32", "glm_moe_dsa"]
+AT_THREE = ["hy_v4", "axk2", "dots3_note_text"]  # attention sinks and an output gate (HY-v4); AXK2; dots3
+
+
+def train_exact(family: str) -> dict:
+    """The model sweep's training phase: loss, logits and each gradient against its own scale (a parameter whose
+    gradient is small beside the model's largest is held to its own size)."""
+    import torch.distributed as dist
+
+    import cp_compile.hf  # noqa: F401
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    return model_run._train(model, reference, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_train_eager_at_every_c(ranks, world_size):
+    for family in EVERY_C + (AT_THREE if world_size == 3 else []):
+        for result in ranks(world_size, train_exact, family):
+            assert result["status"] == "exact", (family, result)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_generate_token_for_token(ranks, world_size):
+    """The prompt's index keys gathered into every rank's cache layer in the sharded prefill; each decoded token's
+    indexer over all of them, its attention over every rank's share of what it chose."""
+    for family in EVERY_C + (AT_THREE if world_size == 3 else []):
+        for result in ranks(world_size, generate_tokens, family):
+            assert result["status"] == "exact", (family, result)
+
+
+def test_train_compiled(ranks):
+    """DeepSeek-V3.2 compiled whole (fullgraph) with the plan's backend: the indexer's hook, the gathers and the
+    sparse attention trace without a break."""
+    _check(ranks(2, train_step, "deepseek_v32", "aot_eager", None), "compiled")
+
+
+def test_packed_documents(ranks):
+    """Documents of 1, 7, 19 and 13 tokens in one row, position_ids alone: one process's indexer and attention
+    mask each document on its own (transformers finds the documents from the positions), and so do the ranks."""
+    for world_size in (2, 3):
+        _check(ranks(world_size, train_step, "deepseek_v32", "eager", [1, 7, 19, 13]), world_size)
