@@ -353,3 +353,18 @@ def test_explain_lists_the_ops_a_model_calls_itself(ranks):
         assert report.startswith("cp_compile: 2 attention site(s), 1 graph(s), 0 graph break(s)"), report
         assert "window=15,0 softcap=5.0" in report and "window=-1,0 softcap=5.0" in report, report
         assert report.count("modeling_gemma2.py") == 2, report
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layers_reusing_another_layers_keys_generate(ranks, world_size):
+    """Gemma 3n's "reuse" layers attend to the K/V of the last "store" layer of their type and keep no cache: each
+    decoded step's share of the store layer reaches them with its keys. Sampled (prompts of 1 and 30 tokens)
+    against one process with the same seed; ranks seeded differently all raise (each reused layer's gather is
+    counted, so a rank that stops first joins the other's step)."""
+    from test_hf_hybrids import generate_reading_the_sequence
+
+    for results in ranks(world_size, generate_reading_the_sequence, "gemma3n_text", [1, 30]):
+        *runs, refusal = results
+        for same, new, err in runs:
+            assert same and new == 20 and err < 1e-5, runs
+        assert "different tokens" in refusal, refusal

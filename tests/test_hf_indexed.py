@@ -15,24 +15,10 @@ EVERY_C = ["deepseek_v32", "glm_moe_dsa"]
 AT_THREE = ["hy_v4", "axk2", "dots3_note_text"]  # attention sinks and an output gate (HY-v4); AXK2; dots3
 
 
-def train_exact(family: str) -> dict:
-    """The model sweep's training phase: loss, logits and each gradient against its own scale (a parameter whose
-    gradient is small beside the model's largest is held to its own size)."""
-    import torch.distributed as dist
-
-    import cp_compile.hf  # noqa: F401
-    from cp_compile.tools.bench import model_configs, model_run
-
-    config, cls, _ = model_configs.tiny_config(family)
-    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
-    return model_run._train(model, reference, dist.group.WORLD)
-
-
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_train_eager_at_every_c(ranks, world_size):
     for family in EVERY_C + (AT_THREE if world_size == 3 else []):
-        for result in ranks(world_size, train_exact, family):
-            assert result["status"] == "exact", (family, result)
+        _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

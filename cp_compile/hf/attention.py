@@ -66,7 +66,13 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
-from ..inference.hf_cache import CACHE_STEP, runs_indexers_under_cp, runs_mixers_under_cp, step_handed_with
+from ..inference.hf_cache import (
+    CACHE_STEP,
+    runs_indexers_under_cp,
+    runs_mixers_under_cp,
+    step_handed_with,
+    step_of_shared_keys,
+)
 from ..kernels.merge import fold_sinks
 from ..mixers.indexed import indexed_attention
 from ..plan import ContextParallel, active_plan
@@ -262,6 +268,7 @@ def _cached(
     scaling: Optional[float],
     step: tuple,
     indices: Optional[Tensor],
+    index: Optional[int] = None,
 ) -> Tensor:
     """Tokens every rank holds against the sharded cache (decoding, drafts, a follow-up prompt).
 
@@ -280,7 +287,7 @@ def _cached(
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
         )
     options = cached_options(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else ""
-    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices)
+    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices, index)
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 
@@ -357,6 +364,10 @@ def attention(
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
     if step is None:
         step = step_handed_with(key)  # an update called without the attention kwargs
+    shared = False
+    if step is None and not _compiling():
+        step = step_of_shared_keys(key)  # the K/V another layer's update returned (Gemma 3n's KV sharing)
+        shared = step is not None
     query, key, value = _autocast(query, key, value)
     if step is not None and not _compiling():
         step[0].unattended = False  # what ShardedCache.check_attended asks
@@ -370,7 +381,8 @@ def attention(
     indices = kwargs.pop("indices", None)  # the keys a sparse-attention indexer chose for each query (DSA)
     if step is not None and step[1] is not None:
         variant = _variant(module, query, query, attention_mask, dropout, is_causal, kwargs)
-        return _cached(module, query, key, value, variant, scaling, step, indices), None
+        index = module.layer_idx if shared else None  # a reused layer's gather is its own in the step's count
+        return _cached(module, query, key, value, variant, scaling, step, indices, index), None
     variant = _variant(module, query, key, attention_mask, dropout, is_causal, kwargs)
     if indices is not None:
         return _indexed(plan, variant, query, key, value, indices, scaling, kwargs), None

@@ -30,7 +30,9 @@ from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
 from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
 from ..mixers.gathered import gather_sequence, rank_rows
+from ..mixers.indexed import visible_keys
 from .forward import CONV, SCAN, count_call, prepare_models_with
+from .masks import MaskSpec
 from .mixers import GATHERED_MODULES, GatheredModule, _plan_of_shards, _sharding
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
@@ -76,6 +78,7 @@ def _before(module, args: tuple, kwargs: dict):
         return None
     kwargs = _by_name(module, args, kwargs)
     call = _call_of(module)
+    mask_spec = kwargs.get(call.mask) if call.mask is not None else None
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
         if isinstance(mask, Tensor) and not bool(mask.all()):
@@ -95,11 +98,41 @@ def _before(module, args: tuple, kwargs: dict):
         guard.enter_context(set_aside())
     _IN_FLIGHT.setdefault(id(module), []).append((kwargs[call.sequence[0]].shape[1], sharding, guard))
     for name in call.sequence:
-        kwargs[name] = gather_sequence(kwargs[name], 1, sharding)
+        value = kwargs[name]
+        if isinstance(value, tuple):
+            kwargs[name] = tuple(gather_sequence(t, 1, sharding) for t in value)
+        else:
+            kwargs[name] = gather_sequence(value, 1, sharding)
     for name in (*call.unread, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
+    whole = kwargs[call.sequence[0]]
+    if call.mask is not None:
+        kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
+    for name, build in call.rebuilt:
+        kwargs[name] = build(module, whole)
     _whole_states_from(module, kwargs.get("cache"))
     return (), kwargs
+
+
+def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
+    """``[B, 1, T, T]``: the additive mask one process builds for ``whole``, the gathered sequence (``[B, T, ...]``),
+    as the layer's ``MaskSpec`` says (causal, a window; within the documents of ``sharding`` where the mask function
+    keeps documents apart, as it does when the model passes it the positions); turned to booleans
+    by the model (``spec.as_bool``), True where a key is masked."""
+    batch, total, dtype = whole.shape[0], whole.shape[1], whole.dtype
+    if not isinstance(spec, MaskSpec) or spec.chunk or not spec.causal:
+        raise UnsupportedAttention(
+            f"a module reading its attention mask as a tensor, over the gathered sequence: its mask ({spec!r}) is "
+            "not a causal one, with or without a window, as cp_compile's mask function describes it"
+        )
+    places = torch.arange(total, device=whole.device)
+    visible = visible_keys(places, total, sharding.cu_seqlens if spec.documents else None)
+    if spec.window is not None:
+        visible &= places[None, :] > places[:, None] - spec.window
+    if spec.as_bool:
+        return (~visible).expand(batch, 1, total, total)
+    bias = torch.zeros(total, total, dtype=dtype, device=whole.device).masked_fill(~visible, torch.finfo(dtype).min)
+    return bias.expand(batch, 1, total, total)
 
 
 def _call_of(module) -> GatheredModule:
@@ -215,6 +248,13 @@ def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
     """A new ``ShardedCache`` for ``model`` (one prompt), of the cache class its family requires where it requires
     one; a family that keeps states on its modules starts them anew."""
     family = type(model).__module__
+    own_attention = [name for name, call in GATHERED_MODULES.get(family, {}).items() if call.mask is not None]
+    if own_attention:
+        raise UnsupportedAttention(
+            f"cp_compile.hf.generate: {', '.join(own_attention)} attends in code of its own (it reads the mask as a "
+            "tensor), over the gathered sequence in training; decoding would need every rank's keys and values in its "
+            "cache, which the ShardedCache shards"
+        )
     if family in _FRESH_STATES:
         _FRESH_STATES[family](model)
     make = _CACHE_CLASSES.get(family)

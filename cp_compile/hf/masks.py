@@ -22,6 +22,7 @@ transformers' own mask builders produce.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +49,13 @@ class MaskSpec:
     # the layer's attention module slices its mask for a sparse-attention indexer (``mask[:, 0, :, :]``): the
     # slice is the spec again, and the indexer's hook (``hf.indexed``) gives the indexer a mask of its own
     indexed: bool = False
+    # the mask function keeps packed documents apart (transformers found them from the positions it was given): a
+    # module over the gathered sequence that reads the mask tensor is given them (``hf.gathered``); the attention
+    # function takes the documents from ``cu_seq_lens_q`` or the plan whatever this says
+    documents: bool = False
+    # the model turned the mask into booleans (``mask.to(torch.bool)``, MPT): True where a key is masked, as one
+    # process's additive mask becomes; a module over the gathered sequence is given that form (``hf.gathered``)
+    as_bool: bool = False
 
     # transformers tells a 2-D padding mask from a prepared one by ``ndim`` (generation prepares the masks
     # of a compileable cache, a ShardedCache, once and hands them back to the model's mask builders)
@@ -59,6 +67,12 @@ class MaskSpec:
             "own attention code, a sparse-attention indexer, a mask sliced or added to scores); under context "
             "parallelism no rank holds the mask of the whole sequence, so this model cannot run under a plan"
         )
+
+    def to(self, *args, **kwargs):
+        dtype = kwargs.get("dtype", args[0] if args else None)
+        if dtype is not torch.bool:
+            self.refuse()
+        return dataclasses.replace(self, as_bool=True)
 
     def __getitem__(self, index):
         if not self.indexed:
@@ -131,9 +145,13 @@ def _walk(fn: Callable, model: str, facts: dict) -> None:
                 "context parallelism; pack the documents into one row instead"
             )
         facts["chunk"] = int(cells["chunk_size"])
-    elif code in (_PADDING, _PACKED):
-        pass  # padding is refused by ``mask`` unless all ones; documents come from cu_seq_lens / the plan
+    elif code is _PADDING:
+        pass  # padding is refused by ``mask`` unless all ones
+    elif code is _PACKED:
+        facts["documents"] = True  # which documents: from cu_seq_lens / the plan
     elif code in (_REMAP, _OFFSETS):
+        if code is _REMAP:
+            facts["documents"] = True
         cells = _cells(fn)
         if code is _OFFSETS and (cells["q_offset"] or cells["kv_offset"]):
             raise _unsupported(fn, model, " with offsets (a cache not sharded over the ranks)")
@@ -160,7 +178,8 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
             raise UnsupportedAttention(
                 f"{model}: a bidirectional window or chunk is not supported under context parallelism"
             )
-        return MaskSpec(facts.get("causal", False), facts.get("window"), facts.get("chunk"), model)
+        spec = MaskSpec(facts.get("causal", False), facts.get("window"), facts.get("chunk"), model)
+        return dataclasses.replace(spec, documents=facts.get("documents", False))
     code = getattr(mask_function, "__code__", None)
     if use_vmap or code not in (_CAUSAL, _BIDIRECTIONAL, _AND, _REMAP):
         raise _unsupported(

@@ -38,7 +38,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections.abc import Callable
 from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
 
 from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
@@ -80,13 +84,28 @@ _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
 
 
 class GatheredModule(NamedTuple):
-    """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered),
-    those it takes but does not read (passed as None), and the places of its outputs that hold one row per token
-    (this rank's rows kept); every one of those tensors has the tokens along dim 1."""
+    """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered; a
+    tuple of such tensors, as RoPE's (cos, sin), each), those it takes but does not read (passed as None), and the
+    places of its outputs that hold one row per token (this rank's rows kept); every one of those tensors has the
+    tokens along dim 1. ``mask``: the argument holding the attention mask, which the module reads as a tensor (adds
+    to its scores): given the mask one process builds for the whole sequence, additive (0 where a key is visible,
+    the dtype's minimum elsewhere, ``[B, 1, T, T]``)."""
 
     sequence: tuple[str, ...]
     unread: tuple[str, ...] = ()
     outputs: tuple[int, ...] = (0,)
+    mask: Optional[str] = None
+    # arguments the model built from the shard's own positions (BLOOM's ALiBi bias), built again for the gathered
+    # sequence by the family's builder: (name, f(module, gathered sequence) -> the argument)
+    rebuilt: tuple[tuple[str, Callable], ...] = ()
+
+
+def _bloom_alibi(module, whole: Tensor) -> Tensor:
+    """BLOOM's ALiBi bias over ``whole`` (``[B, T, hidden]``), as its model builds it for a sequence without padding."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    ones = torch.ones(whole.shape[:2], dtype=torch.long, device=whole.device)
+    return build_alibi_tensor(ones, module.num_heads, whole.dtype)
 
 
 # families whose token mixers are modules with code of their own, no function to wrap: their modules run over the
@@ -99,6 +118,20 @@ GATHERED_MIXERS = {
     "rwkv": {"RwkvSelfAttention": GatheredModule(("hidden",)), "RwkvFeedForward": GatheredModule(("hidden",))},
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
+    # attention of their own, scores by matmul plus the mask tensor (MPT: its ALiBi bias, built for its longest
+    # sequence, cut to the whole sequence's length)
+    "xglm": {"XGLMAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+    "mpt": {"MptAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+    "bloom": {
+        "BloomAttention": GatheredModule(
+            ("hidden_states", "residual"), mask="attention_mask", rebuilt=(("alibi", _bloom_alibi),)
+        )
+    },
+    "gpt_neox_japanese": {
+        "GPTNeoXJapaneseAttention": GatheredModule(
+            ("hidden_states", "position_ids", "position_embeddings"), mask="attention_mask"
+        )
+    },
     # queries and keys by a convolution of its own, values half from the token before: the projection is gathered,
     # the attention after it runs by the schedules
     "zaya": {"ZayaCCAProjection": GatheredModule(("hidden_states",), outputs=(0, 1, 2))},

@@ -349,11 +349,18 @@ class CacheShard:
         self.positions.index_copy_(0, slot, torch.where(mine, positions, EMPTY_POSITION))
 
     def attend(
-        self, q: Tensor, step: Step, scale: float, options: str = "", picked: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        step: Step,
+        scale: float,
+        options: str = "",
+        picked: Optional[Tensor] = None,
+        index: Optional[int] = None,
     ) -> tuple[Tensor, Tensor]:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
         ``options`` from ``inference.cached.cached_options``; ``picked [B, Lq, k]``: the tokens each query reads, by
-        their place in the sequence (a sparse-attention indexer's choice), or None for every one it may see."""
+        their place in the sequence (a sparse-attention indexer's choice), or None for every one it may see; ``index``:
+        the layer whose attention this is, when not this one's (a layer attending to another's K/V)."""
         left = -1 if self.window is None else self.window - 1
         check = self.agreement
         # one rank has no other to agree with (``Agreement.finish`` has nothing to gather either)
@@ -398,5 +405,5 @@ class CacheShard:
                 tag,
             )
         if check is not None and self.world_size > 1:  # one rank has no other to agree with
-            check.record(self.index, tags, payload_numel(q[:, :, :1], step.values))
+            check.record(self.index if index is None else index, tags, payload_numel(q[:, :, :1], step.values))
         return out, lse

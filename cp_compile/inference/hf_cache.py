@@ -69,6 +69,29 @@ def step_handed_with(key: Tensor) -> Optional[tuple]:
     return step if keys is key else None
 
 
+# Layers that share their keys and values with later layers (Gemma 3n: a "store" layer's K/V, as its ``update``
+# returned them, are what its "reuse" layers attend to, and those keep no cache): the latest step of each, by the id of
+# the keys it returned, (the keys held weakly, the layer, the step), for the attention calls that are handed them.
+_SHARED_STEPS: dict[int, tuple] = {}
+
+
+def share_step(layer, keys: Tensor, step) -> None:
+    previous = getattr(layer, "shared_keys_id", None)
+    if previous is not None:
+        _SHARED_STEPS.pop(previous, None)
+    layer.shared_keys_id = id(keys)
+    _SHARED_STEPS[id(keys)] = (weakref.ref(keys), layer, step)
+
+
+def step_of_shared_keys(key: Tensor) -> Optional[tuple]:
+    """(layer, step) of the layer whose latest ``update`` returned ``key`` while decoding, when that layer shares its
+    keys with later layers; else None."""
+    shared = _SHARED_STEPS.get(id(key))
+    if shared is None or shared[0]() is not key:
+        return None
+    return shared[1], shared[2]
+
+
 def drop_handed_step() -> None:
     """Forget a step handed over and never taken (its attention was not ``"cp_compile"``'s, or the call failed)."""
     _HANDED[0] = None
@@ -92,6 +115,7 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         self.is_sliding = window is not None
         self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
         self.unattended = False  # eagerly: handed a step that no "cp_compile" attention has read yet
+        self.shares_keys = False  # later layers attend to what this layer's update returns (Gemma 3n's "store")
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self._allocate(key_states, value_states)
@@ -120,6 +144,8 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             return key_states, value_states
         step = self.append(key_states, value_states)
         kwargs[CACHE_STEP] = (self, step)
+        if self.shares_keys and not torch.compiler.is_compiling():
+            share_step(self, step.keys, step)
         if not torch.compiler.is_compiling():
             self.unattended = True
         return step.keys, step.values
@@ -275,6 +301,9 @@ class ShardedCache(Cache):
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers: list = []
         linear_ok = runs_mixers_under_cp(config)
+        # Gemma 3n: a "reuse" layer attends to the K/V of the last "store" layer of its type and keeps none
+        # (transformers makes it a dummy layer); the store layer hands its decoding steps on with the keys it returns
+        sharing = getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) or [None] * len(layer_types)
         for index, (layer_type, extra) in enumerate(zip(layer_types, layer_kwargs)):
             if layer_type in (*_LINEAR, "hybrid") and not linear_ok:
                 raise UnsupportedAttention(
@@ -284,8 +313,8 @@ class ShardedCache(Cache):
             if layer_type in _LINEAR:
                 layers.append(ReplicatedLinearLayer(plan))
                 continue
-            if layer_type == "dummy" and linear_ok:  # a hybrid's MLP or MoE layer: nothing to keep
-                layers.append(DummyLayer())
+            if layer_type == "dummy" and (linear_ok or sharing[index] == "reuse"):
+                layers.append(DummyLayer())  # a hybrid's MLP or MoE layer, a layer reusing another's K/V: nothing kept
                 continue
             if layer_type == "indexed_attention" and runs_indexers_under_cp(config):
                 layers.append(ShardedIndexedLayer(plan, max_cache_len))
@@ -299,6 +328,7 @@ class ShardedCache(Cache):
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if layer_type == "sliding_attention" else None
             layers.append((ShardedHybridLayer if layer_type == "hybrid" else ShardedLayer)(plan, max_cache_len, window))
+            layers[-1].shares_keys = sharing[index] == "store"
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)
         for index, layer in enumerate(layers):
