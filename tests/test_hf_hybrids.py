@@ -124,6 +124,20 @@ def test_modules_reading_the_mask_over_the_gathered_sequence(ranks, world_size):
         _check(ranks(2, train_step, family, "eager", [1, 7, 19, 13]), ("packed", family))
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_modules_reading_the_mask_generate(ranks, world_size):
+    """Their cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill stores the gathered
+    prompt's, decoding runs the module as one process does, given the step's mask (and BLOOM its ALiBi for every
+    key). Sampled, prompts of 1 and 30 tokens, against one process with the same seed; decoding makes no collective,
+    so the ranks' tokens are compared once at the end, and ranks seeded differently all raise."""
+    for family in ("bloom", "gpt_neox_japanese"):
+        for results in ranks(world_size, generate_reading_the_sequence, family, [1, 30]):
+            *runs, refusal = results
+            for same, new, err in runs:
+                assert same and new == 20 and err < 1e-5, (family, runs)
+            assert "different tokens" in refusal, refusal
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
 def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)

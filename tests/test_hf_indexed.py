@@ -7,7 +7,7 @@ token, at C = 3 and 4 (C = 2: the model sweep), compiled, and on packed document
 """
 
 import pytest
-from test_hf_hybrids import _check, generate_tokens, train_step
+from test_hf_hybrids import _check, generate_reading_the_sequence, generate_tokens, train_step
 
 pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
 
@@ -21,10 +21,11 @@ def test_train_eager_at_every_c(ranks, world_size):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_generate_token_for_token(ranks, world_size):
     """The prompt's index keys gathered into every rank's cache layer in the sharded prefill; each decoded token's
-    indexer over all of them, its attention over every rank's share of what it chose."""
+    indexer over all of them, its attention over every rank's share of what it chose (C = 1: the prompt run as one
+    step through the cache, no sharded prefill)."""
     for family in EVERY_C + (AT_THREE if world_size == 3 else []):
         for result in ranks(world_size, generate_tokens, family):
             assert result["status"] == "exact", (family, result)
@@ -41,3 +42,18 @@ def test_packed_documents(ranks):
     mask each document on its own (transformers finds the documents from the positions), and so do the ranks."""
     for world_size in (2, 3):
         _check(ranks(world_size, train_step, "deepseek_v32", "eager", [1, 7, 19, 13]), world_size)
+
+
+def test_generate_sampled_from_a_one_token_prompt(ranks):
+    """Sampled with repetition penalties and a user's stopping rule, prompts of 1 token (the indexer's hook put on
+    before generate's first step, which no sharded prefill precedes) and 2; ranks seeded differently all raise.
+
+    Short prompts: one process runs a prompt in one call, and its top k of tied index scores (the tiny model's two
+    index heads leave many at exactly 0 after the ReLU) may differ from its own prefill-then-step choice (2.4e-3 on
+    the last logits for a 30-token prompt, on one process alone); within the top k of the prompt's prefix, no
+    choice is made."""
+    for results in ranks(2, generate_reading_the_sequence, "deepseek_v32", [1, 2]):
+        *runs, refusal = results
+        for same, new, err in runs:
+            assert same and new == 20 and err < 1e-5, runs
+        assert "different tokens" in refusal, refusal

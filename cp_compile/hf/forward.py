@@ -79,9 +79,11 @@ def prepare_models_with(prepare: Callable) -> None:
     _PREPARE.append(prepare)
 
 
-def _prepare(model) -> None:
-    for prepare in _PREPARE:
-        prepare(model)
+def prepare(model) -> None:
+    """Prepares ``model`` for its calls under a plan (hooks on the modules that need them; each preparer runs once
+    per model)."""
+    for preparer in _PREPARE:
+        preparer(model)
 
 
 def start_model_call(module, args: tuple) -> None:
@@ -90,7 +92,7 @@ def start_model_call(module, args: tuple) -> None:
         return
     model = _transformers_model(module)
     if model is not None:
-        _prepare(model)
+        prepare(model)
         _FORWARDS.append([module, 0, 0, 0])
 
 
@@ -144,7 +146,7 @@ def one_model_call_followed(model) -> Iterator[None]:
     CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
     arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
     entry = [model, 0, 0, 0]
-    _prepare(model)
+    prepare(model)
     with hooks_taken_out(_HOOKS):
         _FORWARDS.append(entry)
         try:

@@ -24,13 +24,15 @@ import weakref
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache
+from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache, ShardedLayer
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
+from ..plan import active_plan
 from .forward import CONV, SCAN, count_call, prepare_models_with
 from .masks import MaskSpec
 from .mixers import GATHERED_MODULES, GatheredModule, _plan_of_shards, _sharding
@@ -75,7 +77,7 @@ def _before(module, args: tuple, kwargs: dict):
     plan = _plan_of_shards()
     _check_recompute(module, plan)
     if plan is None:
-        return None
+        return _mask_of_the_step(module, args, kwargs)
     kwargs = _by_name(module, args, kwargs)
     call = _call_of(module)
     mask_spec = kwargs.get(call.mask) if call.mask is not None else None
@@ -109,7 +111,7 @@ def _before(module, args: tuple, kwargs: dict):
     if call.mask is not None:
         kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
     for name, build in call.rebuilt:
-        kwargs[name] = build(module, whole)
+        kwargs[name] = build(module, whole, whole.shape[1])
     _whole_states_from(module, kwargs.get("cache"))
     return (), kwargs
 
@@ -133,6 +135,37 @@ def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
         return (~visible).expand(batch, 1, total, total)
     bias = torch.zeros(total, total, dtype=dtype, device=whole.device).masked_fill(~visible, torch.finfo(dtype).min)
     return bias.expand(batch, 1, total, total)
+
+
+def _mask_of_the_step(module, args: tuple, kwargs: dict):
+    """Decoding (the same tokens on every rank, under a plan), a module that reads its mask tensor runs as on one
+    process over its whole K/V (``WholeKVCache``): it is given the mask of the step's n tokens after the ones its
+    layer holds, causal, as one process builds it, and what its model built from positions, built for those keys
+    (the cache reports mask sizes as if it held nothing, which the mask function asks)."""
+    call = GATHERED_MODULES.get(type(module).__module__, {}).get(type(module).__name__)
+    if call is None or call.mask is None or active_plan() is None:
+        return None
+    kwargs = _by_name(module, args, kwargs)
+    spec = kwargs.get(call.mask)
+    if not isinstance(spec, MaskSpec):
+        return None
+    cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+    hidden = kwargs[call.sequence[0]]
+    before = cache.layers[module.layer_idx].get_seq_length() if cache is not None else 0
+    n = hidden.shape[1]
+    places = torch.arange(before + n, device=hidden.device)
+    visible = places[None, :] <= places[before:, None]
+    if spec.window is not None:
+        visible &= places[None, :] > places[before:, None] - spec.window
+    if spec.as_bool:
+        mask = ~visible
+    else:
+        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)
+    kwargs[call.mask] = mask.expand(hidden.shape[0], 1, n, before + n)
+    for name, build in call.rebuilt:  # the model built it for the keys its mask sizes say: this step's alone
+        kwargs[name] = build(module, hidden, before + n)
+    return (), kwargs
 
 
 def _call_of(module) -> GatheredModule:
@@ -228,6 +261,26 @@ class ShardedCacheOfModuleStates(ShardedCache):
             yield self
 
 
+class WholeKVLayer(DynamicLayer):
+    """The whole sequence's K/V, the same on every rank: what a module that attends in code of its own reads."""
+
+    is_compileable = False
+
+
+class WholeKVCache(ShardedCache):
+    """For families whose attention is code of their own that reads its K/V and its mask as tensors (XGLM, BLOOM,
+    GPT-NeoX-Japanese): every rank keeps the whole sequence's K/V, as one process does, C times the memory of a
+    sharded cache. The sharded prefill runs those modules over the gathered prompt, so each stores the whole
+    prompt's K/V; decoding runs them as one process does, on every rank, with no collective (the ranks' tokens are
+    compared once, at the end)."""
+
+    is_compileable = False
+
+    def __init__(self, config, max_cache_len: int, plan=None):
+        super().__init__(config, max_cache_len, plan)
+        self.layers = [WholeKVLayer() if isinstance(layer, ShardedLayer) else layer for layer in self.layers]
+
+
 _CACHE_CLASSES = {
     "transformers.models.minimax.modeling_minimax": _minimax_cache_class,
     "transformers.models.recurrent_gemma.modeling_recurrent_gemma": lambda: ShardedCacheOfModuleStates,
@@ -248,15 +301,10 @@ def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
     """A new ``ShardedCache`` for ``model`` (one prompt), of the cache class its family requires where it requires
     one; a family that keeps states on its modules starts them anew."""
     family = type(model).__module__
-    own_attention = [name for name, call in GATHERED_MODULES.get(family, {}).items() if call.mask is not None]
-    if own_attention:
-        raise UnsupportedAttention(
-            f"cp_compile.hf.generate: {', '.join(own_attention)} attends in code of its own (it reads the mask as a "
-            "tensor), over the gathered sequence in training; decoding would need every rank's keys and values in its "
-            "cache, which the ShardedCache shards"
-        )
     if family in _FRESH_STATES:
         _FRESH_STATES[family](model)
+    if any(call.mask is not None for call in GATHERED_MODULES.get(family, {}).values()):
+        return WholeKVCache(model.config, max_cache_len, plan)
     make = _CACHE_CLASSES.get(family)
     return (make() if make is not None else ShardedCache)(model.config, max_cache_len, plan)
 

@@ -28,7 +28,7 @@ from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
-from .forward import model_calls_unfollowed, one_model_call_followed
+from .forward import model_calls_unfollowed, one_model_call_followed, prepare
 from .gathered import sharded_cache
 from .mixers import same_tokens_on_every_rank
 
@@ -236,6 +236,7 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             "cp_compile's, which continues from the prefilled state)"
         )
     _check_same_prompt(plan, input_ids)
+    prepare(model)  # a one-token prompt has no sharded prefill, whose call would prepare it
     # over one rank a prompt has nothing to shard: generate() runs it as one step through the cache, as one process
     # does (sharding it would pad it to the layout and add a step); a hybrid's states come from the sharded prefill
     one_rank = plan.world_size == 1 and not any(cache.is_linear)
@@ -256,7 +257,9 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         drop_handed_step()
     # a model of linear layers alone decodes with no collective to carry the agreement: its tokens are compared once
     sequences = result if isinstance(result, Tensor) else result.sequences
-    differs = all_linear and not _same_on_every_rank(plan, sequences)
+    # so does a model whose decoding made no gather (its attention reads the whole K/V every rank keeps)
+    silent = all_linear or not cache.agreement.per_query
+    differs = silent and not _same_on_every_rank(plan, sequences)
     if cache.agreement.finish() or differs:
         raise RuntimeError(
             "cp_compile.hf.generate: the ranks generated different tokens or stopped at different "

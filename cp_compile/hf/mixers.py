@@ -96,16 +96,17 @@ class GatheredModule(NamedTuple):
     outputs: tuple[int, ...] = (0,)
     mask: Optional[str] = None
     # arguments the model built from the shard's own positions (BLOOM's ALiBi bias), built again for the gathered
-    # sequence by the family's builder: (name, f(module, gathered sequence) -> the argument)
+    # sequence (and for a decoding step's keys) by the family's builder: (name, f(module, hidden states, keys))
     rebuilt: tuple[tuple[str, Callable], ...] = ()
 
 
-def _bloom_alibi(module, whole: Tensor) -> Tensor:
-    """BLOOM's ALiBi bias over ``whole`` (``[B, T, hidden]``), as its model builds it for a sequence without padding."""
+def _bloom_alibi(module, hidden: Tensor, keys: int) -> Tensor:
+    """BLOOM's ALiBi bias over ``keys`` tokens, as its model builds it for a sequence without padding (``hidden``:
+    the module's hidden states, for the batch, dtype and device)."""
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    ones = torch.ones(whole.shape[:2], dtype=torch.long, device=whole.device)
-    return build_alibi_tensor(ones, module.num_heads, whole.dtype)
+    ones = torch.ones(hidden.shape[0], keys, dtype=torch.long, device=hidden.device)
+    return build_alibi_tensor(ones, module.num_heads, hidden.dtype)
 
 
 # families whose token mixers are modules with code of their own, no function to wrap: their modules run over the
