@@ -355,16 +355,24 @@ def test_explain_lists_the_ops_a_model_calls_itself(ranks):
         assert report.count("modeling_gemma2.py") == 2, report
 
 
+def _generate_reusing_keys() -> list:
+    from test_hf_hybrids import generate_reading_the_sequence
+
+    from cp_compile.inference import hf_cache
+
+    results = generate_reading_the_sequence("gemma3n_text", [1, 30])
+    return [*results, len(hf_cache._SHARED_STEPS)]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_layers_reusing_another_layers_keys_generate(ranks, world_size):
     """Gemma 3n's "reuse" layers attend to the K/V of the last "store" layer of their type and keep no cache: each
     decoded step's share of the store layer reaches them with its keys. Sampled (prompts of 1 and 30 tokens)
     against one process with the same seed; ranks seeded differently all raise (each reused layer's gather is
     counted, so a rank that stops first joins the other's step)."""
-    from test_hf_hybrids import generate_reading_the_sequence
-
-    for results in ranks(world_size, generate_reading_the_sequence, "gemma3n_text", [1, 30]):
-        *runs, refusal = results
+    for results in ranks(world_size, _generate_reusing_keys):
+        *runs, refusal, shared_left = results
+        assert shared_left == 0, "the shared steps outlived the generation (they hold the cache's layers)"
         for same, new, err in runs:
             assert same and new == 20 and err < 1e-5, runs
         assert "different tokens" in refusal, refusal

@@ -93,8 +93,10 @@ def step_of_shared_keys(key: Tensor) -> Optional[tuple]:
 
 
 def drop_handed_step() -> None:
-    """Forget a step handed over and never taken (its attention was not ``"cp_compile"``'s, or the call failed)."""
+    """Forget a step handed over and never taken (its attention was not ``"cp_compile"``'s, or the call failed), and
+    the shared steps of the forward just run (they hold their cache's layers)."""
     _HANDED[0] = None
+    _SHARED_STEPS.clear()
 
 
 def _unsupported(what: str):
