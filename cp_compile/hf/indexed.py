@@ -33,7 +33,7 @@ from torch import Tensor
 from ..inference.hf_cache import INDEXED_MODULES, ShardedCache
 from ..mixers import Sharding
 from ..mixers.gathered import _real
-from ..mixers.indexed import gather_index_keys, indexer_mask
+from ..mixers.indexed import gather_index_keys, indexer_mask, visible_keys
 from ..plan import active_plan
 from .forward import prepare_models_with
 from .gathered import _by_name
@@ -67,12 +67,6 @@ class EveryRanksIndexKeys:
         return every
 
 
-def _causal(queries: int, before: int, batch: int, device) -> Tensor:
-    """``[B, n, before + n]`` bool: ``n`` new tokens after ``before`` earlier ones, each seeing those before it."""
-    keys = torch.arange(before + queries, device=device)
-    return (keys[None, :] <= before + torch.arange(queries, device=device)[:, None])[None].expand(batch, -1, -1)
-
-
 def _before(module, args: tuple, kwargs: dict):
     plan = active_plan()
     if plan is None:
@@ -87,7 +81,10 @@ def _before(module, args: tuple, kwargs: dict):
         kwargs["attention_mask"] = indexer_mask(hidden, _real(hidden.shape[1], sharding), sharding)
     else:
         before = cache.layers[module.layer_idx].indexed() if cache is not None else 0
-        kwargs["attention_mask"] = _causal(hidden.shape[1], before, hidden.shape[0], hidden.device)
+        places = torch.arange(before, before + hidden.shape[1], device=hidden.device)
+        kwargs["attention_mask"] = visible_keys(places, before + hidden.shape[1], None)[None].expand(
+            hidden.shape[0], -1, -1
+        )
     return (), kwargs
 
 
