@@ -116,25 +116,35 @@ def _before(module, args: tuple, kwargs: dict):
     return (), kwargs
 
 
-def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
-    """``[B, 1, T, T]``: the additive mask one process builds for ``whole``, the gathered sequence (``[B, T, ...]``),
-    as the layer's ``MaskSpec`` says (causal, a window; within the documents of ``sharding`` where the mask function
-    keeps documents apart, as it does when the model passes it the positions); turned to booleans
-    by the model (``spec.as_bool``), True where a key is masked."""
-    batch, total, dtype = whole.shape[0], whole.shape[1], whole.dtype
+def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor) -> Tensor:
+    """``[B, 1, n, total]``: the mask one process builds for queries at ``places [n]`` against the first ``total``
+    tokens, as the layer's ``MaskSpec`` says (causal, a window; within the documents of ``cu_seqlens`` when given):
+    additive in ``like``'s dtype (0 where a key is visible, the dtype's minimum elsewhere), or, turned to booleans by
+    the model (``spec.as_bool``), True where a key is masked. ``like [B, ...]``: the batch, dtype and device."""
     if not isinstance(spec, MaskSpec) or spec.chunk or not spec.causal:
         raise UnsupportedAttention(
             f"a module reading its attention mask as a tensor, over the gathered sequence: its mask ({spec!r}) is "
             "not a causal one, with or without a window, as cp_compile's mask function describes it"
         )
-    places = torch.arange(total, device=whole.device)
-    visible = visible_keys(places, total, sharding.cu_seqlens if spec.documents else None)
+    visible = visible_keys(places, total, cu_seqlens)
     if spec.window is not None:
-        visible &= places[None, :] > places[:, None] - spec.window
+        visible &= torch.arange(total, device=places.device)[None, :] > places[:, None] - spec.window
     if spec.as_bool:
-        return (~visible).expand(batch, 1, total, total)
-    bias = torch.zeros(total, total, dtype=dtype, device=whole.device).masked_fill(~visible, torch.finfo(dtype).min)
-    return bias.expand(batch, 1, total, total)
+        mask = ~visible
+    else:
+        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
+        mask = mask.masked_fill(~visible, torch.finfo(like.dtype).min)
+    return mask.expand(like.shape[0], 1, *visible.shape)
+
+
+def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
+    """``[B, 1, T, T]``: the mask one process builds for ``whole``, the gathered sequence (``[B, T, ...]``); within
+    the documents of ``sharding`` where the mask function keeps documents apart, as it does when the model passes it
+    the positions."""
+    total = whole.shape[1]
+    places = torch.arange(total, device=whole.device)
+    documents = sharding.cu_seqlens if getattr(spec, "documents", False) else None
+    return _mask_tensor(spec, places, total, documents, whole)
 
 
 def _mask_of_the_step(module, args: tuple, kwargs: dict):
@@ -153,16 +163,8 @@ def _mask_of_the_step(module, args: tuple, kwargs: dict):
     hidden = kwargs[call.sequence[0]]
     before = cache.layers[module.layer_idx].get_seq_length() if cache is not None else 0
     n = hidden.shape[1]
-    places = torch.arange(before + n, device=hidden.device)
-    visible = places[None, :] <= places[before:, None]
-    if spec.window is not None:
-        visible &= places[None, :] > places[before:, None] - spec.window
-    if spec.as_bool:
-        mask = ~visible
-    else:
-        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)
-    kwargs[call.mask] = mask.expand(hidden.shape[0], 1, n, before + n)
+    places = torch.arange(before, before + n, device=hidden.device)
+    kwargs[call.mask] = _mask_tensor(spec, places, before + n, None, hidden)
     for name, build in call.rebuilt:  # the model built it for the keys its mask sizes say: this step's alone
         kwargs[name] = build(module, hidden, before + n)
     return (), kwargs
