@@ -21,6 +21,7 @@ of each run, plots the curves, and exits 1 when a difference exceeds --tol (fp32
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -59,24 +60,33 @@ def build_dataset(n: int, seed: int):
     return Dataset.from_dict({"text": texts})
 
 
-def build_model(vocab_size: int):
+def build_model(vocab_size: int, family: str = "llama"):
+    """A small model of ``family``: Llama, or a hybrid whose layers mix tokens outside attention (Qwen3.5's Gated
+    DeltaNet, LFM2's short convolutions) beside full attention."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-    )
+    shared = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    shared.update(num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    if family == "llama":
+        config, cls = transformers.LlamaConfig(num_hidden_layers=2, **shared), transformers.LlamaForCausalLM
+    elif family == "qwen3_5":
+        config = transformers.Qwen3_5TextConfig(
+            layer_types=["linear_attention", "full_attention"],
+            num_hidden_layers=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            **shared,
+        )
+        cls = transformers.Qwen3_5ForCausalLM
+    else:
+        config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], num_hidden_layers=2, **shared)
+        cls = transformers.Lfm2ForCausalLM
     torch.manual_seed(0)  # the same weights in every process
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile")
+    return cls._from_config(config, attn_implementation="cp_compile")
 
 
 def train(opts) -> None:
@@ -122,7 +132,8 @@ def train(opts) -> None:
         per_device_eval_batch_size=opts.batch,
     )
     train_data, eval_data = build_dataset(400, seed=1), build_dataset(24, seed=2) if opts.eval_steps else None
-    kwargs = dict(model=build_model(len(tokenizer)), args=config, processing_class=tokenizer, callbacks=[StopAt()])
+    model = build_model(len(tokenizer), opts.model)
+    kwargs = dict(model=model, args=config, processing_class=tokenizer, callbacks=[StopAt()])
     base = SFTTrainer
     if opts.trainer == "trainer":  # transformers' own Trainer on examples it packs itself into one row
         from transformers import DataCollatorWithFlattening, Trainer
@@ -134,8 +145,15 @@ def train(opts) -> None:
         eval_data = tokenize(eval_data) if eval_data is not None else None
         kwargs["data_collator"] = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     kwargs.update(train_dataset=train_data, eval_dataset=eval_data)
+    kernels = contextlib.nullcontext()
     if opts.cp == 1:
         trainer = base(**kwargs)  # the script without CP, unchanged (one process, or data parallel)
+        if opts.model != "llama" and not torch.cuda.is_available():
+            # a hybrid restarts its convolutions and scans at each packed document with the fused kernels (CUDA)
+            # alone; on CPU, stand-ins that run each document alone (under CP, the plan restarts them itself)
+            from cp_compile.tools.restarting import restarting_kernels
+
+            kernels = restarting_kernels(sys.modules[type(model).__module__])
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -145,7 +163,8 @@ def train(opts) -> None:
         world = dist.get_world_size()
         mesh = init_device_mesh("cpu", (world // opts.cp, opts.cp), mesh_dim_names=("dp", "cp"))
         trainer = CPTrainer(**kwargs, plan=cp_compile.ContextParallel(mesh["cp"]))
-    trainer.train(resume_from_checkpoint=opts.resume_from)
+    with kernels:
+        trainer.train(resume_from_checkpoint=opts.resume_from)
     if trainer.is_world_process_zero():
         from torch._dynamo.utils import counters
 
@@ -198,6 +217,8 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
         str(opts.eval_steps),
         "--trainer",
         opts.trainer,
+        "--model",
+        opts.model,
         *extra,
     ]
     if opts.bf16:
@@ -327,6 +348,12 @@ def main() -> int:
         choices=("sft", "trainer"),
         default="sft",
         help="TRL's SFTTrainer (packing=True), or transformers' Trainer with DataCollatorWithFlattening",
+    )
+    p.add_argument(
+        "--model",
+        choices=("llama", "qwen3_5", "lfm2"),
+        default="llama",
+        help="Llama, or a hybrid: Qwen3.5 (Gated DeltaNet) or LFM2 (short convolutions) beside full attention",
     )
     p.add_argument("--bf16", action="store_true", help="SFTConfig's default bf16 autocast (else fp32)")
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")

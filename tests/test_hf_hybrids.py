@@ -6,6 +6,9 @@ weights, fp32: a training step's loss and every gradient (each against its own s
 it) at C = 2, 3 and 4, eagerly, compiled with the plan's backend, and on packed documents.
 """
 
+import contextlib
+import sys
+
 import pytest
 import torch
 
@@ -34,15 +37,20 @@ COVERED = [
 ]
 
 
-def train_step(family: str, mode: str, lengths, checkpointing: bool = False, scan_route: str = "auto") -> dict:
+def train_step(
+    family: str, mode: str, lengths, checkpointing: bool = False, scan_route: str = "auto", restart: bool = False
+) -> dict:
     """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
     process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
-    model is given none) or None for one sequence."""
+    model is given none) or None for one sequence. ``restart``: the documents come with what TRL's padding-free
+    collator adds (``cu_seq_lens_q/k``, ``seq_idx``), with which the model restarts its mixers at each document
+    (the fused kernels do; transformers' torch bodies refuse): one process runs each document on its own."""
     import torch.distributed as dist
 
     import cp_compile
     import cp_compile.hf  # noqa: F401  (registers "cp_compile", wraps the mixers when a plan is entered)
     from cp_compile.tools.bench import model_configs, model_run
+    from cp_compile.tools.restarting import restarting_kernels
 
     torch._dynamo.reset()
     config, cls, _ = model_configs.tiny_config(family)
@@ -62,7 +70,14 @@ def train_step(family: str, mode: str, lengths, checkpointing: bool = False, sca
         cu = torch.tensor([0, *lengths]).cumsum(0)
         labels[0, cu[1:] - 1] = -100
     items = int((labels != -100).sum())
-    ref_out = reference(ids, position_ids=positions, use_cache=False)
+    collated, kernels = {}, contextlib.nullcontext()
+    if restart:
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+        collated = {"cu_seq_lens_q": cu.to(torch.int32), "cu_seq_lens_k": cu.to(torch.int32)}
+        kernels = restarting_kernels(sys.modules[cls.__module__])
+        collated_whole = dict(collated, seq_idx=seq_idx[None])
+    with kernels:
+        ref_out = reference(ids, position_ids=positions, use_cache=False, **(collated_whole if restart else {}))
     ref_loss = model_run._token_loss(ref_out.logits, labels) / items
     ref_loss.backward()
     forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
@@ -74,7 +89,9 @@ def train_step(family: str, mode: str, lengths, checkpointing: bool = False, sca
             local_ids = plan.shard(ids[0], 0, cu_seqlens=cu)[None]
             local_labels = torch.where(real, plan.shard(labels[0], 0, cu_seqlens=cu), -100)[None]
             local_positions = plan.positions(cu_seqlens=cu)
-        out = forward(local_ids, position_ids=local_positions[None], use_cache=False)
+            if restart:
+                collated["seq_idx"] = plan.shard(seq_idx, 0, cu_seqlens=cu)[None]
+        out = forward(local_ids, position_ids=local_positions[None], use_cache=False, **collated)
         loss = model_run._token_loss(out.logits, local_labels) / items
         loss.backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
@@ -223,6 +240,45 @@ def test_packed_documents_as_one_process_runs_them(ranks, family):
     refuse without the fused kernels), and so do the ranks, in the per-document layout."""
     for world_size in (2, 3):
         _check(ranks(world_size, train_step, family, "eager", [1, 7, 19, 13]), (family, world_size))
+
+
+# Granite 4 hybrid builds its attention mask without the positions: one process's SDPA attends across the documents
+# that cu_seq_lens_q keeps apart (flash attention reads them), so no CPU reference exists for it
+RESTARTING = [family for family in COVERED if family != "granitemoehybrid"]
+
+
+def restarting_families(families) -> dict:
+    return {family: train_step(family, "eager", [1, 7, 19, 13], restart=True) for family in families}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_packed_documents_restarting_at_each_document(ranks, world_size):
+    """What TRL's padding-free collator gives (cu_seq_lens_q/k, seq_idx) makes a model restart its convolutions and
+    scans at each document where the fused kernels do (causal-conv1d and mamba_ssm at seq_idx, fla at cu_seqlens;
+    transformers' torch bodies refuse them): against one process with stand-ins of those kernels (each document
+    alone), documents of 1, 7, 19 and 13 tokens."""
+    for results in ranks(world_size, restarting_families, RESTARTING):
+        _check(results.values(), (world_size, results))
+
+
+def test_packed_documents_restarting_at_c4(ranks):
+    for results in ranks(4, restarting_families, ["qwen3_5_text", "nemotron_h", "lfm2", "kimi_linear"]):
+        _check(results.values(), results)
+
+
+def documents_the_mask_does_not_see() -> str:
+    """Granite 4 hybrid packed by positions alone: its mask, built without them, reads across the documents on one
+    process; every rank raises rather than keep them apart."""
+    try:
+        train_step("granitemoehybrid", "eager", [1, 7, 19, 13])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_documents_the_models_mask_does_not_see_are_refused(ranks):
+    for message in ranks(2, documents_the_mask_does_not_see):
+        assert message.startswith("UnsupportedAttention") and "without the packed documents' positions" in message
 
 
 def swapped_scan() -> list[str]:

@@ -372,6 +372,76 @@ def test_selective_scan_equals_one_process(ranks, world_size):
             assert max(errs) < 1e-6, (case, errs)
 
 
+def restarting_case(kind: str):
+    """Scans restarting at each packed document, as fla's kernels given ``cu_seqlens`` and mamba_ssm's given
+    ``seq_idx`` do, against one process running each document alone: the gated delta rule token by token in
+    fp64, Mamba2 by transformers' body (fp32 inside)."""
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.scan import gated_delta_rule, mamba2_scan
+
+    plan, cu, total = _setup("packed")
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    lengths = cu.diff().tolist()
+    torch.manual_seed(3)
+    f64 = dict(dtype=torch.float64)
+    if kind == "gdn":
+        q, k = (torch.randn(1, total, 2, 4, **f64, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, total, 4, 3, **f64, requires_grad=True)
+        g = (-torch.rand(1, total, 4, **f64)).requires_grad_()
+        beta = torch.rand(1, total, 4, **f64).requires_grad_()
+        leaves, shared = [q, k, v, g, beta], []
+
+        def one_process(*tokens):
+            return recurrent_delta_rule(*tokens)[0]
+
+        def under_cp(local):
+            return gated_delta_rule(recurrent_delta_rule, *local, sharding, cu_seqlens=cu)[0]
+    else:
+        from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+        x = torch.randn(1, total, 4, 3, **f64, requires_grad=True)
+        dt = torch.randn(1, total, 4, **f64, requires_grad=True)
+        bm, cm = (torch.randn(1, total, 2, 4, **f64, requires_grad=True) for _ in range(2))
+        a = (-torch.rand(4, **f64)).requires_grad_()
+        leaves, shared = [x, dt, bm, cm], [a]
+        kw = dict(dt_softplus=True)
+
+        def one_process(x, dt, bm, cm):
+            return mamba2_chunk_scan(x, dt, a, bm, cm, 4, **kw)
+
+        def under_cp(local):
+            seq_idx = torch.zeros(1, local[0].shape[1], dtype=torch.int32)  # what marks it: the documents are cu
+            return mamba2_scan(mamba2_chunk_scan, *local[:2], a, *local[2:], 4, sharding, seq_idx=seq_idx, **kw)
+
+    documents = [pieces for pieces in zip(*(t.split(lengths, 1) for t in leaves)) if pieces[0].shape[1]]
+    ref = torch.cat([one_process(*pieces) for pieces in documents], 1)
+    dy = torch.randn_like(ref)
+    ref.backward(dy)
+    expected = [t.grad.clone() for t in shared]
+    for t in shared:
+        t.grad = None
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in leaves]
+    out = under_cp(local)
+    out.backward(_shard(plan, dy, 1, cu))
+    for t in shared:
+        torch.distributed.all_reduce(t.grad)
+    pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, leaves)]
+    errs = _errors(plan, pairs, cu) + [float((t.grad - e).abs().max()) for t, e in zip(shared, expected)]
+    scale = max(float(t.abs().max()) for t in [ref] + [t.grad for t in leaves] + expected)
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_scans_restarting_at_documents(ranks, world_size):
+    """Documents of 21, 1, 5, 0, 38 and 8 tokens, each scanned from a zero state: the gated delta rule exact in
+    fp64; Mamba2 within fp32 rounding (transformers' body computes in fp32, over each document padded to the
+    longest here, alone there)."""
+    pytest.importorskip("transformers", reason="Mamba2's scan is transformers' torch body")
+    for kind, tol in (("gdn", 1e-12), ("mamba2", 1e-6)):
+        for errs in ranks(world_size, restarting_case, kind):
+            assert max(errs) < tol, (kind, errs)
+
+
 def opcheck_mixer_ops():
     """Every mixer op passes torch.library.opcheck (schema, fake, autograd registration, AOT dispatch)."""
     import cp_compile

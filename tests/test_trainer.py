@@ -43,6 +43,16 @@ def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_sft_trainer_packed_hybrid_restarts_at_documents():
+    """Qwen3.5 (Gated DeltaNet beside full attention) under SFTTrainer(packing=True) at C=2: TRL's padding-free
+    collator passes seq_idx and cu_seq_lens, at which the convolution and the scan restart; the one-process run
+    restarts them with stand-ins of the fused kernels (each document alone). Every logged loss within 1e-4 of one
+    process's, also across a resume at C=1."""
+    out = run_example("--model", "qwen3_5", "--steps", "4")
+    assert "SFTTrainer under CP (C=2, torchrun): 4 steps" in out
+    assert "C=2 stopped after step 2, resumed at C=1: 2 steps" in out
+
+
 def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     """transformers' Trainer with DataCollatorWithFlattening, launched by accelerate on 4 processes (2 replicas
     of C=2), SGD with 2 accumulation steps, against the same script on 2 processes without CP; then a run on 2
@@ -242,3 +252,36 @@ def test_a_trainer_that_accelerate_runs_single_process_names_the_cause(ranks, tm
     messages = ranks(2, trainer_without_the_group, str(tmp_path))
     assert messages[0] == messages[1] and "accelerate runs 1 process(es) but torch.distributed has 2" in messages[0]
     assert "use_cpu=True" in messages[0]
+
+
+def compiled_checkpointed_hybrid(output_dir: str) -> str:
+    """LFM2 (short convolutions) given to the mixin with torch_compile and gradient checkpointing: refused by name
+    before training, where torch's activation checkpointing would refuse the mixers' agreement op mid-compile."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from cp_compile.hf import ContextParallelMixin
+
+    class CPTrainer(ContextParallelMixin, Trainer):
+        pass
+
+    config = transformers.Lfm2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
+    args = TrainingArguments(output_dir=output_dir, report_to=[], torch_compile=True, gradient_checkpointing=True)
+    try:
+        CPTrainer(model=transformers.Lfm2ForCausalLM(config), args=args)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_compiled_checkpointed_hybrid_is_refused_by_name(ranks, tmp_path):
+    for message in ranks(2, compiled_checkpointed_hybrid, str(tmp_path)):
+        assert "Lfm2ForCausalLM mixes tokens outside attention" in message and "gradient_checkpointing=False" in message

@@ -170,8 +170,9 @@ def mask(*args, **kwargs):
     return spec
 
 
-def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[Tensor]:
-    """Global cu_seqlens of packed documents, or None for one sequence per row."""
+def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpec) -> Optional[Tensor]:
+    """Global cu_seqlens of packed documents, or None for one sequence per row: ``cu_seq_lens_q`` (which flash
+    attention keeps apart on one process), else the plan's documents where the model's mask keeps them apart."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
@@ -191,6 +192,13 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict) -> Optional[T
             f"the plan's documents (from its latest positions(cu_seqlens=...) call) give {local} slots per rank, "
             f"but the model got {query.shape[2]} tokens; call plan.positions(seq_len) for one sequence per row, "
             "or plan.positions(cu_seqlens=cu) for the batch being run"
+        )
+    if not _compiling() and not spec.documents and cu.shape[0] > 2:
+        raise UnsupportedAttention(
+            f"{spec.model or 'the model'} builds its attention mask without the packed documents' positions, so one "
+            "process attends across the documents where CP would keep them apart; pass the packed row's "
+            "cu_seq_lens_q and cu_seq_lens_k (what flash attention keeps apart, as TRL's padding-free collator "
+            "and DataCollatorWithFlattening(return_flash_attn_kwargs=True) give them), or one sequence per row"
         )
     return cu
 
@@ -389,7 +397,7 @@ def attention(
     causal, window = variant.spec.causal, variant.spec.window
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape
-    cu = _documents(plan, query, kwargs)
+    cu = _documents(plan, query, kwargs, variant.spec)
     whole = window is None or window >= local * plan.world_size  # the window sees everything
     if cu is None and whole and not variant.needs_kind:
         if _compiling():  # rewritten by plan.backend()

@@ -29,8 +29,9 @@ plan wrapped it) and runs its torch body meets the plan's guard on ``torch.conv1
 
 Packed documents: the tokens are exchanged in the layout the plan sharded them with (``cu_seq_lens_q`` or
 the plan's ``positions(cu_seqlens=...)``), and the mixers restart at documents exactly where the
-one-process call does: a scan given ``cu_seqlens`` restarts there, a convolution not given ``seq_idx``
-reads across the boundary, as one process does.
+one-process call does: a gated delta rule given ``cu_seqlens`` and a convolution or Mamba2 scan given
+``seq_idx`` (what TRL's padding-free collator passes) restart there, as the fused kernels do (transformers'
+torch bodies refuse them); without, they read across the boundary, as one process does.
 """
 
 from __future__ import annotations
@@ -169,12 +170,18 @@ def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:
     return Sharding(plan.group_name, plan.world_size, plan.load_balance, documents)
 
 
-def _refuse_seq_idx(name: str, kwargs: dict) -> None:
-    if kwargs.get("seq_idx") is not None:
+def _restarts_at_documents(name: str, kwargs: dict, sharding: Sharding) -> bool:
+    """Whether the model asks ``name`` to restart at documents (``seq_idx``, which a fused kernel reads and the
+    torch body refuses); the documents are then the batch's global ones, which the ranks need to know."""
+    if kwargs.get("seq_idx") is None:
+        return False
+    if sharding.cu_seqlens is None:
         raise UnsupportedAttention(
-            f"{name} under context parallelism with seq_idx (a fused kernel resetting at documents) is not supported; "
-            "run without seq_idx, or without a plan"
+            f"{name} under context parallelism with seq_idx but no documents: pass the packed row's cu_seq_lens_q "
+            "(or position_ids restarting at each document to plan.positions / plan.shard) so that every rank knows "
+            "where the documents start"
         )
+    return True
 
 
 def _conv(original):
@@ -183,12 +190,13 @@ def _conv(original):
         plan = _plan_of_shards()
         if plan is None:
             return original(hidden_states, weight, bias, activation, **kwargs)
-        _refuse_seq_idx("causal_conv1d_fn", kwargs)
+        sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+        # restarting at documents, the halo holds zeros before each document's first token: the convolution of
+        # the extended shard needs no seq_idx of its own (each chunk of the shard lies within one document)
+        reset = _restarts_at_documents("causal_conv1d_fn", kwargs, sharding)
         count_call(CONV)
         with set_aside():  # the torch body's conv1d runs on the extended shard, on purpose
-            return causal_conv1d(
-                hidden_states, weight, bias, activation, _sharding(plan, kwargs.get("cu_seq_lens_q")), conv=original
-            )
+            return causal_conv1d(hidden_states, weight, bias, activation, sharding, conv=original, reset=reset)
 
     return conv
 
@@ -213,6 +221,8 @@ def _delta_rule(original):
         if args:
             raise TypeError("pass the gated delta rule's options after chunk_size by name")
         count_call(SCAN)
+        # fla's kernels restart at cu_seqlens alone; seq_idx, which some families pass on, is not theirs to read
+        kwargs.pop("seq_idx", None)
         sharding = _sharding(plan, kwargs.get("cu_seqlens"))
         b, local_len, hk, dk = key.shape
         hv, dv = value.shape[-2:]
@@ -235,9 +245,9 @@ def _mamba2(original):
             return original(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs)
         if args:
             raise TypeError("pass mamba2_chunk_scan's options after chunk_size by name")
-        _refuse_seq_idx("mamba2_chunk_scan", kwargs)
         count_call(SCAN)
         sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+        _restarts_at_documents("mamba2_chunk_scan", kwargs, sharding)
         b, local_len, heads, p = hidden_states.shape
         groups, n = B.shape[2], B.shape[3]
         chunks = chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens)
@@ -297,6 +307,11 @@ def wrap_loaded_families() -> None:
         WRAPPED_MODULES.add(name)
 
 
+def mixes_outside_attention(model) -> bool:
+    """Whether ``model`` has token mixers that are not attention (wrapped functions or gathered modules)."""
+    return type(model).__module__ in _MODULES | set(GATHERED_MODULES)
+
+
 def route_of(model) -> str:
     """How ``model``'s tokens mix under a plan, for the model table: attention by the CP schedules, and each token
     mixer that is not attention by its route and what that costs."""
@@ -325,6 +340,7 @@ __all__ = [
     "GATHERED_MODULES",
     "MIXER_LAYER_TYPES",
     "mixers_under_plans",
+    "mixes_outside_attention",
     "route_of",
     "same_tokens_on_every_rank",
     "wrap_loaded_families",

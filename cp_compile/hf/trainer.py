@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
+from .mixers import mixes_outside_attention
 
 # The batch entries the mixin shards along the sequence; others of the same shape are refused, since
 # the mixin cannot know whether they are per token.
@@ -174,6 +175,15 @@ class ContextParallelMixin:
                     "compiled with the plan's backend, which takes no mode"
                 )
             self._compile_backend = trainer_args.torch_compile_backend or "inductor"
+            model = kwargs.get("model", args[0] if args else None)
+            if trainer_args.gradient_checkpointing and model is not None and mixes_outside_attention(model):
+                # each mixer checks that every rank passed alike shapes (an op with a side effect), which torch's
+                # activation checkpointing refuses inside a compiled checkpointed layer
+                raise ValueError(
+                    f"{type(model).__name__} mixes tokens outside attention (convolutions, scans): compiled with "
+                    "gradient checkpointing under context parallelism it is not supported yet; set "
+                    "gradient_checkpointing=False (TRL's SFTConfig turns it on by default) or torch_compile=False"
+                )
             # the trainer's accelerator would compile the wrapped model with a backend of its own
             trainer_args = copy.copy(trainer_args)
             trainer_args.torch_compile, trainer_args.torch_compile_backend = False, None

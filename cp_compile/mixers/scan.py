@@ -68,6 +68,35 @@ def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
     return torch.cat([cu, cu.new_tensor([total])]) if int(cu[-1]) < total else cu
 
 
+def _side_by_side(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Documents ``cu`` covering a stream of ``total`` rows, side by side in the batch: ``rows`` ``[N, longest]``,
+    each document's rows of the stream, padded at its end with ``total`` (a zero row); and ``back`` ``[total]``,
+    where each row of the stream lands in the flattened ``[N * longest]``."""
+    starts, lengths = cu[:-1].long(), cu.diff().long()
+    longest = int(lengths.max())
+    offsets = torch.arange(longest, device=cu.device)
+    rows = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, total)
+    document = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+    back = document * longest + torch.arange(total, device=cu.device) - starts[document]
+    return rows, back
+
+
+def _run_per_document(scan: Callable, cu: Optional[Tensor], tokens: Sequence[Tensor], call: Callable):
+    """``call(scan, *tokens)`` (``tokens``: ``[1, S, ...]`` tensors of the whole stream) as a kernel restarting at
+    the documents ``cu`` computes it: each document a row of the batch from a zero state, its end padded with
+    zeros (a causal scan's outputs never read what comes after them), the padding's outputs dropped. Returns
+    ``(out [1, S, ...], per-document final states or None)``. ``cu`` None: one call over the stream."""
+    if cu is None:
+        return call(scan, *tokens)
+    total = tokens[0].shape[1]
+    if tokens[0].shape[0] != 1:
+        raise ValueError("documents restarting a scan are packed in one row (batch size 1)")
+    rows, back = _side_by_side(cu, total)
+    padded = [torch.cat([t, t.new_zeros(1, 1, *t.shape[2:])], 1)[0, rows] for t in tokens]
+    out, final = call(scan, *padded)
+    return out.flatten(0, 1).index_select(0, back)[None], final
+
+
 def gated_delta_rule_heads(
     scan: Callable,
     query: Tensor,
@@ -87,7 +116,8 @@ def gated_delta_rule_heads(
     ``chunk_kimi_delta_attention`` with g ``[B, L, Hv, dk]``) of this
     rank's shard, as one process computes it. ``initial_state`` is every rank's whole ``[B, Hv, dk, dv]``; the
     final state comes back whole on every rank. ``cu_seqlens``: global document offsets the scan restarts at
-    (passed to ``scan`` as given, over the whole sequence)."""
+    (as fla's kernel given them does: the documents run side by side in the batch, so that any ``scan`` restarts
+    there; the final states are then one per document)."""
     b, local_len, hk, dk = key.shape
     hv, dv = value.shape[-2:]
     r = hv // hk
@@ -106,22 +136,21 @@ def gated_delta_rule_heads(
     if initial_state is not None:
         init = _mine(initial_state.reshape(b, hk, r, dk, dv).movedim(1, 0), padded, sharding)
         init = init.movedim(0, 1).reshape(b, mine * r, dk, dv)
-    out, final = scan(
-        q,
-        k,
-        v.reshape(b, total, mine * r, dv),
-        g=gg.reshape(b, total, mine * r, *gate),
-        beta=bb.reshape(b, total, mine * r),
-        initial_state=init,
-        output_final_state=output_final_state,
-        cu_seqlens=_sequence_cu(cu_seqlens, total),
-        **kwargs,
-    )
+    documents = _sequence_cu(cu_seqlens, total)
+    if documents is not None and init is not None:
+        raise ValueError("gated_delta_rule under CP: an initial state with documents restarting the scan")
+
+    def call(scan, q, k, v, g, beta):
+        return scan(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=output_final_state, **kwargs)
+
+    per_token = (q, k, v.reshape(b, total, mine * r, dv), gg.reshape(b, total, mine * r, *gate))
+    out, final = _run_per_document(scan, documents, (*per_token, bb.reshape(b, total, mine * r)), call)
     (out,) = _exchange([out.reshape(b, total, mine, r * dv)], padded, sharding, to_groups=False)
     out = out[:, :, :hk].reshape(b, local_len, hv, dv)
     if final is not None:
-        final = gather_groups(final.reshape(b, mine, r, dk, dv), sharding.group_name)[:, :hk]
-        final = final.reshape(b, hv, dk, dv)
+        states = final.shape[0]  # b, or one per document
+        final = gather_groups(final.reshape(states, mine, r, dk, dv), sharding.group_name)[:, :hk]
+        final = final.reshape(states, hv, dk, dv)
     return out, final
 
 
@@ -145,9 +174,9 @@ def mamba2_scan_heads(
     """``scan(hidden_states, dt, A, B, C, chunk_size, D=..., dt_bias=..., ...)`` (transformers'
     ``mamba2_chunk_scan`` or mamba_ssm's ``mamba_chunk_scan_combined``: x ``[B, L, H, P]``, dt ``[B, L, H]``,
     B, C ``[B, L, G, N]``, A, dt_bias ``[H]``, D ``[H]`` or ``[H, P]``) of this rank's shard, as one process
-    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state."""
-    if seq_idx is not None:
-        raise NotImplementedError("mamba2_scan under CP: seq_idx (document resets) is not supported yet")
+    computes it. ``initial_states`` ``[B, H, P, N]`` is every rank's whole; so is the final state. ``seq_idx``
+    given (a kernel restarting at documents, as mamba_ssm's does), the scan restarts at the documents of
+    ``sharding.cu_seqlens`` (side by side in the batch; the final states are then one per document)."""
     b, local_len, heads, p = hidden_states.shape
     groups, n = B.shape[2], B.shape[3]
     if groups % sharding.world_size:  # each head with its own copy of its group's B and C: heads split unevenly
@@ -171,27 +200,40 @@ def mamba2_scan_heads(
     if initial_states is not None:
         init = _mine(initial_states.reshape(b, groups, per, p, n).movedim(1, 0), padded, sharding)
         init = init.movedim(0, 1).reshape(b, mine * per, p, n)
-    result = scan(
-        x.reshape(b, x.shape[1], mine * per, p),
-        dtm.reshape(b, x.shape[1], mine * per),
-        params(A),
-        bm,
-        cm,
-        chunk_size,
-        D=params(D),
-        dt_bias=params(dt_bias),
-        initial_states=init,
-        return_final_states=return_final_states,
-        **kwargs,
-    )
-    out, final = result if return_final_states else (result, None)
+    documents = None
+    if seq_idx is not None:
+        if sharding.cu_seqlens is None:
+            raise ValueError("mamba2_scan under CP: seq_idx without the documents' cu_seqlens")
+        if init is not None:
+            raise ValueError("mamba2_scan under CP: an initial state with documents restarting the scan")
+        documents = _sequence_cu(sharding.cu_seqlens, x.shape[1])
+
+    def call(scan, x, dt, B, C):
+        result = scan(
+            x,
+            dt,
+            params(A),
+            B,
+            C,
+            chunk_size,
+            D=params(D),
+            dt_bias=params(dt_bias),
+            initial_states=init,
+            return_final_states=return_final_states,
+            **kwargs,
+        )
+        return result if return_final_states else (result, None)
+
+    per_token = (x.reshape(b, x.shape[1], mine * per, p), dtm.reshape(b, x.shape[1], mine * per), bm, cm)
+    out, final = _run_per_document(scan, documents, per_token, call)
     out = F.pad(out.reshape(b, x.shape[1], mine, per * p), (0, 0, 0, 0, 0, total - x.shape[1]))
     (out,) = _exchange([out], padded, sharding, to_groups=False)
     out = out[:, :, :groups].reshape(b, local_len, heads, p)
     if not return_final_states:
         return out
-    final = gather_groups(final.reshape(b, mine, per, p, n), sharding.group_name)[:, :groups]
-    return out, final.reshape(b, heads, p, n)
+    states = final.shape[0]  # b, or one per document
+    final = gather_groups(final.reshape(states, mine, per, p, n), sharding.group_name)[:, :groups]
+    return out, final.reshape(states, heads, p, n)
 
 
 def selective_scan(
