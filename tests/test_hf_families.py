@@ -230,20 +230,13 @@ def _refused(model, phase: str) -> str:
     return "no error"
 
 
-def declared_refusal(family: str, phase: str) -> str:
-    """The sweep's tiny model of ``family`` under a plan: the error it raises in training or generation."""
-    import cp_compile.hf  # noqa: F401  (registers "cp_compile" before the model is built)
-    from cp_compile.tools.bench import model_configs, model_run
-
-    config, cls, _ = model_configs.tiny_config(family)
-    return _refused(model_run._build(cls, config, "cp_compile"), phase)
-
-
 @pytest.mark.parametrize("phase", ["train", "generate"])
-def test_hybrid_layers_are_refused_by_their_declared_type(ranks, phase):
-    """Inkling's "hybrid" layers (relative-position logits from positions counted within the call), both phases."""
-    for message in ranks(2, declared_refusal, "inkling_text", phase):
-        assert "'hybrid" in message, message
+def test_mixer_layers_are_refused_by_their_declared_type(ranks, phase):
+    """A model whose config declares a convolution layer of a family cp_compile does not run such layers for (Qwen2
+    given layer_types), both phases."""
+    overrides = {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}
+    for message in ranks(2, refusal, "qwen2", overrides, phase):
+        assert "'conv'" in message, message
 
 
 def escaped_convolution() -> str:

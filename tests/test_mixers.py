@@ -198,7 +198,7 @@ def test_gated_delta_rule_by_state_passing(ranks, world_size):
     """The same calls by state passing: every chunk scanned from zero in transformers' body, which computes in
     fp32 whatever the input, then corrected: fp32 rounding against the one-process call."""
     pytest.importorskip("transformers", reason="the scan is transformers' torch body")
-    for case in [("zigzag", 2, 4, False), ("contiguous", 3, 3, True), ("zigzag", 5, 5, True)]:
+    for case in [("zigzag", 2, 4, False), ("contiguous", 3, 3, True), ("zigzag", 5, 5, True), ("packed", 1, 2, False)]:
         for errs in ranks(world_size, gdn_case, *case, route="states"):
             assert max(errs) < 1e-5, (case, errs)
 
@@ -251,9 +251,9 @@ def gdn_fp64_case(layout_name, route):
 def test_gated_delta_rule_fp64_with_an_fp64_scan(ranks, world_size):
     """Both routes with a scan that keeps fp64 (transformers' bodies compute in fp32): exact to fp64 rounding,
     so what the routes differ by on transformers' bodies is fp32 rounding, not algebra."""
-    for route in ("heads", "states"):
-        for errs in ranks(world_size, gdn_fp64_case, "zigzag", route):
-            assert max(errs) < 1e-10, (route, errs)
+    for route, layout in (("heads", "zigzag"), ("states", "zigzag"), ("states", "packed")):
+        for errs in ranks(world_size, gdn_fp64_case, layout, route):
+            assert max(errs) < 1e-10, (route, layout, errs)
 
 
 def mamba2_case(layout_name, heads, groups, with_state, route="heads"):
@@ -319,7 +319,7 @@ def test_mamba2_scan_equals_one_process(ranks, world_size):
 def test_mamba2_scan_by_state_passing(ranks, world_size):
     """State passing in closed form: fp32 rounding (transformers' body computes in fp32) against one process."""
     pytest.importorskip("transformers", reason="the scan is transformers' torch body")
-    for case in [("zigzag", 4, 2, False), ("contiguous", 6, 3, True), ("zigzag", 5, 1, True)]:
+    for case in [("zigzag", 4, 2, False), ("contiguous", 6, 3, True), ("zigzag", 5, 1, True), ("packed", 4, 1, False)]:
         for errs in ranks(world_size, mamba2_case, *case, route="states"):
             assert max(errs) < 1e-6, (case, errs)
 
@@ -372,7 +372,7 @@ def test_selective_scan_equals_one_process(ranks, world_size):
             assert max(errs) < 1e-6, (case, errs)
 
 
-def restarting_case(kind: str):
+def restarting_case(kind: str, route: str = "heads"):
     """Scans restarting at each packed document, as fla's kernels given ``cu_seqlens`` and mamba_ssm's given
     ``seq_idx`` do, against one process running each document alone: the gated delta rule token by token in
     fp64, Mamba2 by transformers' body (fp32 inside)."""
@@ -395,7 +395,7 @@ def restarting_case(kind: str):
             return recurrent_delta_rule(*tokens)[0]
 
         def under_cp(local):
-            return gated_delta_rule(recurrent_delta_rule, *local, sharding, cu_seqlens=cu)[0]
+            return gated_delta_rule(recurrent_delta_rule, *local, sharding, cu_seqlens=cu, route=route)[0]
     else:
         from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
@@ -411,7 +411,9 @@ def restarting_case(kind: str):
 
         def under_cp(local):
             seq_idx = torch.zeros(1, local[0].shape[1], dtype=torch.int32)  # what marks it: the documents are cu
-            return mamba2_scan(mamba2_chunk_scan, *local[:2], a, *local[2:], 4, sharding, seq_idx=seq_idx, **kw)
+            return mamba2_scan(
+                mamba2_chunk_scan, *local[:2], a, *local[2:], 4, sharding, seq_idx=seq_idx, route=route, **kw
+            )
 
     documents = [pieces for pieces in zip(*(t.split(lengths, 1) for t in leaves)) if pieces[0].shape[1]]
     ref = torch.cat([one_process(*pieces) for pieces in documents], 1)
@@ -437,9 +439,13 @@ def test_scans_restarting_at_documents(ranks, world_size):
     fp64; Mamba2 within fp32 rounding (transformers' body computes in fp32, over each document padded to the
     longest here, alone there)."""
     pytest.importorskip("transformers", reason="Mamba2's scan is transformers' torch body")
-    for kind, tol in (("gdn", 1e-12), ("mamba2", 1e-6)):
-        for errs in ranks(world_size, restarting_case, kind):
-            assert max(errs) < tol, (kind, errs)
+    # state passing: each document's chain from a zero state; Mamba2's A then gathers its gradient from every
+    # chunk's fp32 correction as well
+    for kind, route, tol in (("gdn", "heads", 1e-12), ("gdn", "states", 1e-12), ("mamba2", "heads", 1e-6)):
+        for errs in ranks(world_size, restarting_case, kind, route):
+            assert max(errs) < tol, (kind, route, errs)
+    for errs in ranks(world_size, restarting_case, "mamba2", "states"):
+        assert max(errs) < 1e-5, ("mamba2", "states", errs)
 
 
 def opcheck_mixer_ops():
@@ -517,13 +523,13 @@ def test_mixers_compile_whole(ranks, backend):
 
 
 def test_cost_model_routes():
-    """The all-to-all's bytes grow with the length, state passing's do not; packed documents take the all-to-all;
-    the pick is the cheaper estimate."""
+    """The all-to-all's bytes grow with the length, state passing's do not (they grow with the chunks: two per
+    packed document); the pick is the cheaper estimate."""
     from cp_compile.cost.mixers import ScanShape, choose_route, estimate_routes
     from cp_compile.cost.model import default_machine
 
-    def shape(n, packed=False):
-        return ScanShape.delta_rule(1, n, 4, 2, 16, 128, 32, 128, 32, 2, packed)
+    def shape(n, chunks=2):
+        return ScanShape.delta_rule(1, n, 4, chunks, 16, 128, 32, 128, 32, 2)
 
     for device in ("cpu", "cuda"):
         machine = default_machine(device)
@@ -533,7 +539,8 @@ def test_cost_model_routes():
         best, estimates = choose_route(shape(65536), machine)
         assert best.time_s == min(e.time_s for e in estimates if e.feasible)
         assert not dict((e.route, e) for e in estimate_routes(shape(16), machine))["states"].feasible
-        assert [e.route for e in estimate_routes(shape(65536, packed=True), machine)] == ["heads"]
+        documents = dict((e.route, e) for e in estimate_routes(shape(65536, chunks=16), machine))
+        assert documents["states"].bytes_moved == 8 * long["states"].bytes_moved
     assert choose_route(shape(65536), default_machine("cuda"))[0].route == "states"
 
 

@@ -12,6 +12,8 @@ MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx)
 # sparse attention chosen by an indexer (DSA); an attention sink and an output gate besides (HY-v4)
 MUST_BE_EXACT += ["deepseek_v32", "glm_moe_dsa", "hy_v4"]
 MUST_BE_EXACT += ["gemma3n_text"]  # layers attending to an earlier layer's K/V and keeping none
+# attention modules over the gathered sequence that call the attention function themselves, beside short convolutions
+MUST_BE_EXACT += ["inkling_text", "inkling2_loop_text"]
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]

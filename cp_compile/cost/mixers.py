@@ -11,9 +11,8 @@ Per layer and rank, forward plus backward (the backward moves as much again):
 Transfers cost ``latency + bytes / bandwidth`` on the plan's ``Machine``; neither route overlaps its transfers
 (the scan needs the all-to-all's result; the correction needs the summaries). State passing is a candidate only
 where it moves fewer bytes than the all-to-all (short sequences stay on the all-to-all, which gives each head's
-one-process result to the bit), and packed documents take the heads route (state passing runs on one sequence
-per row here). Every input is the same on every rank, so every rank
-takes the same route.
+one-process result to the bit). Packed documents have two chunks per document and rank, so state passing's bytes
+grow with the number of documents. Every input is the same on every rank, so every rank takes the same route.
 """
 
 from __future__ import annotations
@@ -41,22 +40,21 @@ class ScanShape:
     heads: int  # value heads (gated delta rule) or heads (Mamba2)
     state_dims: tuple[int, int]
     itemsize: int
-    packed: bool = False
 
     @classmethod
-    def delta_rule(cls, batch, local_len, world_size, chunks, hk, dk, hv, dv, gate, itemsize, packed=False):
+    def delta_rule(cls, batch, local_len, world_size, chunks, hk, dk, hv, dv, gate, itemsize):
         """A gated delta rule's call: q, k ``[.., hk, dk]``, v ``[.., hv, dv]``, ``gate`` elements of g a token
         (hv, or hv * dk for KDA), beta ``[.., hv]``."""
         width = 2 * hk * dk + hv * dv + gate + hv
-        return cls("delta_rule", batch, local_len, world_size, chunks, width, hv * dv, hv, (dk, dv), itemsize, packed)
+        return cls("delta_rule", batch, local_len, world_size, chunks, width, hv * dv, hv, (dk, dv), itemsize)
 
     @classmethod
-    def mamba2(cls, batch, local_len, world_size, chunks, heads, p, groups, n, itemsize, packed=False):
+    def mamba2(cls, batch, local_len, world_size, chunks, heads, p, groups, n, itemsize):
         """A Mamba2 SSD call: x ``[.., heads, p]``, dt ``[.., heads]``, B, C ``[.., groups, n]`` (a copy per head
         when C does not divide the groups)."""
         moved_groups = groups if groups % world_size == 0 else heads
         width = heads * (p + 1) + 2 * moved_groups * n
-        return cls("mamba2", batch, local_len, world_size, chunks, width, heads * p, heads, (p, n), itemsize, packed)
+        return cls("mamba2", batch, local_len, world_size, chunks, width, heads * p, heads, (p, n), itemsize)
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,6 @@ def estimate_routes(shape: ScanShape, machine: Machine) -> list[RouteEstimate]:
         2 * (inputs + outputs),
         "all-to-all of the scan's inputs and outputs; bytes grow with the sequence",
     )
-    if shape.packed:
-        return [heads]
     d1, d2 = shape.state_dims
     summary = d1 * (d1 + d2) if shape.kind == "delta_rule" else d1 * d2 + 1
     gathered = share * c * shape.chunks * b * shape.heads * summary * 4  # fp32; the backward reduce-scatters

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -79,7 +80,7 @@ from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
-from .mixers import MIXER_LAYER_TYPES, _sharding
+from .mixers import MIXER_LAYER_TYPES, _sharding, attention_as_one_process
 
 INDEXED_LAYER_TYPE = "indexed_attention"  # transformers' layer type of sparse attention chosen by an indexer (DSA)
 
@@ -361,6 +362,24 @@ def attention(
     plan = active_plan()
     if not _compiling():
         _check_recompute(module, plan)
+    if plan is not None and attention_as_one_process(module):
+        # a module over the gathered sequence (``hf.gathered``, given that sequence's mask) or over each token's own
+        # states: its modeling file's eager attention, which reads every argument its model passes (a position bias,
+        # sinks)
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            return sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                is_causal=is_causal,
+                **kwargs,
+            )
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if plan is None:
         if not _compiling():
             check_outside_plan(module, kwargs.get("position_ids"))

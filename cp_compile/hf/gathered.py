@@ -29,16 +29,24 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache, ShardedLayer
+from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache, ShardedHybridLayer, ShardedLayer
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
 from ..plan import active_plan
 from .forward import CONV, SCAN, count_call, prepare_models_with
 from .masks import MaskSpec
-from .mixers import GATHERED_MODULES, GatheredModule, _plan_of_shards, _sharding
+from .mixers import (
+    GATHERED_MODULES,
+    WRAPPED_FAMILIES,
+    GatheredModule,
+    _plan_of_shards,
+    _sharding,
+    over_the_gathered_sequence,
+)
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
 _PADDING_MASKS = ("attention_mask", "conv_mask")
+_PER_TOKEN_KWARGS = ("seq_idx",)
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
 _UNDER_PLAN: weakref.WeakSet = weakref.WeakSet()  # the gathered modules whose latest forward ran under a plan
@@ -77,7 +85,12 @@ def _before(module, args: tuple, kwargs: dict):
     plan = _plan_of_shards()
     _check_recompute(module, plan)
     if plan is None:
-        return _mask_of_the_step(module, args, kwargs)
+        step = _mask_of_the_step(module, args, kwargs)
+        if step is not None:  # decoding: the attention it calls runs as on one process, over its whole K/V
+            guard = contextlib.ExitStack()
+            guard.enter_context(over_the_gathered_sequence())
+            _IN_FLIGHT.setdefault(id(module), []).append((None, None, guard))
+        return step
     kwargs = _by_name(module, args, kwargs)
     call = _call_of(module)
     mask_spec = kwargs.get(call.mask) if call.mask is not None else None
@@ -98,9 +111,13 @@ def _before(module, args: tuple, kwargs: dict):
     guard = contextlib.ExitStack()
     if not torch.compiler.is_compiling():
         guard.enter_context(set_aside())
+    guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
     _IN_FLIGHT.setdefault(id(module), []).append((kwargs[call.sequence[0]].shape[1], sharding, guard))
-    for name in call.sequence:
-        value = kwargs[name]
+    # documents' marks a padding-free collator passes on, per token, for the module's own kernels to restart at
+    for name in (*call.sequence, *(m for m in _PER_TOKEN_KWARGS if m in kwargs and m not in call.sequence)):
+        value = kwargs.get(name)
+        if value is None:  # an optional argument the call leaves out
+            continue
         if isinstance(value, tuple):
             kwargs[name] = tuple(gather_sequence(t, 1, sharding) for t in value)
         else:
@@ -112,7 +129,7 @@ def _before(module, args: tuple, kwargs: dict):
         kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
     for name, build in call.rebuilt:
         kwargs[name] = build(module, whole, whole.shape[1])
-    _whole_states_from(module, kwargs.get("cache"))
+    _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
 
 
@@ -159,7 +176,9 @@ def _mask_of_the_step(module, args: tuple, kwargs: dict):
     spec = kwargs.get(call.mask)
     if not isinstance(spec, MaskSpec):
         return None
-    cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+    name, cache = next(((k, v) for k, v in kwargs.items() if isinstance(v, Cache)), (None, None))
+    if isinstance(cache, WholeKVCache):
+        kwargs[name] = _OneProcessSizes(cache)
     hidden = kwargs[call.sequence[0]]
     before = cache.layers[module.layer_idx].get_seq_length() if cache is not None else 0
     n = hidden.shape[1]
@@ -170,18 +189,43 @@ def _mask_of_the_step(module, args: tuple, kwargs: dict):
     return (), kwargs
 
 
+class _OneProcessSizes:
+    """A ``WholeKVCache`` as a module that attends in code of its own reads it while decoding: its layers' own
+    lengths and offsets (the cache itself reports sizes as if it held nothing, which the model's mask functions
+    ask), so that positions the module counts from them (Inkling's relative bias and log scaling) are one process's."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._cache.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._cache.layers[layer_idx].get_seq_length()
+
+
 def _call_of(module) -> GatheredModule:
     return GATHERED_MODULES[type(module).__module__][type(module).__name__]
 
 
-def _whole_states_from(module, cache) -> None:
+def _whole_states_from(module, cache, guard: contextlib.ExitStack) -> None:
     """In a sharded prefill, a cache layer given states by a gathered module takes them as they are: they are the
-    whole prompt's (not a shard's tail to gather, as a wrapped convolution's are)."""
+    whole prompt's (not a shard's tail to gather, as a wrapped convolution's are). Where the layer also has wrapped
+    convolutions (Inkling's, beside its attention module), only the states given during the module's call."""
     layer_idx = getattr(module, "layer_idx", None)
-    if isinstance(cache, ShardedCache) and layer_idx is not None:
-        layer = cache.layers[layer_idx]
-        if isinstance(layer, ReplicatedLinearLayer):
-            layer.pending_conv = None
+    if not isinstance(cache, ShardedCache) or layer_idx is None:
+        return
+    layer = cache.layers[layer_idx]
+    if not isinstance(layer, ReplicatedLinearLayer):
+        return
+    if type(module).__module__ not in WRAPPED_FAMILIES:
+        layer.pending_conv = None
+        return
+    layer.states_whole = True
+    guard.callback(setattr, layer, "states_whole", False)
 
 
 def _after(module, args: tuple, kwargs: dict, output):
@@ -192,7 +236,7 @@ def _after(module, args: tuple, kwargs: dict, output):
     guard.close()
     if not calls:
         del _IN_FLIGHT[id(module)]
-    if output is None:  # the forward raised
+    if output is None or local_len is None:  # the forward raised, or a decoding step's (no rows to keep)
         return None
     if not isinstance(output, (tuple, list)):
         return rank_rows(output, 1, local_len, sharding)
@@ -269,6 +313,27 @@ class WholeKVLayer(DynamicLayer):
     is_compileable = False
 
 
+class WholeKVHybridLayer(ReplicatedLinearLayer, WholeKVLayer):
+    """A hybrid layer's whole K/V (``WholeKVLayer``) beside its convolution and recurrent states, whole on every rank
+    (Inkling's attention with short convolutions)."""
+
+    is_compileable = False
+
+    def __init__(self, plan, number_of_states: int):
+        WholeKVLayer.__init__(self)
+        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # the attention's update(key, value)
+            WholeKVLayer.lazy_initialization(self, *args)
+        else:  # update_conv_state / update_recurrent_state, by keyword
+            ReplicatedLinearLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        ReplicatedLinearLayer.reset(self)
+        WholeKVLayer.reset(self)
+
+
 class WholeKVCache(ShardedCache):
     """For families whose attention is code of their own that reads its K/V and its mask as tensors (XGLM, BLOOM,
     GPT-NeoX-Japanese): every rank keeps the whole sequence's K/V, as one process does, C times the memory of a
@@ -280,7 +345,13 @@ class WholeKVCache(ShardedCache):
 
     def __init__(self, config, max_cache_len: int, plan=None):
         super().__init__(config, max_cache_len, plan)
-        self.layers = [WholeKVLayer() if isinstance(layer, ShardedLayer) else layer for layer in self.layers]
+        self.layers = [self._whole(layer) for layer in self.layers]
+
+    @staticmethod
+    def _whole(layer):
+        if isinstance(layer, ShardedHybridLayer):
+            return WholeKVHybridLayer(layer.plan, layer.number_of_states)
+        return WholeKVLayer() if isinstance(layer, ShardedLayer) else layer
 
 
 _CACHE_CLASSES = {

@@ -63,6 +63,9 @@ FAMILIES = (
     "falcon_h1",
     "falcon_mamba",
     "granitemoehybrid",
+    "inkling",
+    "inkling2",
+    "inkling2_loop",
     "jamba",
     "kimi_linear",
     "lara_mini",
@@ -80,8 +83,9 @@ FAMILIES = (
     "zamba",
     "zamba2",
 )
-MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
+MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
+WRAPPED_FAMILIES = frozenset(_MODULES)  # the modeling modules whose mixer functions are wrapped under a plan
 
 
 class GatheredModule(NamedTuple):
@@ -110,6 +114,23 @@ def _bloom_alibi(module, hidden: Tensor, keys: int) -> Tensor:
     return build_alibi_tensor(ones, module.num_heads, hidden.dtype)
 
 
+def _inkling2_distance(module, hidden: Tensor, keys: int) -> Tensor:
+    """Inkling 2's distance from each of ``hidden``'s queries, the last of ``keys`` tokens, to each key."""
+    places = torch.arange(keys, device=hidden.device)
+    return places[keys - hidden.shape[1] :, None] - places[None, :]
+
+
+def _inkling2(prefix: str) -> dict:
+    # the key and value projections' inputs are the layer's own (full attention) or the queries' (sliding: None);
+    # position_ids set the queries' log scaling
+    call = GatheredModule(
+        ("hidden_states", "key_hidden_states", "value_hidden_states", "position_ids"),
+        mask="attention_mask",
+        rebuilt=(("relative_distance", _inkling2_distance),),
+    )
+    return {f"{prefix}SlidingAttention": call, f"{prefix}FullAttention": call}
+
+
 # families whose token mixers are modules with code of their own, no function to wrap: their modules run over the
 # gathered sequence (``hf.gathered``), by class name
 GATHERED_MIXERS = {
@@ -118,6 +139,11 @@ GATHERED_MIXERS = {
     "recurrent_gemma": {"RecurrentGemmaRecurrentBlock": GatheredModule(("input_states", "position_ids"))},
     # time mixing (its WKV recurrence) and channel mixing (a shift by one token)
     "rwkv": {"RwkvSelfAttention": GatheredModule(("hidden",)), "RwkvFeedForward": GatheredModule(("hidden",))},
+    # attention with a relative-position bias and log scaling from positions counted within its call: the whole
+    # module over the gathered sequence, its attention call as one process's (its short convolutions by the halo)
+    "inkling": {"InklingAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+    "inkling2": _inkling2("Inkling2"),
+    "inkling2_loop": _inkling2("Inkling2Loop"),
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
     # attention of their own, scores by matmul plus the mask tensor (MPT: its ALiBi bias, built for its longest
@@ -139,18 +165,45 @@ GATHERED_MIXERS = {
     "zaya": {"ZayaCCAProjection": GatheredModule(("hidden_states",), outputs=(0, 1, 2))},
 }
 GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
+# modules that call the attention function over something other than the sequence (Inkling 2's attention of each
+# token over its own residual blocks): it runs on each rank's tokens as on one process
+ATTENTION_WITHIN_TOKENS = {
+    "Inkling2BlockAttentionResidual",
+    "Inkling2LoopBlockAttentionResidual",
+    "Inkling2LoopMessageAttentionResidual",
+}
 # nothing to wrap: their modules take the hooks at their model's first call under a plan, whenever it was imported
 WRAPPED_MODULES.update(GATHERED_MODULES)
 
 
 class _Steps:
     on_every_rank = False
+    # a module runs over the gathered sequence: the attention it calls runs as on one process
+    in_gathered_module = False
 
 
 def _plan_of_shards() -> Optional[ContextParallel]:
     """The active plan while the mixers are given this rank's shard of a sequence: none outside every plan, and
     none while every rank runs the same tokens (``same_tokens_on_every_rank``)."""
     return None if _Steps.on_every_rank else active_plan()
+
+
+@contextlib.contextmanager
+def over_the_gathered_sequence():
+    """While a module runs over the gathered sequence (``hf.gathered``), every rank holds the same tokens: the
+    mixers and the attention it calls run as on one process."""
+    before = _Steps.on_every_rank, _Steps.in_gathered_module
+    _Steps.on_every_rank = _Steps.in_gathered_module = True
+    try:
+        yield
+    finally:
+        _Steps.on_every_rank, _Steps.in_gathered_module = before
+
+
+def attention_as_one_process(module) -> bool:
+    """Whether ``module``'s attention call runs as on one process under a plan: called by a module that runs over
+    the gathered sequence, or over something other than the sequence."""
+    return _Steps.in_gathered_module or type(module).__name__ in ATTENTION_WITHIN_TOKENS
 
 
 @contextlib.contextmanager
@@ -227,9 +280,8 @@ def _delta_rule(original):
         b, local_len, hk, dk = key.shape
         hv, dv = value.shape[-2:]
         chunks = chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens)
-        packed = sharding.cu_seqlens is not None
         shape = ScanShape.delta_rule(
-            b, local_len, plan.world_size, chunks, hk, dk, hv, dv, g[0, 0].numel(), value.element_size(), packed
+            b, local_len, plan.world_size, chunks, hk, dk, hv, dv, g[0, 0].numel(), value.element_size()
         )
         route = _route(plan, shape, value.device)
         return gated_delta_rule(original, query, key, value, g, beta, sharding, route=route, **kwargs)
@@ -251,9 +303,8 @@ def _mamba2(original):
         b, local_len, heads, p = hidden_states.shape
         groups, n = B.shape[2], B.shape[3]
         chunks = chunk_count(sharding.layout, plan.world_size, sharding.cu_seqlens)
-        packed = sharding.cu_seqlens is not None
         shape = ScanShape.mamba2(
-            b, local_len, plan.world_size, chunks, heads, p, groups, n, hidden_states.element_size(), packed
+            b, local_len, plan.world_size, chunks, heads, p, groups, n, hidden_states.element_size()
         )
         route = _route(plan, shape, hidden_states.device)
         return mamba2_scan(original, hidden_states, dt, A, B, C, chunk_size, sharding, route=route, **kwargs)
@@ -295,15 +346,19 @@ _WRAPPERS = {
 }
 
 
+_FUNCTIONS_WRAPPED: set[str] = set()  # the modeling modules whose mixer functions are wrapped
+
+
 def wrap_loaded_families() -> None:
     """Wraps the mixer functions of every covered modeling module imported so far (once each)."""
-    for name in _MODULES - WRAPPED_MODULES:
+    for name in _MODULES - _FUNCTIONS_WRAPPED:
         module = sys.modules.get(name)
         if module is None:
             continue
         for function, wrapper in _WRAPPERS.items():
             if hasattr(module, function):
                 setattr(module, function, wrapper(getattr(module, function)))
+        _FUNCTIONS_WRAPPED.add(name)
         WRAPPED_MODULES.add(name)
 
 
@@ -338,9 +393,13 @@ __all__ = [
     "GatheredModule",
     "GATHERED_MIXERS",
     "GATHERED_MODULES",
+    "ATTENTION_WITHIN_TOKENS",
+    "attention_as_one_process",
     "MIXER_LAYER_TYPES",
+    "WRAPPED_FAMILIES",
     "mixers_under_plans",
     "mixes_outside_attention",
+    "over_the_gathered_sequence",
     "route_of",
     "same_tokens_on_every_rank",
     "wrap_loaded_families",

@@ -200,7 +200,8 @@ def runs_indexers_under_cp(config) -> bool:
 
 
 def _pending(layer) -> bool:
-    return getattr(layer, "pending_prefill", None) is not None or getattr(layer, "pending_conv", None) is not None
+    unseen = getattr(layer, "pending_conv", None) is not None and not layer.prefilled_states
+    return getattr(layer, "pending_prefill", None) is not None or unseen
 
 
 class ReplicatedLinearLayer(LinearAttentionLayer):
@@ -212,16 +213,22 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
     convolution itself gets its halo from the CP path, so the shard passes through unchanged. Decoding then
     runs every rank's copy of the layer on the same token."""
 
-    def __init__(self, plan: ContextParallel):
-        LinearAttentionLayer.__init__(self)
+    def __init__(self, plan: ContextParallel, number_of_states: int = 1):
+        LinearAttentionLayer.__init__(self, number_of_states)
         self.plan = plan
-        self.pending_conv: Optional[int] = None  # prompt tokens of a sharded prefill this layer has not seen
+        self.pending_conv: Optional[int] = None  # prompt tokens of a sharded prefill
+        self.prefilled_states: set[int] = set()  # the convolution states the sharded prefill has given so far
+        # the states handed in now are the whole prompt's: a module over the gathered sequence computes them
+        self.states_whole = False
         self.unattended = False
 
     def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
-        if self.pending_conv is None:
+        if self.pending_conv is None or state_idx in self.prefilled_states:
             return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
-        tokens, self.pending_conv = self.pending_conv, None
+        self.prefilled_states.add(state_idx)
+        if self.states_whole:
+            return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
+        tokens = self.pending_conv
         if not self.is_conv_states_initialized[state_idx]:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
         plan = self.plan
@@ -242,9 +249,9 @@ class ShardedHybridLayer(ReplicatedLinearLayer, ShardedLayer):
     """A layer with attention and a linear mixer side by side (Falcon-H1, Zamba2's hybrid layers): this rank's
     share of the K/V and every rank's copy of the linear states."""
 
-    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None):
+    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None, number_of_states: int = 1):
         ShardedLayer.__init__(self, plan, max_tokens, window)
-        ReplicatedLinearLayer.__init__(self, plan)
+        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         if args:  # the attention's update(key, value)
@@ -286,6 +293,7 @@ class ShardedIndexedLayer(ShardedLayer):
 
 
 _LINEAR = ("linear_attention", "conv")
+_HYBRID = ("hybrid", "hybrid_sliding")  # attention (full, or within a window) beside a linear mixer
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -307,13 +315,14 @@ class ShardedCache(Cache):
         # (transformers makes it a dummy layer); the store layer hands its decoding steps on with the keys it returns
         sharing = getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) or [None] * len(layer_types)
         for index, (layer_type, extra) in enumerate(zip(layer_types, layer_kwargs)):
-            if layer_type in (*_LINEAR, "hybrid") and not linear_ok:
+            if layer_type in (*_LINEAR, *_HYBRID) and not linear_ok:
                 raise UnsupportedAttention(
                     f"ShardedCache: layer {index} is {layer_type!r}, and cp_compile.hf does not run this family's "
                     "convolutions and scans under CP"
                 )
+            states = extra.get("number_of_states", 1)
             if layer_type in _LINEAR:
-                layers.append(ReplicatedLinearLayer(plan))
+                layers.append(ReplicatedLinearLayer(plan, states))
                 continue
             if layer_type == "dummy" and (linear_ok or sharing[index] == "reuse"):
                 layers.append(DummyLayer())  # a hybrid's MLP or MoE layer, a layer reusing another's K/V: nothing kept
@@ -321,15 +330,18 @@ class ShardedCache(Cache):
             if layer_type == "indexed_attention" and runs_indexers_under_cp(config):
                 layers.append(ShardedIndexedLayer(plan, max_cache_len))
                 continue
-            if layer_type not in (*_ATTENTION, "hybrid"):
+            if layer_type not in (*_ATTENTION, *_HYBRID):
                 raise UnsupportedAttention(
                     f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and chunked "
                     "attention layers, and the linear-attention, convolution, hybrid and indexed sparse-attention "
                     "layers of the families cp_compile.hf runs under CP, can be kept"
                 )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
-            window = extra.get("sliding_window") if layer_type == "sliding_attention" else None
-            layers.append((ShardedHybridLayer if layer_type == "hybrid" else ShardedLayer)(plan, max_cache_len, window))
+            window = extra.get("sliding_window") if layer_type in ("sliding_attention", "hybrid_sliding") else None
+            if layer_type in _HYBRID:
+                layers.append(ShardedHybridLayer(plan, max_cache_len, window, states))
+            else:
+                layers.append(ShardedLayer(plan, max_cache_len, window))
             layers[-1].shares_keys = sharing[index] == "store"
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)
@@ -390,8 +402,12 @@ class ShardedCache(Cache):
             yield self
         finally:
             missed = [i for i, layer in enumerate(self.layers) if _pending(layer)]
+            for layer in self.layers:
+                if isinstance(layer, ReplicatedLinearLayer):
+                    layer.pending_conv = None
+                    layer.prefilled_states.clear()
             for i in missed:
-                self.layers[i].pending_prefill = self.layers[i].pending_conv = None
+                self.layers[i].pending_prefill = None
         if missed:
             raise UnsupportedAttention(
                 f"the sharded prefill did not reach layers {missed} of the ShardedCache: the model keeps no "

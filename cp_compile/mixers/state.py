@@ -15,8 +15,11 @@ reduce-scatter.
 - Mamba2's SSD (``T`` a scalar per head): in closed form from the scan's own arguments,
   ``c_t = A * sum(dt_s, s <= t)``, ``T = exp(c_last)``, ``y_t += exp(c_t) (S C_t)``.
 
-Only for the layouts of equal chunks (zigzag, contiguous) and one sequence per row: packed documents use the
-all-to-all of ``scan``.
+Packed documents (one row, two chunks of unequal length per document and rank): each chunk's real tokens are put
+in a row of their own, padded in front with zero tokens (the state starts at zero there and a zero token leaves it
+as it is), and the chain of chunks restarts at each document where the kernel restarts (a delta rule given
+``cu_seqlens``, a Mamba2 scan given ``seq_idx``) or runs through the documents in sequence order where it does not.
+Which rows a rank holds depends on its rank: those tables are read on the host, outside any compiled graph.
 """
 
 from __future__ import annotations
@@ -28,39 +31,98 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..comm import resolve_group
 from ..layout.runs import chunks
 from . import Sharding
 from .heads import gather_groups, rank_slice
 
 
-def _chain(sharding: Sharding, local_len: int) -> list[int]:
-    """Every rank's chunks (``rank * F + j``) in sequence order."""
-    if sharding.cu_seqlens is not None:
-        raise ValueError("state passing runs on one sequence per row; packed documents use the all-to-all")
-    per_rank = chunks(sharding.layout, local_len, sharding.world_size)
-    starts = [(c.start, r * len(rc) + j) for r, rc in enumerate(per_rank) for j, c in enumerate(rc)]
-    return [index for _, index in sorted(starts)]
+def _chain(sharding: Sharding, local_len: int, restart: bool) -> list[tuple[int, bool]]:
+    """Every rank's chunks (``rank * F + j``) in sequence order, each with whether the state restarts from the
+    sequence's initial one there (the first real chunk of a document, with ``restart``)."""
+    per_rank = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)
+    cu = None if sharding.cu_seqlens is None else sharding.cu_seqlens.tolist()
+    order = []
+    for r, rank_chunks in enumerate(per_rank):
+        for j, c in enumerate(rank_chunks):
+            first = restart and cu is not None and c.real > 0 and c.start == cu[c.doc]
+            order.append((c.start, not c.real, r * len(rank_chunks) + j, first))
+    return [(index, first) for _, _, index, first in sorted(order)]
 
 
-def _pieces(t: Tensor, pieces: int) -> Tensor:
-    """``[B, L, ...]`` -> ``[B * F, L / F, ...]``: this rank's chunks side by side in the batch."""
-    return t.reshape(t.shape[0] * pieces, t.shape[1] // pieces, *t.shape[2:])
+class _Pieces:
+    """This rank's chunks side by side in the batch: ``[B, L, ...]`` -> ``[B * F, longest, ...]`` and back.
+
+    Equal chunks (zigzag, contiguous) are a reshape. Packed documents' chunks hold a rank-dependent number of
+    real tokens: each is a row of its real tokens, padded in front with zero tokens (``rows``: this rank's slot
+    of each row's token, ``local_len`` for a zero one), and ``back`` gives each slot its place in the flattened
+    rows (a padding slot the zero row after them)."""
+
+    def __init__(self, sharding: Sharding, local_len: int, batch: int):
+        per_rank = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)
+        self.count, self.local_len = len(per_rank[0]), local_len
+        self.rows: Optional[Tensor] = None
+        if sharding.cu_seqlens is not None:
+            if batch != 1:
+                raise ValueError("packed documents are one row (batch size 1)")
+            self.rows, self.back = _piece_rows(sharding, local_len)
+
+    def split(self, t: Tensor) -> Tensor:
+        if self.rows is None:
+            return t.reshape(t.shape[0] * self.count, t.shape[1] // self.count, *t.shape[2:])
+        zero = t.new_zeros(1, 1, *t.shape[2:])
+        return torch.cat([t, zero], 1)[0, self.rows.to(t.device)]
+
+    def join(self, t: Tensor) -> Tensor:
+        """``[B * F, longest, ...]`` -> ``[B, L, ...]``."""
+        if self.rows is None:
+            return t.reshape(t.shape[0] // self.count, t.shape[1] * self.count, *t.shape[2:])
+        flat = torch.cat([t.flatten(0, 1), t.new_zeros(1, *t.shape[2:])])
+        return flat[self.back.to(t.device)][None]
+
+    def real(self, device) -> Optional[Tensor]:
+        """``[F, longest]``: which rows hold a token (None: every one)."""
+        return None if self.rows is None else self.rows.to(device) != self.local_len
+
+
+@torch._dynamo.disable  # this rank's rows: read on the host, never traced into a graph
+def _piece_rows(sharding: Sharding, local_len: int) -> tuple[Tensor, Tensor]:
+    rank = resolve_group(sharding.group_name).rank()
+    mine = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)[rank]
+    longest = max(1, max(c.real for c in mine))
+    rows = torch.full((len(mine), longest), local_len, dtype=torch.long)
+    back = torch.full((local_len,), len(mine) * longest, dtype=torch.long)
+    for j, c in enumerate(mine):
+        slots = torch.arange(c.slot, c.slot + c.real)
+        rows[j, longest - c.real :] = slots
+        back[slots] = j * longest + torch.arange(longest - c.real, longest)
+    return rows, back
 
 
 def _entering(
-    transitions: Tensor, finals: Tensor, start: Optional[Tensor], sharding: Sharding, local_len: int, apply
+    transitions: Tensor,
+    finals: Tensor,
+    start: Optional[Tensor],
+    sharding: Sharding,
+    local_len: int,
+    apply,
+    restart: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The state entering each of this rank's chunks, and the state after the last chunk of the sequence.
 
-    ``transitions`` and ``finals`` are this rank's ``[B, F, ...]`` summaries; ``apply(T, S)`` is ``T S``."""
-    chain = _chain(sharding, local_len)
+    ``transitions`` and ``finals`` are this rank's ``[B, F, ...]`` summaries; ``apply(T, S)`` is ``T S``;
+    ``restart``: the state restarts from ``start`` at each packed document."""
+    chain = _chain(sharding, local_len, restart)
     pieces = finals.shape[1]
     acc = torch.promote_types(finals.dtype, torch.float32)  # fp32 at least: a chain of products loses bits
     every_t = gather_groups(transitions.to(acc), sharding.group_name)  # [B, C * F, ...], rank-major
     every_u = gather_groups(finals.to(acc), sharding.group_name)
-    state = torch.zeros_like(every_u[:, 0]) if start is None else start.to(acc).expand_as(every_u[:, 0])
+    initial = torch.zeros_like(every_u[:, 0]) if start is None else start.to(acc).expand_as(every_u[:, 0])
+    state = initial
     entering: list[Optional[Tensor]] = [None] * every_u.shape[1]
-    for index in chain:
+    for index, first in chain:
+        if first:
+            state = initial
         entering[index] = state
         state = apply(every_t[:, index], state) + every_u[:, index]
     stacked = torch.stack(entering, 1).reshape(finals.shape[0], sharding.world_size, pieces, *finals.shape[2:])
@@ -82,31 +144,36 @@ def gated_delta_rule_states(
     cu_seqlens: Optional[Tensor] = None,
     **kwargs,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """``scan.gated_delta_rule``'s call and result, by state passing (see the module docstring)."""
-    if cu_seqlens is not None and cu_seqlens.shape[0] > 2:
-        raise ValueError("state passing runs on one sequence per row; packed documents use the all-to-all")
+    """``scan.gated_delta_rule``'s call and result, by state passing (see the module docstring). ``cu_seqlens``
+    (the documents of ``sharding``): the scan restarts at each."""
+    restart = cu_seqlens is not None and cu_seqlens.shape[0] > 2
+    if restart and sharding.cu_seqlens is None:
+        raise ValueError("state passing: cu_seqlens given to the scan, but the tokens are not sharded as documents")
+    if restart and initial_state is not None:
+        raise ValueError("state passing: an initial state with documents restarting the scan")
     b, local_len, hk, dk = key.shape
     hv, dv = value.shape[-2:]
-    pieces = len(chunks(sharding.layout, local_len, sharding.world_size)[0])
+    pieces = _Pieces(sharding, local_len, b)
+    # zero tokens leave the state as it is: e^0 S (I - 0 k k^T) + 0
     extended = torch.cat([value, value.new_zeros(b, local_len, hv, dk)], -1)
     identity = torch.eye(dk, dtype=torch.promote_types(value.dtype, torch.float32), device=value.device)
-    start = F.pad(identity, (dv, 0)).expand(b * pieces, hv, dk, dv + dk)
+    start = F.pad(identity, (dv, 0)).expand(b * pieces.count, hv, dk, dv + dk)
     out, final = scan(
-        *(_pieces(t, pieces) for t in (query, key, extended)),
-        g=_pieces(g, pieces),
-        beta=_pieces(beta, pieces),
+        *(pieces.split(t) for t in (query, key, extended)),
+        g=pieces.split(g),
+        beta=pieces.split(beta),
         initial_state=start,
         output_final_state=True,
         **kwargs,
     )
-    final = final.reshape(b, pieces, hv, dk, dv + dk)
+    final = final.reshape(b, pieces.count, hv, dk, dv + dk)
     entering, last = _entering(
-        final[..., dv:], final[..., :dv], initial_state, sharding, local_len, lambda t, s: t @ s
+        final[..., dv:], final[..., :dv], initial_state, sharding, local_len, lambda t, s: t @ s, restart
     )  # [B, F, Hv, dk, dv]
-    reads = out[..., dv:].reshape(b, pieces, local_len // pieces, hv, dk)
+    reads = out[..., dv:].reshape(b, pieces.count, -1, hv, dk)
     correction = torch.einsum("bfthk,bfhkv->bfthv", reads.to(entering.dtype), entering)
-    out = out[..., :dv].reshape(b, pieces, local_len // pieces, hv, dv) + correction.to(out.dtype)
-    return out.reshape(b, local_len, hv, dv), (last if output_final_state else None)
+    out = out[..., :dv].reshape(b, pieces.count, -1, hv, dv) + correction.to(out.dtype)
+    return pieces.join(out.flatten(0, 1)), (last if output_final_state else None)
 
 
 def mamba2_scan_states(
@@ -127,13 +194,21 @@ def mamba2_scan_states(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     **kwargs,
 ):
-    """``scan.mamba2_scan``'s call and result, by state passing (see the module docstring)."""
+    """``scan.mamba2_scan``'s call and result, by state passing (see the module docstring). ``seq_idx`` given
+    (a kernel restarting at documents), the chain restarts at each document of ``sharding``."""
+    restart = kwargs.pop("seq_idx", None) is not None
+    if restart and sharding.cu_seqlens is None:
+        raise ValueError("state passing: seq_idx given to the scan, but the tokens are not sharded as documents")
+    if restart and initial_states is not None:
+        raise ValueError("state passing: an initial state with documents restarting the scan")
     b, local_len, heads, p = hidden_states.shape
-    pieces = len(chunks(sharding.layout, local_len, sharding.world_size)[0])
+    pieces = _Pieces(sharding, local_len, b)
+    # a zero token adds nothing to the state, and in front of a chunk's tokens the state is zero: what it decays
+    # by there changes nothing
     out, final = scan(
-        *(_pieces(t, pieces) for t in (hidden_states, dt)),
+        *(pieces.split(t) for t in (hidden_states, dt)),
         A,
-        *(_pieces(t, pieces) for t in (B, C)),
+        *(pieces.split(t) for t in (B, C)),
         chunk_size,
         D=D,
         dt_bias=dt_bias,
@@ -144,19 +219,29 @@ def mamba2_scan_states(
         **kwargs,
     )
     acc = torch.promote_types(torch.promote_types(dt.dtype, final.dtype), torch.float32)
-    step = dt.to(acc) + (dt_bias.to(acc) if dt_bias is not None else 0.0)
+    step = pieces.split(dt).to(acc) + (dt_bias.to(acc) if dt_bias is not None else 0.0)
     step = torch.clamp(F.softplus(step) if dt_softplus else step, dt_limit[0], dt_limit[1])
+    real = pieces.real(dt.device)
+    if real is not None:  # the zero tokens in front: no decay of the chunk's own
+        step = step * real[..., None]
     # log of the decay from each chunk's start to each of its tokens
-    decay = torch.cumsum((step * A.to(acc)).reshape(b, pieces, local_len // pieces, heads), dim=2)
-    final = final.to(acc).reshape(b, pieces, *final.shape[1:])  # [B, F, H, P, N]
+    decay = torch.cumsum((step * A.to(acc)).reshape(b, pieces.count, -1, heads), dim=2)
+    final = final.to(acc).reshape(b, pieces.count, *final.shape[1:])  # [B, F, H, P, N]
     entering, last = _entering(
-        decay[:, :, -1].exp(), final, initial_states, sharding, local_len, lambda t, s: t[..., None, None] * s
+        decay[:, :, -1].exp(),
+        final,
+        initial_states,
+        sharding,
+        local_len,
+        lambda t, s: t[..., None, None] * s,
+        restart,
     )
     groups = B.shape[2]
-    c_heads = C.to(acc).repeat_interleave(heads // groups, dim=2).reshape(b, pieces, local_len // pieces, heads, -1)
+    c_heads = pieces.split(C).to(acc).repeat_interleave(heads // groups, dim=2)
+    c_heads = c_heads.reshape(b, pieces.count, -1, heads, c_heads.shape[-1])
     correction = torch.einsum("bfhpn,bfthn->bfthp", entering, c_heads) * decay.exp()[..., None]
-    out = out.reshape(b, pieces, local_len // pieces, heads, p) + correction.to(out.dtype)
-    out = out.reshape(b, local_len, heads, p)
+    out = out.reshape(b, pieces.count, -1, heads, p) + correction.to(out.dtype)
+    out = pieces.join(out.flatten(0, 1))
     return (out, last) if return_final_states else out
 
 
