@@ -14,6 +14,7 @@ MUST_BE_EXACT += ["deepseek_v32", "glm_moe_dsa", "hy_v4"]
 MUST_BE_EXACT += ["gemma3n_text"]  # layers attending to an earlier layer's K/V and keeping none
 # attention modules over the gathered sequence that call the attention function themselves, beside short convolutions
 MUST_BE_EXACT += ["inkling_text", "inkling2_loop_text"]
+MUST_BE_EXACT += ["moshi"]  # a mask without the window its cache layers apply while decoding
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
@@ -25,15 +26,14 @@ MUST_BE_REFUSED = [
     "deepseek_v4",
     "cpmant",
     "xlnet",
-    "doge",
 ]
 # their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so generation is refused by name
 GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
-# attention of their own that reads the mask tensor (ALiBi besides: BLOOM, MPT): over the gathered sequence with the
-# mask one process builds for it; they generate from a cache whose K/V every rank keeps whole (MPT's config turns the
+# attention of their own that reads the mask tensor (ALiBi besides: BLOOM, MPT; Doge's dynamic mask): over the gathered
+# sequence with the mask one process builds for it; they generate from a cache whose K/V every rank keeps whole (MPT's config turns the
 # cache off: refused for that)
-READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese"]
+READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese", "doge"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
 KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}

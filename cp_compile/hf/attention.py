@@ -290,13 +290,19 @@ def _cached(
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r}: a KV cache under context parallelism needs causal attention"
         )
-    if not _compiling() and variant.spec.window != layer.window:
+    left = None  # the layer's window
+    if getattr(layer, "decoding_window", None) is not None and variant.spec.window is None:
+        # one process's cache slides while its mask has none (Moshi): the prompt's last token, in its prefill there,
+        # sees every key; later tokens see the window
+        left = -1 if layer.prompt_tail else layer.decoding_window - 1
+        layer.prompt_tail = False
+    elif not _compiling() and variant.spec.window != layer.window:
         raise UnsupportedAttention(
             f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
         )
     options = cached_options(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else ""
-    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices, index)
+    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices, index, left)
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 

@@ -144,6 +144,8 @@ GATHERED_MIXERS = {
     "inkling": {"InklingAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
     "inkling2": _inkling2("Inkling2"),
     "inkling2_loop": _inkling2("Inkling2Loop"),
+    # a dynamic mask: the mask tensor plus a bias per key from the values, cut to each head's top keys
+    "doge": {"DogeAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask")},
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
     # attention of their own, scores by matmul plus the mask tensor (MPT: its ALiBi bias, built for its longest

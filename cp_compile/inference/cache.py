@@ -356,12 +356,15 @@ class CacheShard:
         options: str = "",
         picked: Optional[Tensor] = None,
         index: Optional[int] = None,
+        left: Optional[int] = None,
     ) -> tuple[Tensor, Tensor]:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
         ``options`` from ``inference.cached.cached_options``; ``picked [B, Lq, k]``: the tokens each query reads, by
         their place in the sequence (a sparse-attention indexer's choice), or None for every one it may see; ``index``:
-        the layer whose attention this is, when not this one's (a layer attending to another's K/V)."""
-        left = -1 if self.window is None else self.window - 1
+        the layer whose attention this is, when not this one's (a layer attending to another's K/V); ``left``: how far
+        back from its own position a query sees (-1: every key), None for the layer's window."""
+        if left is None:
+            left = -1 if self.window is None else self.window - 1
         check = self.agreement
         # one rank has no other to agree with (``Agreement.finish`` has nothing to gather either)
         sent = check is not None and self.index == 0 and self.world_size > 1
@@ -377,14 +380,14 @@ class CacheShard:
             slots = picks_in_slots(picked, step.query_positions, step.key_positions, self.max_tokens)
             out, lse = picked_attention(q, step.keys, step.values, *slots, scale)
             out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
-        elif written and (self.window is None or self.window >= self.max_tokens) and q.shape[2] == 1:
+        elif written and (left < 0 or left + 1 >= self.max_tokens) and q.shape[2] == 1:
             # one token after every stored one, no window or chunk: it sees every slot written so far
             # (a compiled step reads the whole preallocated cache by position, as a static cache does)
             out, lse = every_key_attn(q, step.keys[:, :, :written], step.values[:, :, :written], scale)
             if self.world_size == 1:
                 return out.to(q.dtype), lse
             out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
-        elif written and self.window is None and self.world_size == 1:
+        elif written and left < 0 and self.world_size == 1:
             # several tokens after every stored one on a rank that holds them all, slot i at position i: each sees
             # the slots up to its own, the causal mask anchored at the last slot (a prompt run as one step)
             keys, values = step.keys[:, :, :written], step.values[:, :, :written]

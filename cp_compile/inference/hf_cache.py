@@ -118,6 +118,10 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
         self.unattended = False  # eagerly: handed a step that no "cp_compile" attention has read yet
         self.shares_keys = False  # later layers attend to what this layer's update returns (Gemma 3n's "store")
+        # a window that one process applies while decoding alone (``WINDOW_AT_DECODING_ONLY``): the layer keeps every
+        # token, and the prompt's last token, which one process runs in its prefill, attends to every one
+        self.decoding_window: Optional[int] = None
+        self.prompt_tail = False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self._allocate(key_states, value_states)
@@ -292,6 +296,9 @@ class ShardedIndexedLayer(ShardedLayer):
         self.index_keys = None
 
 
+# families whose attention masks have no window while their config's cache layers slide (Moshi): one process attends
+# to every token in its prefill, and decodes within the window its cache layer keeps
+WINDOW_AT_DECODING_ONLY = ("moshi",)
 _LINEAR = ("linear_attention", "conv")
 _HYBRID = ("hybrid", "hybrid_sliding")  # attention (full, or within a window) beside a linear mixer
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
@@ -308,7 +315,8 @@ class ShardedCache(Cache):
         plan = plan if plan is not None else active_plan()
         if plan is None:
             raise ValueError("ShardedCache needs a plan: pass plan= or construct it inside `with plan:`")
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        text = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers: list = []
         linear_ok = runs_mixers_under_cp(config)
         # Gemma 3n: a "reuse" layer attends to the K/V of the last "store" layer of its type and keeps none
@@ -338,10 +346,14 @@ class ShardedCache(Cache):
                 )
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if layer_type in ("sliding_attention", "hybrid_sliding") else None
+            decoding_window = None
+            if window is not None and getattr(text, "model_type", None) in WINDOW_AT_DECODING_ONLY:
+                window, decoding_window = None, window
             if layer_type in _HYBRID:
                 layers.append(ShardedHybridLayer(plan, max_cache_len, window, states))
             else:
                 layers.append(ShardedLayer(plan, max_cache_len, window))
+            layers[-1].decoding_window = decoding_window
             layers[-1].shares_keys = sharing[index] == "store"
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
         self.agreement = Agreement(plan.group_name, plan.world_size)
@@ -400,6 +412,9 @@ class ShardedCache(Cache):
                 layer.pending_conv = tokens
         try:
             yield self
+            for layer in self.layers:
+                if isinstance(layer, ShardedLayer):
+                    layer.prompt_tail = layer.decoding_window is not None
         finally:
             missed = [i for i, layer in enumerate(self.layers) if _pending(layer)]
             for layer in self.layers:
