@@ -30,9 +30,9 @@ MUST_BE_REFUSED = [
 # their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so generation is refused by name
 GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
-# attention of their own that reads the mask tensor (ALiBi besides: BLOOM, MPT; Doge's dynamic mask): over the gathered
-# sequence with the mask one process builds for it; they generate from a cache whose K/V every rank keeps whole (MPT's config turns the
-# cache off: refused for that)
+# attention of their own that reads the mask tensor (ALiBi besides: BLOOM, MPT; Doge's dynamic mask): over the
+# gathered sequence with the mask one process builds for it; they generate from a cache whose K/V every rank keeps
+# whole (MPT's config turns the cache off: refused for that)
 READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese", "doge"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import ReplicatedLinearLayer, ShardedCache, ShardedHybridLayer, ShardedLayer
+from ..inference.hf_cache import HybridLayer, ReplicatedLinearLayer, ShardedCache, ShardedHybridLayer, ShardedLayer
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
 from ..plan import active_plan
@@ -313,25 +313,16 @@ class WholeKVLayer(DynamicLayer):
     is_compileable = False
 
 
-class WholeKVHybridLayer(ReplicatedLinearLayer, WholeKVLayer):
+class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
     """A hybrid layer's whole K/V (``WholeKVLayer``) beside its convolution and recurrent states, whole on every rank
     (Inkling's attention with short convolutions)."""
 
     is_compileable = False
+    kv_layer = WholeKVLayer
 
     def __init__(self, plan, number_of_states: int):
         WholeKVLayer.__init__(self)
         ReplicatedLinearLayer.__init__(self, plan, number_of_states)
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        if args:  # the attention's update(key, value)
-            WholeKVLayer.lazy_initialization(self, *args)
-        else:  # update_conv_state / update_recurrent_state, by keyword
-            ReplicatedLinearLayer.lazy_initialization(self, **kwargs)
-
-    def reset(self) -> None:
-        ReplicatedLinearLayer.reset(self)
-        WholeKVLayer.reset(self)
 
 
 class WholeKVCache(ShardedCache):

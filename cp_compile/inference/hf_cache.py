@@ -249,23 +249,32 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
         return sum(t.numel() * t.element_size() for t in states if t is not None)
 
 
-class ShardedHybridLayer(ReplicatedLinearLayer, ShardedLayer):
-    """A layer with attention and a linear mixer side by side (Falcon-H1, Zamba2's hybrid layers): this rank's
-    share of the K/V and every rank's copy of the linear states."""
+class HybridLayer(ReplicatedLinearLayer):
+    """Linear states beside an attention layer's K/V (``kv_layer``, the next base class): the two kinds of update
+    initialise and reset their own halves."""
 
-    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None, number_of_states: int = 1):
-        ShardedLayer.__init__(self, plan, max_tokens, window)
-        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
+    kv_layer: type
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         if args:  # the attention's update(key, value)
-            ShardedLayer.lazy_initialization(self, *args)
+            self.kv_layer.lazy_initialization(self, *args)
         else:  # update_conv_state / update_recurrent_state, by keyword
             ReplicatedLinearLayer.lazy_initialization(self, **kwargs)
 
     def reset(self) -> None:
         ReplicatedLinearLayer.reset(self)
-        ShardedLayer.reset(self)
+        self.kv_layer.reset(self)
+
+
+class ShardedHybridLayer(HybridLayer, ShardedLayer):
+    """A layer with attention and a linear mixer side by side (Falcon-H1, Zamba2's hybrid layers): this rank's
+    share of the K/V and every rank's copy of the linear states."""
+
+    kv_layer = ShardedLayer
+
+    def __init__(self, plan: ContextParallel, max_tokens: int, window: Optional[int] = None, number_of_states: int = 1):
+        ShardedLayer.__init__(self, plan, max_tokens, window)
+        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
 
 
 class ShardedIndexedLayer(ShardedLayer):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from pathlib import Path
+
+from . import grid
 
 DEFAULTS = dict(lengths="8192,32768", world_sizes="2,4", repeats=1)
 # a small DeepSeek-V3.2 layer: indexer 4 heads of 64 (the model: 64 of 128), top 2048 (the model's); attention
@@ -54,17 +54,6 @@ def top_k(index_q, index_w, keys, mask_rows) -> torch.Tensor:  # noqa: F821
         scores = torch.einsum("bsh,bsht->bst", index_w[:, rows], scores).masked_fill(~mask_rows(rows), float("-inf"))
         picks.append(scores.topk(min(INDEXER["top_k"], scores.shape[-1]), dim=-1).indices)
     return torch.cat(picks, dim=1)
-
-
-def _time(fn, repeats: int) -> float:
-    import time
-
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def _attention_step(q, k, v, picks, usable, gather=None):
@@ -104,7 +93,7 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
     def attention():
         _attention_step(local["q"], local["k"], local["v"], picks, usable, lambda t: gather_sequence(t, 2, sharding))
 
-    return {"indexer": _time(indexer, repeats), "attention": _time(attention, repeats)}
+    return {"indexer": grid.median_seconds(indexer, repeats), "attention": grid.median_seconds(attention, repeats)}
 
 
 def one_process_times(total: int, repeats: int) -> dict[str, float]:
@@ -120,8 +109,10 @@ def one_process_times(total: int, repeats: int) -> dict[str, float]:
     picks = indexer()
     usable = picks <= places[None, :, None]
     return {
-        "indexer": _time(indexer, repeats),
-        "attention": _time(lambda: _attention_step(whole["q"], whole["k"], whole["v"], picks, usable), repeats),
+        "indexer": grid.median_seconds(indexer, repeats),
+        "attention": grid.median_seconds(
+            lambda: _attention_step(whole["q"], whole["k"], whole["v"], picks, usable), repeats
+        ),
     }
 
 
@@ -134,39 +125,28 @@ def received_bytes(total: int, world_size: int) -> dict[str, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default=DEFAULTS["lengths"], help="comma list of global sequence lengths")
-    p.add_argument("--world-sizes", "-C", default=DEFAULTS["world_sizes"], help="comma list of C")
-    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
-    p.add_argument("--out", type=Path, default=None, help="JSON with every row")
+    grid.add_arguments(p, DEFAULTS)
 
 
 def main(args: argparse.Namespace) -> int:
     from ...cost.model import fmt_bytes
-    from ..launch import RankPool
 
-    lengths = [int(x) for x in args.lengths.split(",")]
-    sizes = [int(x) for x in args.world_sizes.split(",")]
+    lengths, sizes = grid.lengths_and_sizes(args)
     one = {n: one_process_times(n, args.repeats) for n in lengths}
     rows = []
-    for c in sizes:
-        pool = RankPool(c)
-        try:
-            for n in lengths:
-                per_rank = pool.run(rank_times, n, args.repeats, timeout=1800)
-                moved = received_bytes(n, c)
-                for part in ("indexer", "attention"):
-                    rows.append(
-                        {
-                            "part": part,
-                            "C": c,
-                            "length": n,
-                            "ms": 1e3 * max(r[part] for r in per_rank),
-                            "one_process_ms": 1e3 * one[n][part],
-                            "bytes": moved[part],
-                        }
-                    )
-        finally:
-            pool.close()
+    for c, n, per_rank in grid.on_rank_pools(sizes, lengths, rank_times, args.repeats, timeout=1800):
+        moved = received_bytes(n, c)
+        for part in ("indexer", "attention"):
+            rows.append(
+                {
+                    "part": part,
+                    "C": c,
+                    "length": n,
+                    "ms": 1e3 * max(r[part] for r in per_rank),
+                    "one_process_ms": 1e3 * one[n][part],
+                    "bytes": moved[part],
+                }
+            )
     print(f"{'part':<10} {'C':>2} {'length':>7} {'ms/rank':>9} {'one proc':>9} {'receives/rank':>14}")
     for r in rows:
         print(

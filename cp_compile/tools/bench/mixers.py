@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from pathlib import Path
+
+from . import grid
 
 DEFAULTS = dict(lengths="1024,4096", world_sizes="2,4", repeats=3)
 # one layer, as a small Qwen3.5 / Nemotron-H layer: GDN 4 key heads, 8 value heads of 64; Mamba2 8 heads of 64,
@@ -94,15 +94,9 @@ def _calls(sharding):
     return calls
 
 
-def _time(fn, tensors, repeats: int) -> float:
-    import time
-
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        fn(tensors).float().sum().backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _step(fn, tensors):
+    """One forward and backward of ``fn`` on ``tensors``."""
+    return lambda: fn(tensors).float().sum().backward()
 
 
 def _group(name: str) -> str:
@@ -126,7 +120,7 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
         )
         for key, tensors in whole.items()
     }
-    return {name: _time(fn, local[_group(name)], repeats) for name, fn in _calls(sharding).items()}
+    return {name: grid.median_seconds(_step(fn, local[_group(name)]), repeats) for name, fn in _calls(sharding).items()}
 
 
 def one_process_times(total: int, repeats: int) -> dict[str, float]:
@@ -135,7 +129,7 @@ def one_process_times(total: int, repeats: int) -> dict[str, float]:
 
     torch.set_num_threads(1)
     whole = _inputs(total)
-    return {name: _time(fn, whole[_group(name)], repeats) for name, fn in _calls(None).items()}
+    return {name: grid.median_seconds(_step(fn, whole[_group(name)]), repeats) for name, fn in _calls(None).items()}
 
 
 def bytes_and_route(total: int, world_size: int) -> dict:
@@ -173,47 +167,36 @@ def bytes_and_route(total: int, world_size: int) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default=DEFAULTS["lengths"], help="comma list of global sequence lengths")
-    p.add_argument("--world-sizes", "-C", default=DEFAULTS["world_sizes"], help="comma list of C")
-    p.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
-    p.add_argument("--out", type=Path, default=None, help="JSON with every row")
+    grid.add_arguments(p, DEFAULTS)
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
     from ...cost.model import fmt_bytes
-    from ..launch import RankPool
 
     torch.manual_seed(0)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    sizes = [int(x) for x in args.world_sizes.split(",")]
+    lengths, sizes = grid.lengths_and_sizes(args)
     rows = []
     one = {n: one_process_times(n, args.repeats) for n in lengths}
-    for c in sizes:
-        pool = RankPool(c)
-        try:
-            for n in lengths:
-                per_rank = pool.run(rank_times, n, args.repeats, timeout=900)
-                model = bytes_and_route(n, c)
-                for name in per_rank[0]:
-                    family, _, route = name.partition(" ")
-                    info = model["conv halo"] if family == "conv" else model[family]
-                    rows.append(
-                        {
-                            "mixer": name,
-                            "C": c,
-                            "length": n,
-                            "ms": 1e3 * max(r[name] for r in per_rank),
-                            "one_process_ms": 1e3 * one[n]["conv halo" if family == "conv" else family],
-                            "bytes": info["bytes"]["halo" if family == "conv" else route],
-                            # the cost model chooses between the routes built for a scan, not the gathered one
-                            "pick": None if route == "gathered" else info.get("pick"),
-                            "crossover": info.get("crossover"),
-                        }
-                    )
-        finally:
-            pool.close()
+    for c, n, per_rank in grid.on_rank_pools(sizes, lengths, rank_times, args.repeats, timeout=900):
+        model = bytes_and_route(n, c)
+        for name in per_rank[0]:
+            family, _, route = name.partition(" ")
+            info = model["conv halo"] if family == "conv" else model[family]
+            rows.append(
+                {
+                    "mixer": name,
+                    "C": c,
+                    "length": n,
+                    "ms": 1e3 * max(r[name] for r in per_rank),
+                    "one_process_ms": 1e3 * one[n]["conv halo" if family == "conv" else family],
+                    "bytes": info["bytes"]["halo" if family == "conv" else route],
+                    # the cost model chooses between the routes built for a scan, not the gathered one
+                    "pick": None if route == "gathered" else info.get("pick"),
+                    "crossover": info.get("crossover"),
+                }
+            )
     print(f"{'mixer':<14} {'C':>2} {'length':>7} {'ms/rank':>9} {'one proc':>9} {'moves/rank':>11}  cost model")
     for r in rows:
         if r["pick"]:
