@@ -388,7 +388,6 @@ def refusals():
             ("num_return_sequences", dict(num_return_sequences=2, do_sample=True)),
             ("penalty_alpha", dict(penalty_alpha=0.6, top_k=4)),
             ("max_time", dict(max_time=10.0)),
-            ("use_cache", dict(use_cache=False)),
             ("padding", dict(attention_mask=torch.tensor([[0] + [1] * 8]))),
             ("batch", dict(ids=ids.repeat(2, 1))),
             ("small cache", dict(cache=cp_compile.hf.ShardedCache(model.config, 10))),
@@ -426,7 +425,6 @@ def test_what_generation_under_cp_refuses(ranks):
         "num_return_sequences": "several sequences",
         "penalty_alpha": "contrastive search",
         "max_time": "wall-clock",
-        "use_cache": "use_cache=False",
         "padding": "padded prompt",
         "batch": "batch of prompts",
         "small cache": "max_cache_len=13",
@@ -444,6 +442,54 @@ def test_what_generation_under_cp_refuses(ranks):
         for name, text in expected.items():
             assert text in seen[name], (name, seen[name])
     assert per_rank[0] == per_rank[1]  # the same error on every rank
+
+
+def without_a_cache() -> dict:
+    """``use_cache=False``: every step runs the whole sequence, sharded; then sampling seeded differently on each
+    rank, and a stopping rule that stops one rank alone, raise on every rank (none left waiting)."""
+    import torch.distributed as dist
+    from test_hf import rel_err, tiny_model
+
+    import cp_compile
+    import cp_compile.hf
+
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model("llama", "cp_compile"), tiny_model("llama", "sdpa")
+    ids = _prompt(9)
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = reference.generate(ids, **kwargs)
+        with plan:
+            out = cp_compile.hf.generate(model, ids, **kwargs)
+    seen = {
+        "tokens": out.sequences.tolist() == ref.sequences.tolist(),
+        "logits": max(rel_err(a, b) for a, b in zip(out.logits, ref.logits)),
+    }
+    with plan:
+        for name, call in [
+            ("seeds", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=16, do_sample=True, use_cache=False)),
+            (
+                "stops",
+                lambda: cp_compile.hf.generate(model, ids, max_new_tokens=8, use_cache=False, stopping_criteria=[stop]),
+            ),
+        ]:
+            torch.manual_seed(dist.get_rank() if name == "seeds" else 0)
+            stop = StopAt(3 if dist.get_rank() == 0 else 100)
+            try:
+                call()
+                seen[name] = "no error"
+            except RuntimeError as e:
+                seen[name] = str(e)
+        seen["after"] = cp_compile.hf.generate(model, ids, max_new_tokens=2, use_cache=False).shape
+    return seen
+
+
+def test_generation_without_a_cache(ranks):
+    for seen in ranks(2, without_a_cache, timeout=300):
+        assert seen["tokens"] and seen["logits"] < 1e-5, seen
+        assert "different tokens or stopped at different steps" in seen["seeds"], seen
+        assert "different tokens or stopped at different steps" in seen["stops"], seen
+        assert seen["after"] == (1, 11)
 
 
 def opcheck_cached():

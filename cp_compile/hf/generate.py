@@ -14,7 +14,9 @@ whose cache has no length for ``generate`` to slice the prompt by, continues thr
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 
 import torch
 from torch import Tensor
@@ -26,6 +28,8 @@ from ..guard import set_aside
 from ..inference.hf_cache import ShardedCache, drop_handed_step
 from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
+from ..mixers import Sharding
+from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .forward import model_calls_unfollowed, one_model_call_followed, prepare
@@ -67,11 +71,6 @@ def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
         value = generate_kwargs.get(name, getattr(config, name, None))
         if value not in (None, 1, 0):
             raise UnsupportedAttention(f"cp_compile.hf.generate: {what} ({name}={value!r}) is not supported")
-    if generate_kwargs.get("use_cache", config.use_cache) is False:
-        raise UnsupportedAttention(
-            "cp_compile.hf.generate: use_cache=False is not supported (generation under CP "
-            "attends to the sharded KV cache)"
-        )
     mask = generate_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise UnsupportedAttention("cp_compile.hf.generate: a padded prompt (zeros in attention_mask) is not supported")
@@ -204,6 +203,100 @@ class SameTokensOnEveryRank(StoppingCriteria):
         return self.agreement.differs.expand(input_ids.shape[0]).clone()
 
 
+def keeps_no_cache(model, generate_kwargs: dict, config) -> bool:
+    """Whether ``model.generate`` runs ``model`` without a transformers cache: asked to (``use_cache=False``, or a
+    config that turns the cache off: MPT), or a model whose forward takes none (RWKV keeps a state of its own, OpenAI
+    GPT nothing)."""
+    if not generate_kwargs.get("use_cache", config.use_cache):
+        return True
+    parameters = inspect.signature(model.forward).parameters
+    return not any(name in parameters for name in ("cache", "past_key_values"))
+
+
+class _EveryStepSharded:
+    """Forward hooks for ``model.generate`` without a cache, whose every step runs the whole sequence: each step's
+    ``input_ids`` (the same on every rank) are sharded as one packed document before the model runs, and every rank
+    gets the last token's logits, which are all that ``generate`` reads, after it."""
+
+    def __init__(self, model, plan: ContextParallel):
+        self.model, self.plan = model, plan
+        self.calls: list[tuple[contextlib.ExitStack, Sharding]] = []
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+
+    def before(self, module, args: tuple, kwargs: dict):
+        input_ids = kwargs.pop("input_ids", None) if not args else args[0]
+        if input_ids is None or kwargs.get("inputs_embeds") is not None:
+            raise UnsupportedAttention("cp_compile.hf.generate without a cache: the model is given input_ids alone")
+        tokens = input_ids.shape[1]
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=input_ids.device)
+        step = contextlib.ExitStack()
+        positions = step.enter_context(self.plan.documents_during(cu))
+        step.enter_context(one_model_call_followed(self.model))
+        self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
+        kwargs.pop("attention_mask", None)  # all ones (checked): the documents say the same
+        kwargs.pop("position_ids", None)
+        kwargs.pop("logits_to_keep", None)  # the last token's logits are on the rank that holds it: every slot's kept
+        local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
+        kwargs.update(input_ids=local, use_cache=False)
+        if (
+            self.takes_positions
+        ):  # else the model reads none (RWKV), or builds them in a module over the gathered sequence
+            kwargs["position_ids"] = positions[None]
+        return (), kwargs
+
+    def after(self, module, args: tuple, kwargs: dict, output):
+        step, sharding = self.calls.pop()
+        step.close()
+        if output is None:  # the forward raised
+            return None
+        output.logits = sequence_tail(output.logits, 1, 1, sharding)
+        return output
+
+    @contextlib.contextmanager
+    def on(self):
+        handles = [
+            self.model.register_forward_pre_hook(self.before, with_kwargs=True),
+            self.model.register_forward_hook(self.after, with_kwargs=True, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _StepsAgreed(StoppingCriteria):
+    """Where no cache carries the comparison: every step, the ranks all-gather their new token and what the user's
+    stopping criteria decided (one small collective); ranks that differ in either all stop at once, and ``generate``
+    raises (a rank that stopped alone would leave the others waiting in their next step's collectives)."""
+
+    def __init__(self, plan: ContextParallel, criteria: StoppingCriteriaList):
+        self.plan, self.criteria, self.differ = plan, criteria, False
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        stop = self.criteria(input_ids, scores, **kwargs) if self.criteria else input_ids.new_zeros(1, dtype=torch.bool)
+        mine = torch.cat([input_ids[:, -1].long(), stop.long()])
+        everyone = gather_dim0(mine[None], self.plan.group_name, self.plan.world_size)
+        self.differ = self.differ or not bool((everyone == mine).all())
+        return torch.full((input_ids.shape[0],), self.differ or bool(stop.all()), device=input_ids.device)
+
+
+def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict):
+    """``model.generate`` for a model that keeps no transformers cache: as on one process, every step runs the whole
+    sequence, here sharded over the ranks (C times less compute per rank, and no cache)."""
+    agreed = _StepsAgreed(plan, StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or []))
+    generate_kwargs["use_cache"] = False
+    with set_aside(), _EveryStepSharded(model, plan).on():
+        result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
+    if agreed.differ:
+        raise RuntimeError(
+            "cp_compile.hf.generate: the ranks generated different tokens or stopped at different steps; sampling "
+            "needs the same seed on every rank (torch.manual_seed(s) on each before generate), and a stopping rule "
+            "must decide the same on every rank"
+        )
+    return result
+
+
 def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
     """``model.generate(input_ids, **generate_kwargs)`` under context parallelism, inside ``with plan:``.
 
@@ -221,6 +314,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         raise ValueError("cp_compile.hf.generate runs inside `with plan:`")
     config = _generation_config(model, generate_kwargs)
     _check(model, input_ids, generate_kwargs, config)
+    if keeps_no_cache(model, generate_kwargs, config):
+        if cache is not None:
+            raise ValueError("cp_compile.hf.generate: a cache given for a generation that keeps none (use_cache=False)")
+        _check_same_prompt(plan, input_ids)
+        return _generate_recomputing(model, plan, input_ids, generate_kwargs)
     longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
         cache = sharded_cache(model, longest, plan)
