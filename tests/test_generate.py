@@ -412,7 +412,7 @@ def refusals():
         own._attn_implementation = "own"
         model.model.layers[1].self_attn.config = own
         refused("own attention", lambda: cp_compile.hf.generate(model, ids, cache=cache, max_new_tokens=4))
-        # the prefill sets the guard aside too: the cache catches a layer that attends on its own there
+        # the prefill keeps the guard on: it catches a layer that attends on its own there
         refused("own attention in the prefill", lambda: cp_compile.hf.generate(model, ids, max_new_tokens=4))
         model.model.layers[1].self_attn.config = model.config
     return seen
@@ -433,7 +433,7 @@ def test_what_generation_under_cp_refuses(ranks):
         "other seeds": "different tokens",
         "other stops": "stopped at different steps",
         "own attention": "layers [1] of the ShardedCache",
-        "own attention in the prefill": "layers [1] of the ShardedCache",
+        "own attention in the prefill": "F.scaled_dot_product_attention ran eagerly inside `with plan:`",
     }
     per_rank = ranks(2, refusals, timeout=300)
     for seen in per_rank:

@@ -32,6 +32,7 @@ COVERED = [
     "olmo_hybrid",
     "qwen3_5_text",
     "qwen3_next",
+    "qwen4_exp_text",  # its attention (a block indexer of its own) and n-gram layers over the gathered sequence
     "recurrent_gemma",  # its RG-LRU blocks, modules with code of their own, over the gathered sequence
     "zamba",  # Mamba's selective scan once per head
     "zamba2",

@@ -15,6 +15,7 @@ MUST_BE_EXACT += ["gemma3n_text"]  # layers attending to an earlier layer's K/V 
 # attention modules over the gathered sequence that call the attention function themselves, beside short convolutions
 MUST_BE_EXACT += ["inkling_text", "inkling2_loop_text"]
 MUST_BE_EXACT += ["moshi"]  # a mask without the window its cache layers apply while decoding
+MUST_BE_EXACT += ["qwen4_exp_text"]  # a sparse indexer of its own, n-gram layers: over the gathered sequence
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]

@@ -21,15 +21,24 @@ import contextlib
 import copy
 import inspect
 import weakref
+from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
 
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
-from ..inference.hf_cache import HybridLayer, ReplicatedLinearLayer, ShardedCache, ShardedHybridLayer, ShardedLayer
+from ..inference.hf_cache import (
+    HybridLayer,
+    ReplicatedLinearLayer,
+    ShardedCache,
+    ShardedHybridLayer,
+    ShardedIndexedLayer,
+    ShardedLayer,
+)
+from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
 from ..plan import active_plan
@@ -313,6 +322,32 @@ class WholeKVLayer(DynamicLayer):
     is_compileable = False
 
 
+class WholeKVIndexedLayer(DynamicIndexedLayer):
+    """An indexed attention layer's whole K/V and its indexer's keys (Qwen4-exp's, whose attention module runs over
+    the gathered sequence), the same on every rank. The model keeps the positions of every token it has seen on the
+    layer (``indexer_position_ids``, the history its rotary embedding covers); given a shard's in a sharded prefill,
+    the layer keeps the whole prompt's, gathered from every rank."""
+
+    is_compileable = False
+
+    def __init__(self, plan):
+        self.plan, self.prompt_tokens, self._positions = plan, None, None
+        super().__init__()
+
+    @property
+    def indexer_position_ids(self) -> Optional[Tensor]:
+        return self._positions
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, positions: Optional[Tensor]) -> None:
+        if positions is not None and self.prompt_tokens is not None:
+            plan = self.plan
+            prompt = torch.tensor([0, self.prompt_tokens], device=positions.device)
+            sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, prompt)
+            positions = gather_sequence(positions, positions.dim() - 1, sharding)
+        self._positions = positions
+
+
 class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
     """A hybrid layer's whole K/V (``WholeKVLayer``) beside its convolution and recurrent states, whole on every rank
     (Inkling's attention with short convolutions)."""
@@ -336,12 +371,26 @@ class WholeKVCache(ShardedCache):
 
     def __init__(self, config, max_cache_len: int, plan=None):
         super().__init__(config, max_cache_len, plan)
-        self.layers = [self._whole(layer) for layer in self.layers]
+        self.layers = [self._whole(layer, self.plan) for layer in self.layers]
+
+    @contextlib.contextmanager
+    def sharded_prefill(self, positions: Tensor, tokens: int):
+        indexed = [layer for layer in self.layers if isinstance(layer, WholeKVIndexedLayer)]
+        for layer in indexed:
+            layer.prompt_tokens = tokens
+        try:
+            with super().sharded_prefill(positions, tokens):
+                yield self
+        finally:
+            for layer in indexed:
+                layer.prompt_tokens = None
 
     @staticmethod
-    def _whole(layer):
+    def _whole(layer, plan):
         if isinstance(layer, ShardedHybridLayer):
-            return WholeKVHybridLayer(layer.plan, layer.number_of_states)
+            return WholeKVHybridLayer(plan, layer.number_of_states)
+        if isinstance(layer, ShardedIndexedLayer):
+            return WholeKVIndexedLayer(plan)
         return WholeKVLayer() if isinstance(layer, ShardedLayer) else layer
 
 

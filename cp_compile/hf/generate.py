@@ -89,9 +89,10 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     is one packed document: the attention reads it from ``cu_seq_lens_q``, a model's convolutions and scans
     from the plan's documents while it runs (``plan.documents_during``)."""
     tokens = input_ids.shape[1]
-    # the guard's mode is set aside as while decoding: each layer's attention is checked by the cache, and the
-    # convolutions and scans by the count of this one call (the positions are the plan's, and no labels are given)
-    with set_aside():
+    # each layer's attention is checked by the cache, and the convolutions and scans by the count of this one call
+    # (the positions are the plan's, and no labels are given); the guard's mode stays on for this one call, and
+    # catches a token mixer that runs on the shard alone in code no wrapper covers
+    with contextlib.nullcontext():
         cu = torch.tensor([0, tokens], dtype=torch.int32)
         slots = packed_slots(cu, plan.rank, plan.world_size)
         positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
@@ -228,14 +229,20 @@ class _EveryStepSharded:
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
             raise UnsupportedAttention("cp_compile.hf.generate without a cache: the model is given input_ids alone")
         tokens = input_ids.shape[1]
+        kwargs.pop("attention_mask", None)  # all ones (checked): the documents say the same
+        kwargs.pop("position_ids", None)
+        kwargs.pop("logits_to_keep", None)  # the last token's logits are on the rank that holds it: every slot's kept
+        for name, value in kwargs.items():  # nothing else may hold one row per token: it would not be sharded
+            if isinstance(value, Tensor) and value.dim() >= 2 and tokens in value.shape[1:]:
+                raise UnsupportedAttention(
+                    f"cp_compile.hf.generate without a cache: the model's step takes {name!r} {tuple(value.shape)}, "
+                    f"which looks per token of the {tokens}-token sequence and cannot be sharded"
+                )
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=input_ids.device)
         step = contextlib.ExitStack()
         positions = step.enter_context(self.plan.documents_during(cu))
         step.enter_context(one_model_call_followed(self.model))
         self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
-        kwargs.pop("attention_mask", None)  # all ones (checked): the documents say the same
-        kwargs.pop("position_ids", None)
-        kwargs.pop("logits_to_keep", None)  # the last token's logits are on the rank that holds it: every slot's kept
         local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
         kwargs.update(input_ids=local, use_cache=False)
         if (
@@ -245,6 +252,8 @@ class _EveryStepSharded:
         return (), kwargs
 
     def after(self, module, args: tuple, kwargs: dict, output):
+        if not self.calls:  # the pre-hook raised
+            return None
         step, sharding = self.calls.pop()
         step.close()
         if output is None:  # the forward raised
@@ -286,7 +295,7 @@ def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, gener
     sequence, here sharded over the ranks (C times less compute per rank, and no cache)."""
     agreed = _StepsAgreed(plan, StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or []))
     generate_kwargs["use_cache"] = False
-    with set_aside(), _EveryStepSharded(model, plan).on():
+    with _EveryStepSharded(model, plan).on():  # the guard stays on: every step runs on the shards
         result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
     if agreed.differ:
         raise RuntimeError(

@@ -83,7 +83,9 @@ FAMILIES = (
     "zamba",
     "zamba2",
 )
-MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+# layer types whose mixers run under CP for the families above (Qwen4-exp's indexed attention: over the gathered
+# sequence)
+MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "indexed_attention")
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
 WRAPPED_FAMILIES = frozenset(_MODULES)  # the modeling modules whose mixer functions are wrapped under a plan
 
@@ -146,6 +148,12 @@ GATHERED_MIXERS = {
     "inkling2_loop": _inkling2("Inkling2Loop"),
     # a dynamic mask: the mask tensor plus a bias per key from the values, cut to each head's top keys
     "doge": {"DogeAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask")},
+    # its attention reads the mask tensor in a sparse indexer of its own (blocks of pooled keys, a loop per query),
+    # and its n-gram embedding layers read earlier tokens' ids (segments by EOS) and a dilated convolution of its own
+    "qwen4_exp": {
+        "Qwen4ExpTextAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask"),
+        "Qwen4ExpTextPLELayer": GatheredModule(("hidden_states", "input_ids")),
+    },
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
     # attention of their own, scores by matmul plus the mask tensor (MPT: its ALiBi bias, built for its longest

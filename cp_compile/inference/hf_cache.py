@@ -344,7 +344,7 @@ class ShardedCache(Cache):
             if layer_type == "dummy" and (linear_ok or sharing[index] == "reuse"):
                 layers.append(DummyLayer())  # a hybrid's MLP or MoE layer, a layer reusing another's K/V: nothing kept
                 continue
-            if layer_type == "indexed_attention" and runs_indexers_under_cp(config):
+            if layer_type == "indexed_attention" and (runs_indexers_under_cp(config) or linear_ok):
                 layers.append(ShardedIndexedLayer(plan, max_cache_len))
                 continue
             if layer_type not in (*_ATTENTION, *_HYBRID):

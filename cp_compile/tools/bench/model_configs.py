@@ -204,8 +204,15 @@ OVERRIDES: dict[str, dict] = {
         attn_config=dict(kv_n_heads=KV_HEADS, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=FFN, moe_num_experts=4, moe_top_k=2),
     ),
+    # its n-gram embedding layers (off by default) on the second layer: earlier tokens' ids and a dilated convolution
     "qwen4_exp_text": dict(
-        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=WINDOW, indexer_compress_ratio=4
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=WINDOW,
+        indexer_compress_ratio=4,
+        ple_layer_ids=[1],
+        eos_token_id=VOCAB - 3,  # its n-gram segments end at EOS (which the batches and prompts never hold)
     ),
     # Dots3: its sliding-window layers are plain attention with the MLA layers' query/key head size
     **{name: dict(head_dim=SIZES["qk_nope_head_dim"] + SIZES["qk_rope_head_dim"]) for name in ("dots3_note_text",)},
@@ -392,17 +399,21 @@ def tiny_config(name: str):
     missing = set(kinds or ()) - set(_layer_kinds(config) or ())
     if missing:
         note = "; ".join(filter(None, [note, f"no {', '.join(sorted(missing))} layer in the tiny model"]))
-    _special_tokens(config)
+    _special_tokens(config, keep_eos=config.model_type in NEEDS_EOS)
     return config, cls, note
 
 
-def _special_tokens(config) -> None:
+# families whose model reads its EOS id (Qwen4-exp's n-gram embedding with its PLE layers on)
+NEEDS_EOS = ("qwen4_exp_text",)
+
+
+def _special_tokens(config, keep_eos: bool = False) -> None:
     """Padding and BOS ids at the top of the tiny vocabulary (batches and prompts are drawn below them); no EOS,
-    so that every generation runs all its tokens."""
+    so that every generation runs all its tokens, unless the model reads it (``keep_eos``)."""
     for offset, key in enumerate(("pad_token_id", "bos_token_id")):
         if isinstance(getattr(config, key, None), int) and not isinstance(getattr(config, key), bool):
             setattr(config, key, VOCAB - 1 - offset)
-    if getattr(config, "eos_token_id", None) is not None:
+    if getattr(config, "eos_token_id", None) is not None and not keep_eos:
         config.eos_token_id = None
 
 
