@@ -21,13 +21,8 @@ MUST_BE_EXACT += ["qwen4_exp_text"]  # a sparse indexer of its own, n-gram layer
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
 # Mamba's scan per head; modules over the gathered sequence
 HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
-# compressed attention, recurrent models and models with attention code of their own: each stopped by a different
-# check
-MUST_BE_REFUSED = [
-    "deepseek_v4",
-    "cpmant",
-    "xlnet",
-]
+# models whose code builds what their attention reads from the whole call: each stopped by a different check
+MUST_BE_REFUSED = ["cpmant", "xlnet"]
 # their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
 # sequence sharded, as one process runs it whole
@@ -84,6 +79,14 @@ def test_hybrid_families_are_exact(rows, family):
     row = rows[family]
     assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
     assert row["generate"]["status"] == "exact", row["generate"]
+
+
+def test_compressed_attention_trains_over_the_gathered_sequence(rows):
+    """DeepSeek V4's compressed attention modules run over the gathered sequence; its compressed layers' own cache
+    classes are not filled by a sharded prefill yet: generation refused by name."""
+    row = rows["deepseek_v4"]
+    assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
+    assert row["generate"]["status"] == "refused" and "heavily_compressed_attention" in row["generate"]["detail"]
 
 
 @pytest.mark.parametrize("family", MUST_BE_REFUSED)

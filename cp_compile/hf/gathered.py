@@ -127,10 +127,7 @@ def _before(module, args: tuple, kwargs: dict):
         value = kwargs.get(name)
         if value is None:  # an optional argument the call leaves out
             continue
-        if isinstance(value, tuple):
-            kwargs[name] = tuple(gather_sequence(t, 1, sharding) for t in value)
-        else:
-            kwargs[name] = gather_sequence(value, 1, sharding)
+        kwargs[name] = _gathered(value, sharding)
     for name in (*call.unread, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
     whole = kwargs[call.sequence[0]]
@@ -140,6 +137,16 @@ def _before(module, args: tuple, kwargs: dict):
         kwargs[name] = build(module, whole, whole.shape[1])
     _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
+
+
+def _gathered(value, sharding):
+    """The whole sequence of a shard's tensor (tokens along dim 1), or of each tensor of a tuple (RoPE's cos and sin)
+    or a dict of those (DeepSeek V4's position embeddings per rotary kind)."""
+    if isinstance(value, dict):
+        return {key: _gathered(item, sharding) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_gathered(item, sharding) for item in value)
+    return gather_sequence(value, 1, sharding)
 
 
 def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor) -> Tensor:

@@ -85,7 +85,15 @@ FAMILIES = (
 )
 # layer types whose mixers run under CP for the families above (Qwen4-exp's indexed attention: over the gathered
 # sequence)
-MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "indexed_attention")
+MIXER_LAYER_TYPES = (
+    "linear_attention",
+    "conv",
+    "hybrid",
+    "hybrid_sliding",
+    "indexed_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 _MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
 WRAPPED_FAMILIES = frozenset(_MODULES)  # the modeling modules whose mixer functions are wrapped under a plan
 
@@ -153,6 +161,13 @@ GATHERED_MIXERS = {
     "qwen4_exp": {
         "Qwen4ExpTextAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask"),
         "Qwen4ExpTextPLELayer": GatheredModule(("hidden_states", "input_ids")),
+    },
+    # compressed attention: blocks of the sequence compressed into extra keys (and scored by an indexer), with a bias
+    # from its own mask over them
+    "deepseek_v4": {
+        "DeepseekV4Attention": GatheredModule(
+            ("hidden_states", "position_embeddings", "position_ids"), mask="attention_mask"
+        )
     },
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
