@@ -149,19 +149,24 @@ def _gathered(value, sharding):
     return gather_sequence(value, 1, sharding)
 
 
-def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor) -> Tensor:
-    """``[B, 1, n, total]``: the mask one process builds for queries at ``places [n]`` against the first ``total``
-    tokens, as the layer's ``MaskSpec`` says (causal, a window; within the documents of ``cu_seqlens`` when given):
-    additive in ``like``'s dtype (0 where a key is visible, the dtype's minimum elsewhere), or, turned to booleans by
-    the model (``spec.as_bool``), True where a key is masked. ``like [B, ...]``: the batch, dtype and device."""
+def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
+    """``[B, 1, n, total]``: the mask one process builds for queries at ``places [n]`` against the ``total`` tokens
+    from ``first_key`` on (a sliding layer's cache holds its last ones alone), as the layer's ``MaskSpec`` says
+    (causal, a window; within the documents of ``cu_seqlens`` when given): additive in ``like``'s dtype (0 where a
+    key is visible, the dtype's minimum elsewhere), or, turned to booleans by the model (``spec.as_bool``), True where
+    a key is masked. ``like [B, ...]``: the batch, dtype and device."""
     if not isinstance(spec, MaskSpec) or spec.chunk or not spec.causal:
         raise UnsupportedAttention(
             f"a module reading its attention mask as a tensor, over the gathered sequence: its mask ({spec!r}) is "
             "not a causal one, with or without a window, as cp_compile's mask function describes it"
         )
-    visible = visible_keys(places, total, cu_seqlens)
+    keys = torch.arange(first_key, first_key + total, device=places.device)
+    if first_key:
+        visible = keys[None, :] <= places[:, None]
+    else:
+        visible = visible_keys(places, total, cu_seqlens)
     if spec.window is not None:
-        visible &= torch.arange(total, device=places.device)[None, :] > places[:, None] - spec.window
+        visible &= keys[None, :] > places[:, None] - spec.window
     if spec.as_bool:
         mask = ~visible
     else:
@@ -196,10 +201,14 @@ def _mask_of_the_step(module, args: tuple, kwargs: dict):
     if isinstance(cache, WholeKVCache):
         kwargs[name] = _OneProcessSizes(cache)
     hidden = kwargs[call.sequence[0]]
-    before = cache.layers[module.layer_idx].get_seq_length() if cache is not None else 0
     n = hidden.shape[1]
+    before, keys, first_key = 0, n, 0
+    if cache is not None:  # the keys the layer will hold after this step's update, as one process's mask sizes say
+        layer = cache.layers[module.layer_idx]
+        before = layer.get_seq_length()
+        keys, first_key = layer.get_mask_sizes(n)
     places = torch.arange(before, before + n, device=hidden.device)
-    kwargs[call.mask] = _mask_tensor(spec, places, before + n, None, hidden)
+    kwargs[call.mask] = _mask_tensor(spec, places, keys, None, hidden, first_key)
     for name, build in call.rebuilt:  # the model built it for the keys its mask sizes say: this step's alone
         kwargs[name] = build(module, hidden, before + n)
     return (), kwargs
@@ -375,6 +384,7 @@ class WholeKVCache(ShardedCache):
     compared once, at the end)."""
 
     is_compileable = False
+    keeps_whole_layers = True  # a layer type of the model's own: its own cache class, whole on every rank
 
     def __init__(self, config, max_cache_len: int, plan=None):
         super().__init__(config, max_cache_len, plan)

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
     CacheLayerMixin,
     DummyLayer,
@@ -320,6 +321,10 @@ class ShardedCache(Cache):
     preallocates about ``max_cache_len / C`` slots per layer. ``plan`` defaults to the active plan.
     """
 
+    # a subclass whose layers are every rank's whole (``hf.gathered.WholeKVCache``) takes the model's own cache class
+    # for a layer type of its own
+    keeps_whole_layers = False
+
     def __init__(self, config, max_cache_len: int, plan: Optional[ContextParallel] = None):
         plan = plan if plan is not None else active_plan()
         if plan is None:
@@ -347,6 +352,11 @@ class ShardedCache(Cache):
             if layer_type == "indexed_attention" and (runs_indexers_under_cp(config) or linear_ok):
                 layers.append(ShardedIndexedLayer(plan, max_cache_len))
                 continue
+            if layer_type not in (*_ATTENTION, *_HYBRID) and self.keeps_whole_layers:
+                own = DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+                if own is not None:  # registered by the model's own cache class (DeepSeek V4's compressed layers)
+                    layers.append(own(**extra))
+                    continue
             if layer_type not in (*_ATTENTION, *_HYBRID):
                 raise UnsupportedAttention(
                     f"ShardedCache: layer {index} is {layer_type!r}; only full, sliding-window and chunked "
