@@ -278,19 +278,30 @@ def test_packed_documents_restarting_at_c4(ranks):
         _check(results.values(), results)
 
 
-def documents_the_mask_does_not_see() -> str:
+def documents_the_mask_does_not_see(lengths) -> str:
     """Granite 4 hybrid packed by positions alone: its mask, built without them, reads across the documents on one
     process; every rank raises rather than keep them apart."""
     try:
-        train_step("granitemoehybrid", "eager", [1, 7, 19, 13])
+        train_step("granitemoehybrid", "eager", lengths)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
 
 def test_documents_the_models_mask_does_not_see_are_refused(ranks):
-    for message in ranks(2, documents_the_mask_does_not_see):
+    for message in ranks(2, documents_the_mask_does_not_see, [1, 7, 19, 13]):
         assert message.startswith("UnsupportedAttention") and "without the packed documents' positions" in message
+    # documents of 4 and 12 tokens at C = 2: rank 1 holds positions 1 to 8, without a break, and cannot tell what
+    # the mask does with them; rank 0 refuses, and rank 1 raises at the schedule's first agreement, none left waiting
+    first, second = ranks(2, documents_the_mask_does_not_see, [4, 12])
+    assert first.startswith("ValueError") and "without the packed documents' positions" in first, first
+    assert second.startswith("ValueError") and "ranks [0] refused this call" in second, second
+
+
+def test_positions_without_a_break_on_one_rank_train_exactly(ranks):
+    """The same documents for Llama, whose mask keeps the documents apart where it sees them: rank 1's mask sees
+    none, and the attention keeps them apart all the same (as one process does)."""
+    _check(ranks(2, train_step, "llama", "eager", [4, 12]), "llama")
 
 
 def swapped_scan() -> list[str]:

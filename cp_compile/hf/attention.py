@@ -65,6 +65,7 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import cached_options
 from ..inference.hf_cache import (
@@ -75,6 +76,7 @@ from ..inference.hf_cache import (
     step_of_shared_keys,
 )
 from ..kernels.merge import fold_sinks
+from ..layout.packed import Packed
 from ..mixers.indexed import indexed_attention
 from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
@@ -194,14 +196,24 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
             f"but the model got {query.shape[2]} tokens; call plan.positions(seq_len) for one sequence per row, "
             "or plan.positions(cu_seqlens=cu) for the batch being run"
         )
-    if not _compiling() and not spec.documents and cu.shape[0] > 2:
-        raise UnsupportedAttention(
+    if not _compiling() and not spec.documents and cu.shape[0] > 2 and _restart_here(plan, cu):
+        error = UnsupportedAttention(
             f"{spec.model or 'the model'} builds its attention mask without the packed documents' positions, so one "
             "process attends across the documents where CP would keep them apart; pass the packed row's "
             "cu_seq_lens_q and cu_seq_lens_k (what flash attention keeps apart, as TRL's padding-free collator "
             "and DataCollatorWithFlattening(return_flash_attn_kwargs=True) give them), or one sequence per row"
         )
+        # a rank whose positions run on without a break cannot tell, and goes on to the schedule's first agreement
+        refuse_together(error, query, query, query, plan.group_name)
     return cu
+
+
+def _restart_here(plan: ContextParallel, cu: Tensor) -> bool:
+    """Whether this rank's positions of the documents ``cu`` restart somewhere: where they do, transformers finds the
+    documents in them and a mask function given them keeps the documents apart; where they run on without a break
+    (C = 2, documents of 4 and 12 tokens: rank 1 holds positions 1 to 8), the mask says nothing either way."""
+    positions = Packed(cu.cpu()).positions(int(cu[-1]), plan.rank, plan.world_size)
+    return bool((positions.diff() != 1).any())
 
 
 class _Variant(NamedTuple):
