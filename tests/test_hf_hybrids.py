@@ -299,9 +299,11 @@ def test_documents_the_models_mask_does_not_see_are_refused(ranks):
 
 
 def test_positions_without_a_break_on_one_rank_train_exactly(ranks):
-    """The same documents for Llama, whose mask keeps the documents apart where it sees them: rank 1's mask sees
-    none, and the attention keeps them apart all the same (as one process does)."""
-    _check(ranks(2, train_step, "llama", "eager", [4, 12]), "llama")
+    """The same documents for Llama and GPT-NeoX-Japanese (attention of its own over the gathered sequence, given the
+    mask one process builds), whose masks keep the documents apart where they see them: rank 1's mask sees none, and
+    the documents are kept apart on every rank all the same (as one process does)."""
+    for family in ("llama", "gpt_neox_japanese"):
+        _check(ranks(2, train_step, family, "eager", [4, 12]), family)
 
 
 def swapped_scan() -> list[str]:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
 
-from ..comm import refuse_together
+from ..comm import every_rank, refuse_together, resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import set_aside
 from ..inference.hf_cache import (
@@ -181,8 +181,20 @@ def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
     the positions."""
     total = whole.shape[1]
     places = torch.arange(total, device=whole.device)
-    documents = sharding.cu_seqlens if getattr(spec, "documents", False) else None
+    documents = sharding.cu_seqlens if _documents_apart(spec, sharding, whole.device) else None
     return _mask_tensor(spec, places, total, documents, whole)
+
+
+def _documents_apart(spec, sharding, device) -> bool:
+    """Whether the mask one process builds keeps the packed documents apart: where any rank's mask function saw them
+    in its positions. A rank whose positions run on without a break (C = 2, documents of 4 and 12 tokens: rank 1
+    holds positions 1 to 8) sees none whatever the model passes, so the ranks agree (one small all-gather); compiled,
+    the spec's own answer stands."""
+    seen = bool(getattr(spec, "documents", False))
+    cu = sharding.cu_seqlens
+    if cu is None or cu.shape[0] <= 2 or sharding.world_size == 1 or torch.compiler.is_compiling():
+        return seen
+    return any(row[0] for row in every_rank([int(seen)], resolve_group(sharding.group_name), device))
 
 
 def _mask_of_the_step(module, args: tuple, kwargs: dict):
