@@ -92,23 +92,22 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     # each layer's attention is checked by the cache, and the convolutions and scans by the count of this one call
     # (the positions are the plan's, and no labels are given); the guard's mode stays on for this one call, and
     # catches a token mixer that runs on the shard alone in code no wrapper covers
-    with contextlib.nullcontext():
-        cu = torch.tensor([0, tokens], dtype=torch.int32)
-        slots = packed_slots(cu, plan.rank, plan.world_size)
-        positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
-        local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
-        documents = cu.to(input_ids.device)
-        with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
-            with torch.no_grad(), one_model_call_followed(model):
-                model(
-                    input_ids=local_ids,
-                    position_ids=local_positions[None],
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    cu_seq_lens_q=documents,
-                    cu_seq_lens_k=documents,
-                )
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    slots = packed_slots(cu, plan.rank, plan.world_size)
+    positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+    local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
+    documents = cu.to(input_ids.device)
+    with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
+        with torch.no_grad(), one_model_call_followed(model):
+            model(
+                input_ids=local_ids,
+                position_ids=local_positions[None],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                cu_seq_lens_q=documents,
+                cu_seq_lens_k=documents,
+            )
     cache.check_attended()
 
 
@@ -245,9 +244,8 @@ class _EveryStepSharded:
         self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
         local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
         kwargs.update(input_ids=local, use_cache=False)
-        if (
-            self.takes_positions
-        ):  # else the model reads none (RWKV), or builds them in a module over the gathered sequence
+        # a model without position_ids reads none (RWKV), or builds them in a module over the gathered sequence
+        if self.takes_positions:
             kwargs["position_ids"] = positions[None]
         return (), kwargs
 
@@ -323,10 +321,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         raise ValueError("cp_compile.hf.generate runs inside `with plan:`")
     config = _generation_config(model, generate_kwargs)
     _check(model, input_ids, generate_kwargs, config)
+    # the first collective: what follows may raise on the prompt's length, which a rank's other prompt would change
+    _check_same_prompt(plan, input_ids)
     if keeps_no_cache(model, generate_kwargs, config):
         if cache is not None:
             raise ValueError("cp_compile.hf.generate: a cache given for a generation that keeps none (use_cache=False)")
-        _check_same_prompt(plan, input_ids)
         return _generate_recomputing(model, plan, input_ids, generate_kwargs)
     longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
@@ -342,7 +341,6 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             "cp_compile.hf.generate: custom_generate with a model of linear layers alone (its decoding loop is "
             "cp_compile's, which continues from the prefilled state)"
         )
-    _check_same_prompt(plan, input_ids)
     prepare(model)  # a one-token prompt has no sharded prefill, whose call would prepare it
     # over one rank a prompt has nothing to shard: generate() runs it as one step through the cache, as one process
     # does (sharding it would pad it to the layout and add a step); a hybrid's states come from the sharded prefill

@@ -94,8 +94,8 @@ MIXER_LAYER_TYPES = (
     "compressed_sparse_attention",
     "heavily_compressed_attention",
 )
-_MODULES = {f"transformers.models.{name}.modeling_{name}" for name in FAMILIES}
-WRAPPED_FAMILIES = frozenset(_MODULES)  # the modeling modules whose mixer functions are wrapped under a plan
+# the modeling modules whose mixer functions are wrapped under a plan
+WRAPPED_FAMILIES = frozenset(f"transformers.models.{name}.modeling_{name}" for name in FAMILIES)
 
 
 class GatheredModule(NamedTuple):
@@ -376,7 +376,7 @@ _FUNCTIONS_WRAPPED: set[str] = set()  # the modeling modules whose mixer functio
 
 def wrap_loaded_families() -> None:
     """Wraps the mixer functions of every covered modeling module imported so far (once each)."""
-    for name in _MODULES - _FUNCTIONS_WRAPPED:
+    for name in WRAPPED_FAMILIES - _FUNCTIONS_WRAPPED:
         module = sys.modules.get(name)
         if module is None:
             continue
@@ -389,7 +389,7 @@ def wrap_loaded_families() -> None:
 
 def mixes_outside_attention(model) -> bool:
     """Whether ``model`` has token mixers that are not attention (wrapped functions or gathered modules)."""
-    return type(model).__module__ in _MODULES | set(GATHERED_MODULES)
+    return type(model).__module__ in WRAPPED_FAMILIES | set(GATHERED_MODULES)
 
 
 def route_of(model) -> str:
@@ -399,7 +399,7 @@ def route_of(model) -> str:
     if module in GATHERED_MODULES:
         classes = ", ".join(GATHERED_MODULES[module])
         return f"attention schedules; {classes} over the gathered sequence (C times its compute)"
-    if module in _MODULES:
+    if module in WRAPPED_FAMILIES:
         return "attention schedules; convolution halo; scans by all-to-all or state passing"
     if module in INDEXED_MODULES:
         return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"

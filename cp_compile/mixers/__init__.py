@@ -45,4 +45,24 @@ class Sharding(NamedTuple):
             torch.ops.cp.agree_cu_seqlens(self.cu_seqlens, self.group_name)
 
 
-__all__ = ["Sharding"]
+class SideBySide(NamedTuple):
+    """Runs of a stream's rows side by side in the batch, each a row of its own padded with zero rows (documents
+    restarting a scan, a rank's chunks in state passing): ``rows`` ``[N, longest]``, the stream's row at each place
+    (the stream's length for a zero row), and ``back`` ``[S]``, each stream row's place in the flattened
+    ``[N * longest]`` (``N * longest`` for a zero row)."""
+
+    rows: Tensor
+    back: Tensor
+
+    def split(self, t: Tensor) -> Tensor:
+        """``[1, S, ...]`` -> ``[N, longest, ...]``."""
+        zero = t.new_zeros(1, 1, *t.shape[2:])
+        return torch.cat([t, zero], 1)[0, self.rows.to(t.device)]
+
+    def join(self, t: Tensor) -> Tensor:
+        """``[N, longest, ...]`` -> ``[1, S, ...]``."""
+        flat = torch.cat([t.flatten(0, 1), t.new_zeros(1, *t.shape[2:])])
+        return flat[self.back.to(t.device)][None]
+
+
+__all__ = ["SideBySide", "Sharding"]

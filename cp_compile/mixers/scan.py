@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import Sharding
+from . import Sharding, SideBySide
 from .heads import from_head_groups, gather_groups, rank_slice, to_head_groups
 from .state import gated_delta_rule_states, mamba2_scan_states
 
@@ -68,17 +68,15 @@ def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
     return torch.cat([cu, cu.new_tensor([total])]) if int(cu[-1]) < total else cu
 
 
-def _side_by_side(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """Documents ``cu`` covering a stream of ``total`` rows, side by side in the batch: ``rows`` ``[N, longest]``,
-    each document's rows of the stream, padded at its end with ``total`` (a zero row); and ``back`` ``[total]``,
-    where each row of the stream lands in the flattened ``[N * longest]``."""
+def _side_by_side(cu: Tensor, total: int) -> SideBySide:
+    """Documents ``cu`` covering a stream of ``total`` rows, side by side in the batch, each padded at its end."""
     starts, lengths = cu[:-1].long(), cu.diff().long()
     longest = int(lengths.max())
     offsets = torch.arange(longest, device=cu.device)
     rows = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, total)
     document = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
     back = document * longest + torch.arange(total, device=cu.device) - starts[document]
-    return rows, back
+    return SideBySide(rows, back)
 
 
 def _run_per_document(scan: Callable, cu: Optional[Tensor], tokens: Sequence[Tensor], call: Callable):
@@ -91,10 +89,9 @@ def _run_per_document(scan: Callable, cu: Optional[Tensor], tokens: Sequence[Ten
     total = tokens[0].shape[1]
     if tokens[0].shape[0] != 1:
         raise ValueError("documents restarting a scan are packed in one row (batch size 1)")
-    rows, back = _side_by_side(cu, total)
-    padded = [torch.cat([t, t.new_zeros(1, 1, *t.shape[2:])], 1)[0, rows] for t in tokens]
-    out, final = call(scan, *padded)
-    return out.flatten(0, 1).index_select(0, back)[None], final
+    documents = _side_by_side(cu, total)
+    out, final = call(scan, *(documents.split(t) for t in tokens))
+    return documents.join(out), final
 
 
 def gated_delta_rule_heads(

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..comm import resolve_group
 from ..layout.runs import chunks
-from . import Sharding
+from . import Sharding, SideBySide
 from .heads import gather_groups, rank_slice
 
 
@@ -54,39 +54,36 @@ class _Pieces:
     """This rank's chunks side by side in the batch: ``[B, L, ...]`` -> ``[B * F, longest, ...]`` and back.
 
     Equal chunks (zigzag, contiguous) are a reshape. Packed documents' chunks hold a rank-dependent number of
-    real tokens: each is a row of its real tokens, padded in front with zero tokens (``rows``: this rank's slot
-    of each row's token, ``local_len`` for a zero one), and ``back`` gives each slot its place in the flattened
-    rows (a padding slot the zero row after them)."""
+    real tokens: each is a row of its real tokens, padded in front with zero tokens (``SideBySide`` over this rank's
+    slots; a padding slot joins from a zero row)."""
 
     def __init__(self, sharding: Sharding, local_len: int, batch: int):
         per_rank = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)
         self.count, self.local_len = len(per_rank[0]), local_len
-        self.rows: Optional[Tensor] = None
+        self.side: Optional[SideBySide] = None
         if sharding.cu_seqlens is not None:
             if batch != 1:
                 raise ValueError("packed documents are one row (batch size 1)")
-            self.rows, self.back = _piece_rows(sharding, local_len)
+            self.side = _piece_rows(sharding, local_len)
 
     def split(self, t: Tensor) -> Tensor:
-        if self.rows is None:
+        if self.side is None:
             return t.reshape(t.shape[0] * self.count, t.shape[1] // self.count, *t.shape[2:])
-        zero = t.new_zeros(1, 1, *t.shape[2:])
-        return torch.cat([t, zero], 1)[0, self.rows.to(t.device)]
+        return self.side.split(t)
 
     def join(self, t: Tensor) -> Tensor:
         """``[B * F, longest, ...]`` -> ``[B, L, ...]``."""
-        if self.rows is None:
+        if self.side is None:
             return t.reshape(t.shape[0] // self.count, t.shape[1] * self.count, *t.shape[2:])
-        flat = torch.cat([t.flatten(0, 1), t.new_zeros(1, *t.shape[2:])])
-        return flat[self.back.to(t.device)][None]
+        return self.side.join(t)
 
     def real(self, device) -> Optional[Tensor]:
         """``[F, longest]``: which rows hold a token (None: every one)."""
-        return None if self.rows is None else self.rows.to(device) != self.local_len
+        return None if self.side is None else self.side.rows.to(device) != self.local_len
 
 
 @torch._dynamo.disable  # this rank's rows: read on the host, never traced into a graph
-def _piece_rows(sharding: Sharding, local_len: int) -> tuple[Tensor, Tensor]:
+def _piece_rows(sharding: Sharding, local_len: int) -> SideBySide:
     rank = resolve_group(sharding.group_name).rank()
     mine = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)[rank]
     longest = max(1, max(c.real for c in mine))
@@ -96,7 +93,7 @@ def _piece_rows(sharding: Sharding, local_len: int) -> tuple[Tensor, Tensor]:
         slots = torch.arange(c.slot, c.slot + c.real)
         rows[j, longest - c.real :] = slots
         back[slots] = j * longest + torch.arange(longest - c.real, longest)
-    return rows, back
+    return SideBySide(rows, back)
 
 
 def _entering(
