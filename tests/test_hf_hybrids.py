@@ -64,7 +64,7 @@ def train_step(
             m.train()  # checkpointing applies in training mode (the tiny configs have no dropout)
     plan = cp_compile.ContextParallel(scan_route=scan_route)
     seq = model_run.seq_len(plan.world_size) if lengths is None else sum(lengths)
-    ids = torch.randint(0, 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(model_configs.first_id(config), 100, (1, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     if lengths is None:
         positions, cu = torch.arange(seq)[None], None
@@ -124,10 +124,12 @@ def test_train_eager_at_every_c(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [3])
 def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
-    """RWKV's time and channel mixing, OpenAI GPT's attention and xLSTM's mLSTM layers, modules with mixing code of
-    their own, with no layer types declared (C = 2: the model sweep; C = 4 by `python -m cp_compile models -C 4`;
-    the route itself at C = 1 to 4: tests/test_mixers.py)."""
-    for family in ("rwkv", "openai-gpt", "xlstm"):
+    """RWKV's time and channel mixing, OpenAI GPT's attention, xLSTM's mLSTM layers, XLNet's relative attention
+    (time-major; its model's relative positions built again for the whole sequence) and CPM-Ant's attention blocks
+    (bidirectional, after the prompt rows its model puts before every call's tokens, which every rank holds),
+    modules with mixing code of their own, with no layer types declared (C = 2: the model sweep; C = 4 by
+    `python -m cp_compile models -C 4`; the route itself at C = 1 to 4: tests/test_mixers.py)."""
+    for family in ("rwkv", "openai-gpt", "xlstm", "xlnet", "cpmant"):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
@@ -149,8 +151,9 @@ def test_modules_reading_the_mask_generate(ranks, world_size):
     """Their cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill stores the gathered
     prompt's, decoding runs the module as one process does, given the step's mask (and BLOOM its ALiBi for every
     key). Sampled, prompts of 1 and 30 tokens, against one process with the same seed; decoding makes no collective,
-    so the ranks' tokens are compared once at the end, and ranks seeded differently all raise."""
-    for family in ("bloom", "gpt_neox_japanese"):
+    so the ranks' tokens are compared once at the end, and ranks seeded differently all raise. CPM-Ant's prompt
+    attends both ways: generate()'s own first call prefills it whole, sharded."""
+    for family in ("bloom", "gpt_neox_japanese", "cpmant"):
         for results in ranks(world_size, generate_reading_the_sequence, family, [1, 30]):
             *runs, refusal = results
             for same, new, err in runs:
@@ -230,6 +233,46 @@ def padding_on_one_rank() -> str:
     except (cp_compile.UnsupportedAttention, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def xlnet_refusals() -> dict:
+    """XLNet under a plan given what its model builds per pair of the shard's tokens: padding in rank 1's shard
+    alone, the permutation objective's inputs, segments."""
+    import torch.distributed as dist
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config("xlnet")
+    model = model_run._build(cls, config, "cp_compile")
+    plan = cp_compile.ContextParallel()
+    ids = torch.randint(0, 100, (1, 8))
+    padding = torch.ones(1, 8)
+    padding[0, 0] = float(dist.get_rank() != 1)
+    calls = {
+        "padding": dict(attention_mask=padding),
+        "permutation": dict(perm_mask=torch.zeros(1, 8, 8), target_mapping=torch.eye(8)[None, :1]),
+        "segments": dict(token_type_ids=torch.zeros(1, 8, dtype=torch.long)),
+    }
+    messages = {}
+    for name, kwargs in calls.items():
+        try:
+            with plan:
+                model(plan.shard(torch.cat([ids] * plan.world_size, 1), 1), **kwargs)
+            messages[name] = "no error"
+        except (cp_compile.UnsupportedAttention, ValueError) as e:  # ValueError: refused on another rank
+            messages[name] = str(e)
+    return messages
+
+
+def test_what_xlnet_cannot_be_given_is_refused_on_every_rank(ranks):
+    results = ranks(2, xlnet_refusals, timeout=120)
+    assert "attn_mask_h hides keys" in results[1]["padding"], results
+    for messages in results:
+        assert "ranks [1] refused this call" in messages["padding"], messages
+        assert "a query stream (perm_mask and target_mapping" in messages["permutation"], messages
+        assert "segments (token_type_ids)" in messages["segments"], messages
 
 
 def test_padding_on_one_rank_is_refused_on_every_rank(ranks):
@@ -406,7 +449,7 @@ def generate_reading_the_sequence(family: str, prompts: list) -> list:
     plan = cp_compile.ContextParallel()
     results = []
     for n in prompts:
-        ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
+        ids = torch.randint(model_configs.first_id(config), 100, (1, n), generator=torch.Generator().manual_seed(n))
         kwargs = dict(
             max_new_tokens=24,
             min_new_tokens=4,

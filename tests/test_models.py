@@ -23,8 +23,8 @@ MUST_BE_EXACT += ["deepseek_v4"]
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
 # Mamba's scan per head; modules over the gathered sequence
 HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
-# models whose code builds what their attention reads from the whole call: each stopped by a different check
-MUST_BE_REFUSED = ["cpmant", "xlnet"]
+# cross-attention between byte and patch streams with masks its model builds
+MUST_BE_REFUSED = ["blt"]
 # their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
 # sequence sharded, as one process runs it whole
@@ -33,6 +33,9 @@ GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
 # gathered sequence with the mask one process builds for it; they generate from a cache whose K/V every rank keeps
 # whole (MPT's config turns the cache off: every step runs the whole sequence sharded)
 READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese", "doge"]
+# CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens: both
+# phases (its prompt prefilled whole by generate()'s own first call, sharded)
+READING_THE_MASK += ["cpmant"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
 KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}
@@ -88,7 +91,9 @@ def test_families_cp_cannot_run_are_refused_in_training(rows, family):
     assert rows[family]["train"]["status"] == "refused", rows[family]["train"]
 
 
-@pytest.mark.parametrize("family", [*GATHERED_WITHOUT_CACHE, "xlstm", *READING_THE_MASK])
+# XLNet's relative attention over the gathered sequence; its generation (a permutation mask over every pair of the
+# step's tokens) is refused
+@pytest.mark.parametrize("family", [*GATHERED_WITHOUT_CACHE, "xlstm", "xlnet", *READING_THE_MASK])
 def test_modules_of_their_own_train_exactly_over_the_gathered_sequence(rows, family):
     row = rows[family]
     assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]

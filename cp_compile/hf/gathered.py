@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import weakref
 from typing import Optional
@@ -38,6 +39,7 @@ from ..inference.hf_cache import (
     ShardedIndexedLayer,
     ShardedLayer,
 )
+from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
@@ -59,8 +61,8 @@ _PER_TOKEN_KWARGS = ("seq_idx",)
 
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
 _UNDER_PLAN: weakref.WeakSet = weakref.WeakSet()  # the gathered modules whose latest forward ran under a plan
-# id(module) -> (local length, sharding, the guard set aside) of its calls running
-_IN_FLIGHT: dict[int, list[tuple[int, object, contextlib.ExitStack]]] = {}
+# id(module) -> (local length, rows before it, sharding, the guard set aside) of its calls running
+_IN_FLIGHT: dict[int, list[tuple[Optional[int], int, object, contextlib.ExitStack]]] = {}
 
 
 def _by_name(module, args: tuple, kwargs: dict) -> dict:
@@ -90,30 +92,24 @@ def _check_recompute(module, plan) -> None:
         )
 
 
-def _before(module, args: tuple, kwargs: dict):
+def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     plan = _plan_of_shards()
     _check_recompute(module, plan)
+    model = model_ref()
     if plan is None:
-        step = _mask_of_the_step(module, args, kwargs)
+        step = _mask_of_the_step(model, module, args, kwargs)
         if step is not None:  # decoding: the attention it calls runs as on one process, over its whole K/V
             guard = contextlib.ExitStack()
             guard.enter_context(over_the_gathered_sequence())
-            _IN_FLIGHT.setdefault(id(module), []).append((None, None, guard))
+            _IN_FLIGHT.setdefault(id(module), []).append((None, 0, None, guard))
         return step
     kwargs = _by_name(module, args, kwargs)
     call = _call_of(module)
-    mask_spec = kwargs.get(call.mask) if call.mask is not None else None
-    for name in _PADDING_MASKS:
-        mask = kwargs.get(name)
-        if isinstance(mask, Tensor) and not bool(mask.all()):
-            # this rank's shard alone may hold the padding: the refusal meets the others' first agreement
-            shard = kwargs[call.sequence[0]]
-            error = UnsupportedAttention(
-                f"{type(module).__name__} under context parallelism: a padding mask ({name}) with padding in it "
-                "(the gathered sequence is the plan's tokens, without padding)"
-            )
-            refuse_together(error, shard, shard, shard, plan.group_name)
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+    prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
+    local_len = kwargs[call.sequence[0]].shape[call.dim] - prefix
+    _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, _real_slots(plan, sharding, local_len))
+    mask_spec = kwargs.get(call.mask) if call.mask is not None else None
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
     # the module's own convolutions run on the whole sequence, on purpose: the guard would take them for a shard's
@@ -121,32 +117,86 @@ def _before(module, args: tuple, kwargs: dict):
     if not torch.compiler.is_compiling():
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
-    _IN_FLIGHT.setdefault(id(module), []).append((kwargs[call.sequence[0]].shape[1], sharding, guard))
-    # documents' marks a padding-free collator passes on, per token, for the module's own kernels to restart at
-    for name in (*call.sequence, *(m for m in _PER_TOKEN_KWARGS if m in kwargs and m not in call.sequence)):
+    _IN_FLIGHT.setdefault(id(module), []).append((local_len, prefix, sharding, guard))
+    for name in call.sequence:
         value = kwargs.get(name)
-        if value is None:  # an optional argument the call leaves out
-            continue
-        kwargs[name] = _gathered(value, sharding)
-    for name in (*call.unread, *(m for m in _PADDING_MASKS if m in kwargs)):
+        if value is not None:  # else an optional argument the call leaves out
+            kwargs[name] = _after_the_prefix(value, call.dim, prefix, lambda v: _gathered(v, sharding, call.dim))
+    # documents' marks a padding-free collator passes on, per token, for the module's own kernels to restart at
+    for name in _PER_TOKEN_KWARGS:
+        if kwargs.get(name) is not None and name not in call.sequence:
+            kwargs[name] = _gathered(kwargs[name], sharding)
+    for name in (*call.unread, *call.hiding_nothing, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
     whole = kwargs[call.sequence[0]]
     if call.mask is not None:
         kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
     for name, build in call.rebuilt:
-        kwargs[name] = build(module, whole, whole.shape[1])
+        kwargs[name] = build(module, model, whole, whole.shape[call.dim])
     _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
 
 
-def _gathered(value, sharding):
-    """The whole sequence of a shard's tensor (tokens along dim 1), or of each tensor of a tuple (RoPE's cos and sin)
-    or a dict of those (DeepSeek V4's position embeddings per rotary kind)."""
+def _real_slots(plan, sharding, local_len: int) -> Tensor:
+    """``[local_len]``: which of this rank's slots hold a token (the others are the layout's padding)."""
+    if sharding.cu_seqlens is None:
+        return torch.ones(local_len, dtype=torch.bool)
+    return packed_slots(sharding.cu_seqlens.cpu(), plan.rank, plan.world_size)["real"]
+
+
+def _hides_tokens(mask: Tensor, real: Tensor) -> bool:
+    """Whether a padding mask (0 or False where hidden) hides tokens, not only the layout's padding slots, which the
+    gathered sequence leaves out. ``[B, L]``: by slot. ``[B, P + Q, P + K]`` (after P rows of the model's own): by
+    count, as CPM-Ant builds it, hiding as many of the first keys as its tokens hold zeros (the layout pads with
+    zeros)."""
+    if mask.dim() == 2:
+        return bool((~mask.bool() & real.to(mask.device)).any())
+    hidden = (~mask.bool().any(-2)).sum(-1)
+    return bool((hidden > int((~real).sum())).any())
+
+
+def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, plan, real: Tensor) -> None:
+    """Arguments the gathered module cannot be given for the whole sequence, refused by name on every rank: those
+    that depend on the shard's values (padding) together, at the others' first agreement."""
+    where = f"{type(module).__name__} under context parallelism"
+    for name, what in call.refused:
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttention(f"{where}: {what}, which its model builds for this rank's shard alone")
+    shard = kwargs[call.sequence[0]]
+    for name in _PADDING_MASKS:
+        mask = kwargs.get(name)
+        if isinstance(mask, Tensor) and _hides_tokens(mask, real):
+            # this rank's shard alone may hold the padding: the refusal meets the others' first agreement
+            error = UnsupportedAttention(
+                f"{where}: a padding mask ({name}) with padding in it (the gathered sequence is the plan's tokens, "
+                "without padding)"
+            )
+            refuse_together(error, shard, shard, shard, plan.group_name)
+    for name in call.hiding_nothing:
+        mask = kwargs.get(name)
+        if isinstance(mask, Tensor) and bool(mask.any()):
+            error = UnsupportedAttention(
+                f"{where}: its mask {name} hides keys (padding, a causal or a permutation order), which its model "
+                "builds for this rank's shard alone; under a plan it attends to every token of the sequence"
+            )
+            refuse_together(error, shard, shard, shard, plan.group_name)
+
+
+def _after_the_prefix(value: Tensor, dim: int, prefix: int, change) -> Tensor:
+    """``change`` applied to ``value``'s rows after its first ``prefix`` (along ``dim``), which stay as they are."""
+    if not prefix:
+        return change(value)
+    return torch.cat([value.narrow(dim, 0, prefix), change(value.narrow(dim, prefix, value.shape[dim] - prefix))], dim)
+
+
+def _gathered(value, sharding, dim: int = 1):
+    """The whole sequence of a shard's tensor (tokens along ``dim``), or of each tensor of a tuple (RoPE's cos and
+    sin) or a dict of those (DeepSeek V4's position embeddings per rotary kind)."""
     if isinstance(value, dict):
-        return {key: _gathered(item, sharding) for key, item in value.items()}
+        return {key: _gathered(item, sharding, dim) for key, item in value.items()}
     if isinstance(value, tuple):
-        return tuple(_gathered(item, sharding) for item in value)
-    return gather_sequence(value, 1, sharding)
+        return tuple(_gathered(item, sharding, dim) for item in value)
+    return gather_sequence(value, dim, sharding)
 
 
 def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
@@ -197,7 +247,7 @@ def _documents_apart(spec, sharding, device) -> bool:
     return any(row[0] for row in every_rank([int(seen)], resolve_group(sharding.group_name), device))
 
 
-def _mask_of_the_step(module, args: tuple, kwargs: dict):
+def _mask_of_the_step(model, module, args: tuple, kwargs: dict):
     """Decoding (the same tokens on every rank, under a plan), a module that reads its mask tensor runs as on one
     process over its whole K/V (``WholeKVCache``): it is given the mask of the step's n tokens after the ones its
     layer holds, causal, as one process builds it, and what its model built from positions, built for those keys
@@ -222,7 +272,7 @@ def _mask_of_the_step(module, args: tuple, kwargs: dict):
     places = torch.arange(before, before + n, device=hidden.device)
     kwargs[call.mask] = _mask_tensor(spec, places, keys, None, hidden, first_key)
     for name, build in call.rebuilt:  # the model built it for the keys its mask sizes say: this step's alone
-        kwargs[name] = build(module, hidden, before + n)
+        kwargs[name] = build(module, model, hidden, before + n)
     return (), kwargs
 
 
@@ -269,16 +319,21 @@ def _after(module, args: tuple, kwargs: dict, output):
     calls = _IN_FLIGHT.get(id(module))
     if not calls:  # not a gathered call (outside every plan, decoding)
         return None
-    local_len, sharding, guard = calls.pop()
+    local_len, prefix, sharding, guard = calls.pop()
     guard.close()
     if not calls:
         del _IN_FLIGHT[id(module)]
     if output is None or local_len is None:  # the forward raised, or a decoding step's (no rows to keep)
         return None
+    dim = _call_of(module).dim
+
+    def own_rows(whole: Tensor) -> Tensor:
+        return _after_the_prefix(whole, dim, prefix, lambda rows: rank_rows(rows, dim, local_len, sharding))
+
     if not isinstance(output, (tuple, list)):
-        return rank_rows(output, 1, local_len, sharding)
+        return own_rows(output)
     rows = _call_of(module).outputs
-    return type(output)([rank_rows(t, 1, local_len, sharding) if i in rows else t for i, t in enumerate(output)])
+    return type(output)([own_rows(t) if i in rows else t for i, t in enumerate(output)])
 
 
 def hook_gathered_modules(model) -> None:
@@ -288,7 +343,7 @@ def hook_gathered_modules(model) -> None:
         return
     for module in model.modules():
         if type(module).__name__ in GATHERED_MODULES.get(type(module).__module__, {}):
-            module.register_forward_pre_hook(_before, with_kwargs=True)
+            module.register_forward_pre_hook(functools.partial(_before, weakref.ref(model)), with_kwargs=True)
             module.register_forward_hook(_after, with_kwargs=True, always_call=True)
     _HOOKED.add(model)
 
@@ -445,7 +500,7 @@ def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
     family = type(model).__module__
     if family in _FRESH_STATES:
         _FRESH_STATES[family](model)
-    if any(call.mask is not None for call in GATHERED_MODULES.get(family, {}).values()):
+    if any(call.mask is not None or call.whole_kv for call in GATHERED_MODULES.get(family, {}).values()):
         return WholeKVCache(model.config, max_cache_len, plan)
     make = _CACHE_CLASSES.get(family)
     return (make() if make is not None else ShardedCache)(model.config, max_cache_len, plan)

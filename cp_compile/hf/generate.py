@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..comm.gather import gather_dim0
 from ..errors import UnsupportedAttention
-from ..guard import set_aside
+from ..guard import LocalAttentionGuard, set_aside
 from ..inference.hf_cache import ShardedCache, drop_handed_step
 from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
@@ -34,7 +35,7 @@ from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .forward import model_calls_unfollowed, one_model_call_followed, prepare
 from .gathered import sharded_cache
-from .mixers import same_tokens_on_every_rank
+from .mixers import GATHERED_MODULES, same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -216,14 +217,20 @@ def keeps_no_cache(model, generate_kwargs: dict, config) -> bool:
 class _EveryStepSharded:
     """Forward hooks for ``model.generate`` without a cache, whose every step runs the whole sequence: each step's
     ``input_ids`` (the same on every rank) are sharded as one packed document before the model runs, and every rank
-    gets the last token's logits, which are all that ``generate`` reads, after it."""
+    gets the last token's logits, which are all that ``generate`` reads, after it.
 
-    def __init__(self, model, plan: ContextParallel):
-        self.model, self.plan = model, plan
+    Given a ``cache``, the prompt's call alone (the cache holds nothing yet) runs so, a sharded prefill of the whole
+    prompt; the steps after it run as on one process (``cp_compile.hf.generate`` of a model whose prompt attends
+    both ways)."""
+
+    def __init__(self, model, plan: ContextParallel, cache: Optional[ShardedCache] = None):
+        self.model, self.plan, self.cache = model, plan, cache
         self.calls: list[tuple[contextlib.ExitStack, Sharding]] = []
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     def before(self, module, args: tuple, kwargs: dict):
+        if self.cache is not None and self.cache.holds_tokens():
+            return None
         input_ids = kwargs.pop("input_ids", None) if not args else args[0]
         if input_ids is None or kwargs.get("inputs_embeds") is not None:
             raise UnsupportedAttention("cp_compile.hf.generate without a cache: the model is given input_ids alone")
@@ -243,7 +250,14 @@ class _EveryStepSharded:
         step.enter_context(one_model_call_followed(self.model))
         self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
         local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
-        kwargs.update(input_ids=local, use_cache=False)
+        kwargs.update(input_ids=local, use_cache=self.cache is not None)
+        if self.cache is not None:
+            slots = packed_slots(cu, self.plan.rank, self.plan.world_size)
+            slot_positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+            step.enter_context(self.cache.sharded_prefill(slot_positions, tokens))
+            # decoding sets the guard aside and runs every module as on one process: this call runs on the shards
+            step.enter_context(same_tokens_on_every_rank(False))
+            step.enter_context(LocalAttentionGuard())
         # a model without position_ids reads none (RWKV), or builds them in a module over the gathered sequence
         if self.takes_positions:
             kwargs["position_ids"] = positions[None]
@@ -256,6 +270,8 @@ class _EveryStepSharded:
         step.close()
         if output is None:  # the forward raised
             return None
+        if self.cache is not None:
+            self.cache.check_attended()
         output.logits = sequence_tail(output.logits, 1, 1, sharding)
         return output
 
@@ -345,7 +361,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     # over one rank a prompt has nothing to shard: generate() runs it as one step through the cache, as one process
     # does (sharding it would pad it to the layout and add a step); a hybrid's states come from the sharded prefill
     one_rank = plan.world_size == 1 and not any(cache.is_linear)
-    if input_ids.shape[1] > 1 and not cache.holds_tokens() and not one_rank:
+    # a prompt that attends both ways (CPM-Ant) is prefilled whole, by generate()'s own first call, run sharded: each
+    # prompt token's K/V depends on the last one, which the prefill below leaves to the first decoding step
+    both_ways = any(not call.causal for call in GATHERED_MODULES.get(type(model).__module__, {}).values())
+    prompt_call = _EveryStepSharded(model, plan, cache) if both_ways and not one_rank else None
+    if input_ids.shape[1] > 1 and not cache.holds_tokens() and not one_rank and prompt_call is None:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
     criteria = StoppingCriteriaList(
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
@@ -357,7 +377,8 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         generate_kwargs["custom_generate"] = _continue_prefilled
     try:
         with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
-            result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+            with prompt_call.on() if prompt_call is not None else contextlib.nullcontext():
+                result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
     finally:
         drop_handed_step()
     # a model of linear layers alone decodes with no collective to carry the agreement: its tokens are compared once

@@ -40,9 +40,11 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..cost.mixers import ScanShape, choose_route
@@ -102,20 +104,34 @@ class GatheredModule(NamedTuple):
     """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered; a
     tuple of such tensors, as RoPE's (cos, sin), each), those it takes but does not read (passed as None), and the
     places of its outputs that hold one row per token (this rank's rows kept); every one of those tensors has the
-    tokens along dim 1. ``mask``: the argument holding the attention mask, which the module reads as a tensor (adds
-    to its scores): given the mask one process builds for the whole sequence, additive (0 where a key is visible,
-    the dtype's minimum elsewhere, ``[B, 1, T, T]``)."""
+    tokens along dim ``dim`` (1, or 0 for a time-major model: XLNet). ``mask``: the argument holding the attention
+    mask, which the module reads as a tensor (adds to its scores): given the mask one process builds for the whole
+    sequence, additive (0 where a key is visible, the dtype's minimum elsewhere, ``[B, 1, T, T]``)."""
 
     sequence: tuple[str, ...]
     unread: tuple[str, ...] = ()
     outputs: tuple[int, ...] = (0,)
     mask: Optional[str] = None
     # arguments the model built from the shard's own positions (BLOOM's ALiBi bias), built again for the gathered
-    # sequence (and for a decoding step's keys) by the family's builder: (name, f(module, hidden states, keys))
+    # sequence (and for a decoding step's keys) by the family's builder: (name, f(module, model, hidden, keys))
     rebuilt: tuple[tuple[str, Callable], ...] = ()
+    dim: int = 1
+    # the config's field that says how many rows the model puts before every call's tokens (CPM-Ant's prompt): the
+    # same on every rank, not gathered; the module sees them once, before the whole sequence
+    prefix: Optional[str] = None
+    # whether a row sees only the rows before it: False for CPM-Ant, whose every row sees the whole call
+    causal: bool = True
+    # whether it attends over K/V it stores in the cache itself (every rank keeps them whole); so does every module
+    # given a mask
+    whole_kv: bool = False
+    # masks the model built per pair of the shard's tokens, 1 where a key is hidden: under a plan they must hide
+    # none (no padding, no causal or permutation order), and the module is given None (the same scores exactly)
+    hiding_nothing: tuple[str, ...] = ()
+    # arguments a plan cannot give the module, with what the user passed to get them: refused by name when not None
+    refused: tuple[tuple[str, str], ...] = ()
 
 
-def _bloom_alibi(module, hidden: Tensor, keys: int) -> Tensor:
+def _bloom_alibi(module, model, hidden: Tensor, keys: int) -> Tensor:
     """BLOOM's ALiBi bias over ``keys`` tokens, as its model builds it for a sequence without padding (``hidden``:
     the module's hidden states, for the batch, dtype and device)."""
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
@@ -124,10 +140,38 @@ def _bloom_alibi(module, hidden: Tensor, keys: int) -> Tensor:
     return build_alibi_tensor(ones, module.num_heads, hidden.dtype)
 
 
-def _inkling2_distance(module, hidden: Tensor, keys: int) -> Tensor:
+def _inkling2_distance(module, model, hidden: Tensor, keys: int) -> Tensor:
     """Inkling 2's distance from each of ``hidden``'s queries, the last of ``keys`` tokens, to each key."""
     places = torch.arange(keys, device=hidden.device)
     return places[keys - hidden.shape[1] :, None] - places[None, :]
+
+
+def _xlnet_relative_positions(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """XLNet's sinusoids of every relative position among ``keys`` tokens, as its model builds them for a call of
+    that length (``hidden``: time-major, for the batch and device), its dropout after."""
+    from transformers.models.xlnet.modeling_xlnet import XLNetModel
+
+    config = model.config
+    settings = ("d_model", "attn_type", "bi_data", "clamp_len")
+    builder = SimpleNamespace(**{name: getattr(config, name) for name in settings})
+    builder.positional_embedding = XLNetModel.positional_embedding
+    positions = XLNetModel.relative_positional_encoding(builder, keys, keys, hidden.shape[1], hidden.device)
+    return F.dropout(positions, config.dropout, module.training)
+
+
+def _cpmant_position_bias(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """CPM-Ant's bias over ``keys`` rows (its prompt, then tokens none of which is 0: the padding-free call its mask
+    lets through), from its model's own position embedding module: segment 0 for the prompt, 2 for the tokens."""
+    prompt = model.config.prompt_length
+    places = torch.arange(keys, dtype=torch.int32, device=hidden.device).repeat(hidden.shape[0], 1)
+    segments = torch.full_like(places, 2)
+    segments[:, :prompt] = 0
+    return model.base_model.position_bias(places, places, segments, segments)
+
+
+def _cpmant_everything_visible(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """CPM-Ant's mask of a call without padding: every row sees every row (its attention is bidirectional)."""
+    return torch.ones(hidden.shape[0], keys, keys, dtype=torch.bool, device=hidden.device)
 
 
 def _inkling2(prefix: str) -> dict:
@@ -171,6 +215,31 @@ GATHERED_MIXERS = {
     },
     "openai": {"Attention": GatheredModule(("x",))},  # attention of its own: scores by matmul under a causal buffer
     "xlstm": {"xLSTMLayer": GatheredModule(("x",))},  # the mLSTM cell's chunked recurrence
+    # bidirectional attention of its own after a prompt its model puts before every call's tokens, with a bias from
+    # positions counted within the call
+    "cpmant": {
+        "CpmAntSelfAttentionBlock": GatheredModule(
+            ("hidden_states",),
+            prefix="prompt_length",
+            causal=False,
+            whole_kv=True,
+            rebuilt=(("attention_mask", _cpmant_everything_visible), ("position_bias", _cpmant_position_bias)),
+        )
+    },
+    # relative attention of its own, time-major; its model builds the relative positions from the call's length
+    "xlnet": {
+        "XLNetRelativeAttention": GatheredModule(
+            ("h",),
+            dim=0,
+            rebuilt=(("r", _xlnet_relative_positions),),
+            hiding_nothing=("attn_mask_h", "attn_mask_g"),
+            refused=(
+                ("g", "a query stream (perm_mask and target_mapping: the permutation objective)"),
+                ("seg_mat", "segments (token_type_ids)"),
+                ("mems", "memories of earlier segments (mems)"),
+            ),
+        )
+    },
     # attention of their own, scores by matmul plus the mask tensor (MPT: its ALiBi bias, built for its longest
     # sequence, cut to the whole sequence's length)
     "xglm": {"XGLMAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
@@ -232,11 +301,12 @@ def attention_as_one_process(module) -> bool:
 
 
 @contextlib.contextmanager
-def same_tokens_on_every_rank():
+def same_tokens_on_every_rank(same: bool = True):
     """The steps of ``model.generate`` after a sharded prefill: every rank feeds the model the same tokens and
     holds the whole conv and recurrent state, so a mixer that runs over several tokens (a prompt of one token, a
-    follow-up prompt) runs as one process runs it."""
-    before, _Steps.on_every_rank = _Steps.on_every_rank, True
+    follow-up prompt) runs as one process runs it. ``same=False``: a step among them that runs on the shards (a
+    prompt prefilled by ``generate()``'s own first call)."""
+    before, _Steps.on_every_rank = _Steps.on_every_rank, same
     try:
         yield
     finally:

@@ -418,3 +418,10 @@ def _special_tokens(config, keep_eos: bool = False) -> None:
 
 
 ID_RANGE = VOCAB - 3  # token ids of the batches and prompts: below the special tokens
+# families whose model code takes id 0 for padding whatever the config says (CPM-Ant masks it out)
+PADDING_AT_ZERO = ("cpmant",)
+
+
+def first_id(config) -> int:
+    """The lowest token id of the batches and prompts: 1 where the model takes 0 for padding, else 0."""
+    return int(config.model_type in PADDING_AT_ZERO)

@@ -23,6 +23,7 @@ from .model_configs import (
     TOL,
     _layer_kinds,
     _quiet,
+    first_id,
     tiny_config,
 )
 
@@ -153,7 +154,7 @@ def _train(model, reference, group) -> dict:
     import cp_compile
 
     seq = seq_len(dist.get_world_size(group))
-    ids = torch.randint(0, ID_RANGE, (1, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(first_id(model.config), ID_RANGE, (1, seq), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)  # shifted on the global sequence
     items = int((labels != -100).sum())
     try:
@@ -207,7 +208,7 @@ def _generate(model, reference, group) -> dict:
     import cp_compile
     import cp_compile.hf
 
-    prompt = torch.randint(0, ID_RANGE, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(first_id(model.config), ID_RANGE, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     try:
         reference.eval()
