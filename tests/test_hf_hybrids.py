@@ -166,6 +166,20 @@ def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
 
 
+def test_gathered_modules_compiled_on_packed_documents(ranks):
+    """Compiled, modules over the gathered sequence on packed documents with padding slots: the slots stay after the
+    tokens, zeroed (the real length would be data in the graph; no token of these causal modules sees a later
+    one). GPT-NeoX-Japanese's mask keeps each document to itself, as its one-process mask does given positions (the
+    ranks cannot agree while Dynamo traces: transformers keeps documents apart wherever positions are passed then);
+    XGLM's reads across them. A window layer's mask cannot be read while tracing: refused by name."""
+    lengths = [1, 7, 19, 13]
+    for family in ("gpt_neox_japanese", "xglm", "minimax", "rwkv"):
+        _check(ranks(2, train_step, family, "aot_eager", lengths), family)
+    _check(ranks(3, train_step, "gpt_neox_japanese", "aot_eager", lengths), "gpt_neox_japanese at C = 3")
+    with pytest.raises(Exception, match="cannot tell while Dynamo traces whether the model's mask keeps them apart"):
+        ranks(2, train_step, "doge", "aot_eager", lengths)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_train_by_state_passing(ranks, world_size):
     """The scans by state passing (``scan_route="states"``), eager, for the gated delta rule, KDA and Mamba2."""

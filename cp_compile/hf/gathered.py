@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -108,7 +109,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
     local_len = kwargs[call.sequence[0]].shape[call.dim] - prefix
-    _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, _real_slots(plan, sharding, local_len))
+    _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, lambda: _real_slots(plan, sharding, local_len))
     mask_spec = kwargs.get(call.mask) if call.mask is not None else None
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
@@ -118,14 +119,22 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
     _IN_FLIGHT.setdefault(id(module), []).append((local_len, prefix, sharding, guard))
+    # compiled, packed documents' padding slots stay after the tokens: the gathered length would be data in the graph
+    padding_last = torch.compiler.is_compiling() and sharding.cu_seqlens is not None
+    if padding_last and not call.causal:
+        raise UnsupportedAttention(
+            f"{type(module).__name__} under context parallelism, compiled, on packed documents: its rows see later "
+            "ones, which the padding slots kept after the tokens while compiled would be; run it eagerly"
+        )
     for name in call.sequence:
         value = kwargs.get(name)
         if value is not None:  # else an optional argument the call leaves out
-            kwargs[name] = _after_the_prefix(value, call.dim, prefix, lambda v: _gathered(v, sharding, call.dim))
+            gather = functools.partial(_gathered, sharding=sharding, dim=call.dim, padding_last=padding_last)
+            kwargs[name] = _after_the_prefix(value, call.dim, prefix, gather)
     # documents' marks a padding-free collator passes on, per token, for the module's own kernels to restart at
     for name in _PER_TOKEN_KWARGS:
         if kwargs.get(name) is not None and name not in call.sequence:
-            kwargs[name] = _gathered(kwargs[name], sharding)
+            kwargs[name] = _gathered(kwargs[name], sharding, padding_last=padding_last)
     for name in (*call.unread, *call.hiding_nothing, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
     whole = kwargs[call.sequence[0]]
@@ -155,9 +164,10 @@ def _hides_tokens(mask: Tensor, real: Tensor) -> bool:
     return bool((hidden > int((~real).sum())).any())
 
 
-def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, plan, real: Tensor) -> None:
+def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, plan, real: Callable) -> None:
     """Arguments the gathered module cannot be given for the whole sequence, refused by name on every rank: those
-    that depend on the shard's values (padding) together, at the others' first agreement."""
+    that depend on the shard's values (padding) together, at the others' first agreement. ``real()``: which of this
+    rank's slots hold a token (asked only of a padding mask)."""
     where = f"{type(module).__name__} under context parallelism"
     for name, what in call.refused:
         if kwargs.get(name) is not None:
@@ -165,7 +175,7 @@ def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, 
     shard = kwargs[call.sequence[0]]
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
-        if isinstance(mask, Tensor) and _hides_tokens(mask, real):
+        if isinstance(mask, Tensor) and _hides_tokens(mask, real()):
             # this rank's shard alone may hold the padding: the refusal meets the others' first agreement
             error = UnsupportedAttention(
                 f"{where}: a padding mask ({name}) with padding in it (the gathered sequence is the plan's tokens, "
@@ -189,14 +199,14 @@ def _after_the_prefix(value: Tensor, dim: int, prefix: int, change) -> Tensor:
     return torch.cat([value.narrow(dim, 0, prefix), change(value.narrow(dim, prefix, value.shape[dim] - prefix))], dim)
 
 
-def _gathered(value, sharding, dim: int = 1):
+def _gathered(value, sharding, dim: int = 1, padding_last: bool = False):
     """The whole sequence of a shard's tensor (tokens along ``dim``), or of each tensor of a tuple (RoPE's cos and
     sin) or a dict of those (DeepSeek V4's position embeddings per rotary kind)."""
     if isinstance(value, dict):
-        return {key: _gathered(item, sharding, dim) for key, item in value.items()}
+        return {key: _gathered(item, sharding, dim, padding_last) for key, item in value.items()}
     if isinstance(value, tuple):
-        return tuple(_gathered(item, sharding, dim) for item in value)
-    return gather_sequence(value, dim, sharding)
+        return tuple(_gathered(item, sharding, dim, padding_last) for item in value)
+    return gather_sequence(value, dim, sharding, padding_last)
 
 
 def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
@@ -239,10 +249,18 @@ def _documents_apart(spec, sharding, device) -> bool:
     """Whether the mask one process builds keeps the packed documents apart: where any rank's mask function saw them
     in its positions. A rank whose positions run on without a break (C = 2, documents of 4 and 12 tokens: rank 1
     holds positions 1 to 8) sees none whatever the model passes, so the ranks agree (one small all-gather); compiled,
-    the spec's own answer stands."""
-    seen = bool(getattr(spec, "documents", False))
+    the spec's own answer stands (transformers keeps them apart wherever the model passes positions while tracing)."""
+    seen = getattr(spec, "documents", False)
     cu = sharding.cu_seqlens
-    if cu is None or cu.shape[0] <= 2 or sharding.world_size == 1 or torch.compiler.is_compiling():
+    if cu is None or cu.shape[0] <= 2:
+        return False
+    if seen is None:
+        raise UnsupportedAttention(
+            f"{spec.model}: compiled, a module that reads the mask tensor of a window or chunk layer, given packed "
+            "documents: cp_compile cannot tell while Dynamo traces whether the model's mask keeps them apart; run it "
+            "eagerly"
+        )
+    if sharding.world_size == 1 or torch.compiler.is_compiling():
         return seen
     return any(row[0] for row in every_rank([int(seen)], resolve_group(sharding.group_name), device))
 

@@ -51,8 +51,9 @@ class MaskSpec:
     indexed: bool = False
     # the mask function keeps packed documents apart (transformers found them from the positions it was given): a
     # module over the gathered sequence that reads the mask tensor is given them (``hf.gathered``); the attention
-    # function takes the documents from ``cu_seq_lens_q`` or the plan whatever this says
-    documents: bool = False
+    # function takes the documents from ``cu_seq_lens_q`` or the plan whatever this says. None: not known (a window
+    # layer's mask while Dynamo traces)
+    documents: Optional[bool] = False
     # the model turned the mask into booleans (``mask.to(torch.bool)``, MPT): True where a key is masked, as one
     # process's additive mask becomes; a module over the gathered sequence is given that form (``hf.gathered``)
     as_bool: bool = False
@@ -187,11 +188,15 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
         )
     if code is _BIDIRECTIONAL:
         return MaskSpec(False, model=model)
+    # while tracing, transformers keeps packed documents apart wherever the model passes it positions (its check for
+    # one document is data-dependent) by ANDing a function to a full layer's causal one; a window's or a chunk's is an
+    # AND already, and its closures cannot be read while Dynamo traces: unknown
+    documents = code in (_AND, _REMAP) if local_size is None else None
     if local_size is None:
-        return MaskSpec(model=model)
+        return MaskSpec(model=model, documents=documents)
     if local_size == getattr(config, "attention_chunk_size", None):
-        return MaskSpec(chunk=int(local_size), model=model)
-    return MaskSpec(window=int(local_size), model=model)
+        return MaskSpec(chunk=int(local_size), model=model, documents=documents)
+    return MaskSpec(window=int(local_size), model=model, documents=documents)
 
 
 __all__ = ["MaskSpec", "describe", "model_name"]

@@ -67,30 +67,69 @@ gather_sequence_op.register_autograd(
 )
 
 
+@torch.library.custom_op("cp::to_rank_major", mutates_args=())
+def to_rank_major(rows: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """``[C*L, ...]`` slots in global order (the real tokens first, the padding slots after them) -> every rank's
+    slots in rank order: a permutation, the same on every rank."""
+    order, _ = _order(
+        rows.shape[0] // resolve_group(group_name).size(),
+        resolve_group(group_name).size(),
+        layout,
+        cu_seqlens,
+        rows.device,
+    )
+    return torch.empty_like(rows).index_copy_(0, order, rows)
+
+
+@torch.library.custom_op("cp::from_rank_major", mutates_args=())
+def from_rank_major(rows: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """The inverse of ``to_rank_major``, its padding slots zeroed: its backward."""
+    c = resolve_group(group_name).size()
+    order, real = _order(rows.shape[0] // c, c, layout, cu_seqlens, rows.device)
+    return rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
+
+
+for _op in (to_rank_major, from_rank_major):
+    _op.register_fake(lambda rows, group_name, layout, cu_seqlens: torch.empty_like(rows))
+to_rank_major.register_autograd(
+    lambda ctx, grad: (None if grad is None else from_rank_major(grad, *ctx.settings), None, None, None),
+    setup_context=_setup,
+)
+
+
 def _real(local_len: int, sharding: Sharding) -> int:
     if sharding.cu_seqlens is None:
         return local_len * sharding.world_size
     return int(sharding.cu_seqlens[-1])
 
 
-def gather_sequence(x: Tensor, dim: int, sharding: Sharding) -> Tensor:
+def gather_sequence(x: Tensor, dim: int, sharding: Sharding, padding_last: bool = False) -> Tensor:
     """The whole sequence in global order, padding dropped, from this rank's shard ``x`` (tokens along ``dim``),
-    the same on every rank; differentiable (the gradient of every rank's copy comes back to the row's rank)."""
+    the same on every rank; differentiable (the gradient of every rank's copy comes back to the row's rank).
+    ``padding_last``: the padding slots of packed documents kept after the tokens, zeroed, so that the length does
+    not depend on the documents (a compiled graph's shapes); exact for a mixer in which no token sees a later one."""
     sharding.agree("gather_sequence", (x, x, x), f"dim={dim}")
     ordered = gather_sequence_op(x.movedim(dim, 1), *sharding.op_args)
-    return ordered.narrow(1, 0, _real(x.shape[dim], sharding)).movedim(1, dim)
+    if not padding_last:
+        ordered = ordered.narrow(1, 0, _real(x.shape[dim], sharding))
+    return ordered.movedim(1, dim)
 
 
 def rank_rows(full: Tensor, dim: int, local_len: int, sharding: Sharding) -> Tensor:
     """This rank's ``local_len`` rows (zeros in its padding slots) of ``full``, a whole sequence along ``dim`` that
-    every rank holds the same."""
-    c = sharding.world_size
-    order, _ = _order(local_len, c, sharding.layout, sharding.cu_seqlens, full.device)
+    every rank holds the same (with or without the padding slots after it)."""
     rows = full.movedim(dim, 0)
-    padded = torch.cat([rows, rows.new_zeros(c * local_len - rows.shape[0], *rows.shape[1:])])
+    padded = torch.cat([rows, rows.new_zeros(sharding.world_size * local_len - rows.shape[0], *rows.shape[1:])])
     # back to every rank's slots in rank order (the padding slots take the zeros after the real rows)
-    rank_major = torch.empty_like(padded).index_copy_(0, order, padded)
+    rank_major = to_rank_major(padded, *sharding.op_args)
     return rank_slice(rank_major, sharding.group_name).movedim(0, dim)
 
 
-__all__ = ["gather_sequence", "gather_sequence_backward", "gather_sequence_op", "rank_rows"]
+__all__ = [
+    "from_rank_major",
+    "gather_sequence",
+    "gather_sequence_backward",
+    "gather_sequence_op",
+    "rank_rows",
+    "to_rank_major",
+]
