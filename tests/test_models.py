@@ -37,8 +37,8 @@ READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese", "doge"]
 # phases (its prompt prefilled whole by generate()'s own first call, sharded)
 READING_THE_MASK += ["cpmant"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
-# attention classes looked up by name), or run it on a shard (Reformer's axial positions need the whole length)
-KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable", "reformer": "failed"}
+# attention classes looked up by name)
+KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable"}
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,10 @@ def test_families_cp_cannot_run_are_refused_in_training(rows, family):
     assert rows[family]["train"]["status"] == "refused", rows[family]["train"]
 
 
-# XLNet's relative attention over the gathered sequence; its generation (a permutation mask over every pair of the
-# step's tokens) is refused
-@pytest.mark.parametrize("family", [*GATHERED_WITHOUT_CACHE, "xlstm", "xlnet", *READING_THE_MASK])
+# XLNet's relative attention and Reformer's local and LSH attention (and its axial position embeddings, which tile
+# the whole length) over the gathered sequence, through Reformer's reversible layers' recompute; their generation is
+# refused (XLNet's permutation mask over every pair of the step's tokens; Reformer pads every call)
+@pytest.mark.parametrize("family", [*GATHERED_WITHOUT_CACHE, "xlstm", "xlnet", "reformer", *READING_THE_MASK])
 def test_modules_of_their_own_train_exactly_over_the_gathered_sequence(rows, family):
     row = rows[family]
     assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]

@@ -110,6 +110,13 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
     local_len = kwargs[call.sequence[0]].shape[call.dim] - prefix
     _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, lambda: _real_slots(plan, sharding, local_len))
+    # compiled, packed documents' padding slots stay after the tokens: the gathered length would be data in the graph
+    padding_last = torch.compiler.is_compiling() and sharding.cu_seqlens is not None
+    if padding_last and not call.causal:
+        raise UnsupportedAttention(
+            f"{type(module).__name__} under context parallelism, compiled, on packed documents: its rows see later "
+            "ones, which the padding slots kept after the tokens while compiled would be; run it eagerly"
+        )
     mask_spec = kwargs.get(call.mask) if call.mask is not None else None
     count_call(CONV)  # the module stands for the layer's convolution and scan both
     count_call(SCAN)
@@ -119,13 +126,6 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
     _IN_FLIGHT.setdefault(id(module), []).append((local_len, prefix, sharding, guard))
-    # compiled, packed documents' padding slots stay after the tokens: the gathered length would be data in the graph
-    padding_last = torch.compiler.is_compiling() and sharding.cu_seqlens is not None
-    if padding_last and not call.causal:
-        raise UnsupportedAttention(
-            f"{type(module).__name__} under context parallelism, compiled, on packed documents: its rows see later "
-            "ones, which the padding slots kept after the tokens while compiled would be; run it eagerly"
-        )
     for name in call.sequence:
         value = kwargs.get(name)
         if value is not None:  # else an optional argument the call leaves out
@@ -348,10 +348,11 @@ def _after(module, args: tuple, kwargs: dict, output):
     def own_rows(whole: Tensor) -> Tensor:
         return _after_the_prefix(whole, dim, prefix, lambda rows: rank_rows(rows, dim, local_len, sharding))
 
+    rows = _call_of(module).outputs
     if not isinstance(output, (tuple, list)):
         return own_rows(output)
-    rows = _call_of(module).outputs
-    return type(output)([own_rows(t) if i in rows else t for i, t in enumerate(output)])
+    kept = [own_rows(t) if i in rows else t for i, t in enumerate(output)]
+    return type(output)(*kept) if hasattr(output, "_fields") else type(output)(kept)  # a named tuple (Reformer's)
 
 
 def hook_gathered_modules(model) -> None:

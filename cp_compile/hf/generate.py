@@ -57,7 +57,18 @@ def _generation_config(model, generate_kwargs: dict):
     return config
 
 
+# families whose generation cp_compile does not run, by modeling module, with why
+_FAMILIES_REFUSED = {
+    "transformers.models.reformer.modeling_reformer": "Reformer pads every call to a multiple of its chunk length "
+    "while generating (a shard would be padded in the middle of the sequence) and keeps its own cache of buckets "
+    "(past_buckets_states)",
+}
+
+
 def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
+    refused = _FAMILIES_REFUSED.get(type(model).__module__)
+    if refused is not None:
+        raise UnsupportedAttention(f"cp_compile.hf.generate: {refused}")
     if model.config._attn_implementation != NAME:
         raise ValueError(
             f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "

@@ -226,6 +226,12 @@ GATHERED_MIXERS = {
             rebuilt=(("attention_mask", _cpmant_everything_visible), ("position_bias", _cpmant_position_bias)),
         )
     },
+    # chunked local and LSH attention of its own (buckets hashed over the whole sequence, kept whole for the
+    # reversible layers' recompute), and axial position embeddings that tile the whole sequence's length in training
+    "reformer": {
+        "ReformerAttention": GatheredModule(("hidden_states",)),
+        "AxialPositionEmbeddings": GatheredModule(("position_ids",)),
+    },
     # relative attention of its own, time-major; its model builds the relative positions from the call's length
     "xlnet": {
         "XLNetRelativeAttention": GatheredModule(
