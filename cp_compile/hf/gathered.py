@@ -343,15 +343,14 @@ def _after(module, args: tuple, kwargs: dict, output):
         del _IN_FLIGHT[id(module)]
     if output is None or local_len is None:  # the forward raised, or a decoding step's (no rows to keep)
         return None
-    dim = _call_of(module).dim
+    call = _call_of(module)
 
     def own_rows(whole: Tensor) -> Tensor:
-        return _after_the_prefix(whole, dim, prefix, lambda rows: rank_rows(rows, dim, local_len, sharding))
+        return _after_the_prefix(whole, call.dim, prefix, lambda rows: rank_rows(rows, call.dim, local_len, sharding))
 
-    rows = _call_of(module).outputs
     if not isinstance(output, (tuple, list)):
         return own_rows(output)
-    kept = [own_rows(t) if i in rows else t for i, t in enumerate(output)]
+    kept = [own_rows(t) if i in call.outputs else t for i, t in enumerate(output)]
     return type(output)(*kept) if hasattr(output, "_fields") else type(output)(kept)  # a named tuple (Reformer's)
 
 

@@ -95,6 +95,12 @@ def _max_tokens(config, prompt: int) -> int:
     return max(longest, getattr(config, "max_cache_len", None) or 0)
 
 
+def _slot_positions(plan: ContextParallel, cu: Tensor) -> Tensor:
+    """Each of this rank's slots' position in the prompt of ``cu`` (one document), ``EMPTY_POSITION`` for padding."""
+    slots = packed_slots(cu, plan.rank, plan.world_size)
+    return torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+
+
 def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids: Tensor) -> None:
     """Run ``input_ids [1, n]`` (the same on every rank) once, sharded over ``plan``: each rank computes
     and caches its own tokens' K/V (and, for a hybrid's linear layers, every rank the whole state). The prompt
@@ -105,8 +111,7 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     # (the positions are the plan's, and no labels are given); the guard's mode stays on for this one call, and
     # catches a token mixer that runs on the shard alone in code no wrapper covers
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    slots = packed_slots(cu, plan.rank, plan.world_size)
-    positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
+    positions = _slot_positions(plan, cu)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
     with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
@@ -263,9 +268,7 @@ class _EveryStepSharded:
         local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
         kwargs.update(input_ids=local, use_cache=self.cache is not None)
         if self.cache is not None:
-            slots = packed_slots(cu, self.plan.rank, self.plan.world_size)
-            slot_positions = torch.where(slots["real"], slots["pos"], EMPTY_POSITION)
-            step.enter_context(self.cache.sharded_prefill(slot_positions, tokens))
+            step.enter_context(self.cache.sharded_prefill(_slot_positions(self.plan, cu), tokens))
             # decoding sets the guard aside and runs every module as on one process: this call runs on the shards
             step.enter_context(same_tokens_on_every_rank(False))
             step.enter_context(LocalAttentionGuard())

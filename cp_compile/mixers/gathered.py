@@ -23,26 +23,21 @@ from torch import Tensor
 from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from . import Sharding
-from .heads import _order, rank_slice
+from .heads import _in_global_order, _in_rank_order, rank_slice
 
 
 @torch.library.custom_op("cp::gather_sequence", mutates_args=())
 def gather_sequence_op(x: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
     """``[B, L, ...]`` shard -> ``[B, C*L, ...]`` on every rank: global order, padding slots last (zero)."""
-    c = resolve_group(group_name).size()
-    rows = gather_dim0(x.movedim(1, 0), group_name, c)  # [C*L, B, ...] rank-major
-    order, real = _order(x.shape[1], c, layout, cu_seqlens, x.device)
-    ordered = rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
-    return ordered.movedim(0, 1).contiguous()
+    rows = gather_dim0(x.movedim(1, 0), group_name, resolve_group(group_name).size())  # [C*L, B, ...] rank-major
+    return _in_global_order(rows, group_name, layout, cu_seqlens).movedim(0, 1).contiguous()
 
 
 @torch.library.custom_op("cp::gather_sequence_backward", mutates_args=())
 def gather_sequence_backward(grad: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
     """Every rank's gradient of the gathered sequence, summed, for this rank's slots."""
+    rank_major = _in_rank_order(grad.movedim(1, 0), group_name, layout, cu_seqlens)
     c = resolve_group(group_name).size()
-    order, real = _order(grad.shape[1] // c, c, layout, cu_seqlens, grad.device)
-    rows = grad.movedim(1, 0) * real.view(-1, *[1] * (grad.dim() - 1)).to(grad)
-    rank_major = torch.empty_like(rows).index_copy_(0, order, rows)
     return reduce_scatter_dim0(rank_major, group_name, c).movedim(0, 1).contiguous()
 
 
@@ -71,22 +66,13 @@ gather_sequence_op.register_autograd(
 def to_rank_major(rows: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
     """``[C*L, ...]`` slots in global order (the real tokens first, the padding slots after them) -> every rank's
     slots in rank order: a permutation, the same on every rank."""
-    order, _ = _order(
-        rows.shape[0] // resolve_group(group_name).size(),
-        resolve_group(group_name).size(),
-        layout,
-        cu_seqlens,
-        rows.device,
-    )
-    return torch.empty_like(rows).index_copy_(0, order, rows)
+    return _in_rank_order(rows, group_name, layout, cu_seqlens)
 
 
 @torch.library.custom_op("cp::from_rank_major", mutates_args=())
 def from_rank_major(rows: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
     """The inverse of ``to_rank_major``, its padding slots zeroed: its backward."""
-    c = resolve_group(group_name).size()
-    order, real = _order(rows.shape[0] // c, c, layout, cu_seqlens, rows.device)
-    return rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
+    return _in_global_order(rows, group_name, layout, cu_seqlens)
 
 
 for _op in (to_rank_major, from_rank_major):

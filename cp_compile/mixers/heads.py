@@ -42,6 +42,22 @@ def _order(local_len: int, world_size: int, layout: str, cu_seqlens, device):
     return order.to(device), mask.to(device)
 
 
+def _in_global_order(rows: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
+    """``[C*L, ...]`` every rank's slots in rank order -> global order, the real tokens first and the padding slots
+    after them, zeroed."""
+    c = resolve_group(group_name).size()
+    order, real = _order(rows.shape[0] // c, c, layout, cu_seqlens, rows.device)
+    return rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
+
+
+def _in_rank_order(rows: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
+    """The inverse of ``_in_global_order`` (and its adjoint): ``[C*L, ...]`` in global order -> every rank's slots
+    in rank order, the padding slots zeroed."""
+    c = resolve_group(group_name).size()
+    order, real = _order(rows.shape[0] // c, c, layout, cu_seqlens, rows.device)
+    return torch.empty_like(rows).index_copy_(0, order, rows * real.view(-1, *[1] * (rows.dim() - 1)).to(rows))
+
+
 def _to_groups(x: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
     c = resolve_group(group_name).size()
     b, local_len, g = x.shape[:3]
@@ -50,19 +66,15 @@ def _to_groups(x: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
     parts = x.reshape(b, local_len, c, g // c, *x.shape[3:]).permute(2, 1, 0, *range(3, x.dim() + 1))
     received = _all_to_all(parts, group_name, c) if c > 1 else parts  # [C (source), L, B, G/C, W]
     rows = received.reshape(c * local_len, *received.shape[2:])
-    order, real = _order(local_len, c, layout, cu_seqlens, x.device)
-    ordered = rows.index_select(0, order) * real.view(-1, *[1] * (rows.dim() - 1)).to(rows)
-    return ordered.movedim(0, 1).contiguous()
+    return _in_global_order(rows, group_name, layout, cu_seqlens).movedim(0, 1).contiguous()
 
 
 def _from_groups(y: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
     c = resolve_group(group_name).size()
     b, total, gc = y.shape[:3]
     local_len = total // c
-    order, real = _order(local_len, c, layout, cu_seqlens, y.device)
-    rows = y.movedim(1, 0) * real.view(-1, *[1] * (y.dim() - 1)).to(y)
-    rank_major = torch.empty_like(rows).index_copy_(0, order, rows)  # back to every rank's slots in rank order
-    parts = rank_major.reshape(c, local_len, *rows.shape[1:])  # [C (destination), L, B, G/C, W]
+    rank_major = _in_rank_order(y.movedim(1, 0), group_name, layout, cu_seqlens)  # back to every rank's slots
+    parts = rank_major.reshape(c, local_len, *rank_major.shape[1:])  # [C (destination), L, B, G/C, W]
     received = _all_to_all(parts, group_name, c) if c > 1 else parts  # [C (source group), L, B, G/C, W]
     out = received.permute(2, 1, 0, *range(3, received.dim())).reshape(b, local_len, c * gc, *y.shape[3:])
     return out.contiguous()
