@@ -127,9 +127,11 @@ def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
     """RWKV's time and channel mixing, OpenAI GPT's attention, xLSTM's mLSTM layers, XLNet's relative attention
     (time-major; its model's relative positions built again for the whole sequence) and CPM-Ant's attention blocks
     (bidirectional, after the prompt rows its model puts before every call's tokens, which every rank holds),
-    modules with mixing code of their own, with no layer types declared (C = 2: the model sweep; C = 4 by
-    `python -m cp_compile models -C 4`; the route itself at C = 1 to 4: tests/test_mixers.py)."""
-    for family in ("rwkv", "openai-gpt", "xlstm", "xlnet", "cpmant"):
+    modules with mixing code of their own, with no layer types declared, and BLT's whole model over the gathered
+    bytes, its global transformer over this rank's share of the patches, padded at the end to the layout's multiple
+    (C = 2: the model sweep; C = 4 by `python -m cp_compile models -C 4`; the route itself at C = 1 to 4:
+    tests/test_mixers.py)."""
+    for family in ("rwkv", "openai-gpt", "xlstm", "xlnet", "cpmant", "blt"):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
@@ -279,6 +281,45 @@ def xlnet_refusals() -> dict:
         except (cp_compile.UnsupportedAttention, ValueError) as e:  # ValueError: refused on another rank
             messages[name] = str(e)
     return messages
+
+
+def blt_refusals() -> dict:
+    """BLT under a plan given its own patch lengths (cut for the shard's bytes), and on packed documents (its global
+    transformer runs over a sequence of patches that knows none)."""
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config("blt")
+    model = model_run._build(cls, config, "cp_compile")
+    plan = cp_compile.ContextParallel()
+    ids = torch.randint(0, 100, (1, 16))
+    cu = torch.tensor([0, 5, 16])
+    messages = {}
+    with plan:
+        shard, positions = plan.shard(ids, 1), plan.positions(16)[None]
+        for name, call in {
+            "patch lengths": lambda: model(
+                shard, position_ids=positions, patch_lengths=torch.ones(1, 16), use_cache=False
+            ),
+            "packed": lambda: model(
+                plan.shard(ids[0], 0, cu_seqlens=cu)[None],
+                position_ids=plan.positions(cu_seqlens=cu)[None],
+                use_cache=False,
+            ),
+        }.items():
+            try:
+                call()
+                messages[name] = "no error"
+            except cp_compile.UnsupportedAttention as e:
+                messages[name] = str(e)
+    return messages
+
+
+def test_what_blt_cannot_be_given_is_refused_on_every_rank(ranks):
+    for messages in ranks(2, blt_refusals, timeout=120):
+        assert "patch lengths (patch_lengths)" in messages["patch lengths"], messages
+        assert "BltGlobalTransformer under context parallelism on packed documents" in messages["packed"], messages
 
 
 def test_what_xlnet_cannot_be_given_is_refused_on_every_rank(ranks):

@@ -63,7 +63,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import causal_mask_function, sdpa_mask
+from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
@@ -82,7 +82,7 @@ from ..plan import ContextParallel, active_plan
 from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name
-from .mixers import MIXER_LAYER_TYPES, _sharding, attention_as_one_process
+from .mixers import MIXER_LAYER_TYPES, _sharding, attention_as_one_process, in_gathered_module
 
 INDEXED_LAYER_TYPE = "indexed_attention"  # transformers' layer type of sparse attention chosen by an indexer (DSA)
 
@@ -142,6 +142,8 @@ def mask(*args, **kwargs):
     plan = active_plan()
     if plan is None:
         return sdpa_mask(*args, **kwargs)
+    if in_gathered_module():  # model code over the gathered sequence: the mask of the eager attention it then runs
+        return eager_mask(*args, **kwargs)
     count_call()
     config = kwargs.get("config")
     check_layer_types(config)

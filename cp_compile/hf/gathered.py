@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
+from transformers.utils import ModelOutput
 
 from ..comm import every_rank, refuse_together, resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
@@ -40,6 +41,7 @@ from ..inference.hf_cache import (
     ShardedIndexedLayer,
     ShardedLayer,
 )
+from ..layout import layout_named
 from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
@@ -51,9 +53,12 @@ from .mixers import (
     GATHERED_MODULES,
     WRAPPED_FAMILIES,
     GatheredModule,
+    ShardedInside,
     _plan_of_shards,
     _sharding,
+    in_gathered_module,
     over_the_gathered_sequence,
+    over_this_ranks_share,
 )
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
@@ -64,6 +69,8 @@ _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered module
 _UNDER_PLAN: weakref.WeakSet = weakref.WeakSet()  # the gathered modules whose latest forward ran under a plan
 # id(module) -> (local length, rows before it, sharding, the guard set aside) of its calls running
 _IN_FLIGHT: dict[int, list[tuple[Optional[int], int, object, contextlib.ExitStack]]] = {}
+# id(module) -> (the length of its own sequence, its sharding, the share's context) of a ``ShardedInside``'s calls
+_SHARES: dict[int, list[tuple[int, Sharding, contextlib.ExitStack]]] = {}
 
 
 def _by_name(module, args: tuple, kwargs: dict) -> dict:
@@ -108,7 +115,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     call = _call_of(module)
     sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
-    local_len = kwargs[call.sequence[0]].shape[call.dim] - prefix
+    local_len = _first_given(call, kwargs).shape[call.dim] - prefix
     _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, lambda: _real_slots(plan, sharding, local_len))
     # compiled, packed documents' padding slots stay after the tokens: the gathered length would be data in the graph
     padding_last = torch.compiler.is_compiling() and sharding.cu_seqlens is not None
@@ -137,13 +144,18 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
             kwargs[name] = _gathered(kwargs[name], sharding, padding_last=padding_last)
     for name in (*call.unread, *call.hiding_nothing, *(m for m in _PADDING_MASKS if m in kwargs)):
         kwargs[name] = None
-    whole = kwargs[call.sequence[0]]
+    whole = _first_given(call, kwargs)
     if call.mask is not None:
         kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
     for name, build in call.rebuilt:
         kwargs[name] = build(module, model, whole, whole.shape[call.dim])
     _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
+
+
+def _first_given(call: GatheredModule, kwargs: dict) -> Tensor:
+    """The first of the call's sequence arguments that it was given (BLT's model: its ids or its embeddings)."""
+    return next(kwargs[name] for name in call.sequence if kwargs.get(name) is not None)
 
 
 def _real_slots(plan, sharding, local_len: int) -> Tensor:
@@ -172,7 +184,7 @@ def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, 
     for name, what in call.refused:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{where}: {what}, which its model builds for this rank's shard alone")
-    shard = kwargs[call.sequence[0]]
+    shard = _first_given(call, kwargs)
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
         if isinstance(mask, Tensor) and _hides_tokens(mask, real()):
@@ -348,21 +360,75 @@ def _after(module, args: tuple, kwargs: dict, output):
     def own_rows(whole: Tensor) -> Tensor:
         return _after_the_prefix(whole, call.dim, prefix, lambda rows: rank_rows(rows, call.dim, local_len, sharding))
 
+    if isinstance(output, ModelOutput):  # its fields by place, as its tuple lists them (BLT's model)
+        for i in call.outputs:
+            name = list(output.keys())[i]
+            output[name] = own_rows(output[name])
+        return output
     if not isinstance(output, (tuple, list)):
         return own_rows(output)
     kept = [own_rows(t) if i in call.outputs else t for i, t in enumerate(output)]
     return type(output)(*kept) if hasattr(output, "_fields") else type(output)(kept)  # a named tuple (Reformer's)
 
 
+def _share_before(share: ShardedInside, module, args: tuple, kwargs: dict):
+    """Inside a gathered module, ``module`` runs over this rank's share of its own sequence (``ShardedInside``)."""
+    plan = active_plan()
+    if plan is None or not in_gathered_module():  # outside every plan, decoding: as one process runs it
+        return None
+    kwargs = _by_name(module, args, kwargs)
+    if plan.documents is not None or kwargs.get("cu_seq_lens_q") is not None:  # the same on every rank
+        raise UnsupportedAttention(
+            f"{type(module).__name__} under context parallelism on packed documents: one process runs it over a "
+            "sequence of its own that knows no documents; pass one sequence per row"
+        )
+    whole = kwargs[share.sequence[0]]
+    total, world = whole.shape[1], plan.world_size
+    multiple = layout_named(plan.load_balance).num_chunks(world)
+    local_len = -(-total // multiple) * multiple // world
+    sharding = Sharding(plan.group_name, world, plan.load_balance, None)
+    for name in share.sequence:
+        kwargs[name] = rank_rows(kwargs[name], 1, local_len, sharding)
+    places = torch.arange(total, device=whole.device).expand(whole.shape[0], -1)
+    kwargs[share.positions] = rank_rows(places, 1, local_len, sharding)
+    kwargs[share.mask] = MaskSpec(True, model=type(module).__name__)
+    context = contextlib.ExitStack()
+    context.enter_context(over_this_ranks_share())
+    _SHARES.setdefault(id(module), []).append((total, sharding, context))
+    return (), kwargs
+
+
+def _share_after(module, args: tuple, kwargs: dict, output):
+    calls = _SHARES.get(id(module))
+    if not calls:  # not run over a share
+        return None
+    total, sharding, context = calls.pop()
+    context.close()
+    if not calls:
+        del _SHARES[id(module)]
+    if output is None:  # the forward raised
+        return None
+    return gather_sequence(output, 1, sharding).narrow(1, 0, total)
+
+
 def hook_gathered_modules(model) -> None:
     """Puts the gathered route's two hooks on every module of ``model`` whose class mixes tokens in code of its own
-    (``GATHERED_MODULES``), once per model."""
+    (``GATHERED_MODULES``), and the share's two on the modules inside them that run over this rank's share of a
+    sequence of their own (``ShardedInside``), once per model."""
     if model in _HOOKED or torch.compiler.is_compiling():
         return
     for module in model.modules():
-        if type(module).__name__ in GATHERED_MODULES.get(type(module).__module__, {}):
-            module.register_forward_pre_hook(functools.partial(_before, weakref.ref(model)), with_kwargs=True)
-            module.register_forward_hook(_after, with_kwargs=True, always_call=True)
+        call = GATHERED_MODULES.get(type(module).__module__, {}).get(type(module).__name__)
+        if call is None:
+            continue
+        module.register_forward_pre_hook(functools.partial(_before, weakref.ref(model)), with_kwargs=True)
+        module.register_forward_hook(_after, with_kwargs=True, always_call=True)
+        shares = dict(call.sharded_inside)
+        for inner in module.modules():
+            share = shares.get(type(inner).__name__)
+            if share is not None:
+                inner.register_forward_pre_hook(functools.partial(_share_before, share), with_kwargs=True)
+                inner.register_forward_hook(_share_after, with_kwargs=True, always_call=True)
     _HOOKED.add(model)
 
 

@@ -100,6 +100,18 @@ MIXER_LAYER_TYPES = (
 WRAPPED_FAMILIES = frozenset(f"transformers.models.{name}.modeling_{name}" for name in FAMILIES)
 
 
+class ShardedInside(NamedTuple):
+    """A module inside a gathered one that runs over this rank's share of a sequence of its own, by the attention
+    schedules: BLT's global transformer over the patches its model cuts the gathered bytes into. Its ``sequence``
+    arguments (that sequence whole, the same on every rank) are cut to this rank's rows in the plan's layout, padded
+    at the end to the layout's multiple (the module is causal: no row sees the padding after it), its ``positions``
+    argument is given those rows' places and its ``mask`` the causal spec; its output is gathered back whole."""
+
+    sequence: tuple[str, ...]
+    positions: str
+    mask: str
+
+
 class GatheredModule(NamedTuple):
     """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered; a
     tuple of such tensors, as RoPE's (cos, sin), each), those it takes but does not read (passed as None), and the
@@ -129,6 +141,8 @@ class GatheredModule(NamedTuple):
     hiding_nothing: tuple[str, ...] = ()
     # arguments a plan cannot give the module, with what the user passed to get them: refused by name when not None
     refused: tuple[tuple[str, str], ...] = ()
+    # modules inside it, by class name, that run over this rank's share of a sequence of their own (``ShardedInside``)
+    sharded_inside: tuple[tuple[str, ShardedInside], ...] = ()
 
 
 def _bloom_alibi(module, model, hidden: Tensor, keys: int) -> Tensor:
@@ -232,6 +246,18 @@ GATHERED_MIXERS = {
         "ReformerAttention": GatheredModule(("hidden_states",)),
         "AxialPositionEmbeddings": GatheredModule(("position_ids",)),
     },
+    # bytes cut into patches where a small model's entropy crosses a threshold, pooled into them and cross-attended
+    # by them, a global transformer over the patches, the bytes cross-attending back: masks built from the whole call's
+    # patch boundaries. The model runs over the gathered bytes; its global transformer over this rank's patches
+    "blt": {
+        "BltModel": GatheredModule(
+            ("input_ids", "inputs_embeds", "position_ids"),
+            refused=(("patch_lengths", "patch lengths (patch_lengths)"),),
+            sharded_inside=(
+                ("BltGlobalTransformer", ShardedInside(("inputs_embeds",), "position_ids", "attention_mask")),
+            ),
+        )
+    },
     # relative attention of its own, time-major; its model builds the relative positions from the call's length
     "xlnet": {
         "XLNetRelativeAttention": GatheredModule(
@@ -294,6 +320,23 @@ def over_the_gathered_sequence():
     mixers and the attention it calls run as on one process."""
     before = _Steps.on_every_rank, _Steps.in_gathered_module
     _Steps.on_every_rank = _Steps.in_gathered_module = True
+    try:
+        yield
+    finally:
+        _Steps.on_every_rank, _Steps.in_gathered_module = before
+
+
+def in_gathered_module() -> bool:
+    """Whether a module runs over the gathered sequence now: the masks its model code builds are one process's."""
+    return _Steps.in_gathered_module
+
+
+@contextlib.contextmanager
+def over_this_ranks_share():
+    """While a module inside a gathered one runs over this rank's share of a sequence of its own
+    (``ShardedInside``): the attention it calls runs by the schedules again."""
+    before = _Steps.on_every_rank, _Steps.in_gathered_module
+    _Steps.on_every_rank = _Steps.in_gathered_module = False
     try:
         yield
     finally:
@@ -473,8 +516,10 @@ def route_of(model) -> str:
     mixer that is not attention by its route and what that costs."""
     module = type(model).__module__
     if module in GATHERED_MODULES:
-        classes = ", ".join(GATHERED_MODULES[module])
-        return f"attention schedules; {classes} over the gathered sequence (C times its compute)"
+        calls = GATHERED_MODULES[module]
+        route = f"attention schedules; {', '.join(calls)} over the gathered sequence (C times its compute)"
+        inside = [name for call in calls.values() for name, _ in call.sharded_inside]
+        return route + "".join(f", its {name} over this rank's share by the schedules" for name in inside)
     if module in WRAPPED_FAMILIES:
         return "attention schedules; convolution halo; scans by all-to-all or state passing"
     if module in INDEXED_MODULES:
@@ -492,10 +537,13 @@ def mixers_under_plans():
 __all__ = [
     "FAMILIES",
     "GatheredModule",
+    "ShardedInside",
     "GATHERED_MIXERS",
     "GATHERED_MODULES",
     "ATTENTION_WITHIN_TOKENS",
     "attention_as_one_process",
+    "in_gathered_module",
+    "over_this_ranks_share",
     "MIXER_LAYER_TYPES",
     "WRAPPED_FAMILIES",
     "mixers_under_plans",
