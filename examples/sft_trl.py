@@ -13,7 +13,8 @@ tokenizer built here too: nothing is downloaded.
 
 Without ``--worker`` the script is the driver: it runs the one-process reference, the CP run (launched with
 ``torchrun --nproc-per-node C*DP`` or ``accelerate launch --num_processes C*DP``), and, with ``--resume-at k``
-(default: half way), a CP run stopped after step k and resumed from its checkpoint at C = ``--resume-cp``.
+(default: half way), the CP run's checkpoint of step k resumed at C = ``--resume-cp`` (the file a job stopped after
+step k leaves; ``--stop-cp 1``: the one-process run's).
 It prints the largest relative difference of the logged losses against one process, the steps per second
 of each run, plots the curves, and exits 1 when a difference exceeds --tol (fp32).
 """
@@ -93,16 +94,10 @@ def train(opts) -> None:
     """One run of the training script: under CP when launched on several processes."""
     import torch
     import torch.distributed as dist
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     import cp_compile
     import cp_compile.hf
-
-    class StopAt(TrainerCallback):  # stands for a job that is killed after step k (its checkpoint saved)
-        def on_step_end(self, args, state, control, **kwargs):
-            if opts.stop_at and state.global_step >= opts.stop_at:
-                control.should_save, control.should_training_stop = True, True
 
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
@@ -133,7 +128,7 @@ def train(opts) -> None:
     )
     train_data, eval_data = build_dataset(400, seed=1), build_dataset(24, seed=2) if opts.eval_steps else None
     model = build_model(len(tokenizer), opts.model)
-    kwargs = dict(model=model, args=config, processing_class=tokenizer, callbacks=[StopAt()])
+    kwargs = dict(model=model, args=config, processing_class=tokenizer)
     base = SFTTrainer
     if opts.trainer == "trainer":  # transformers' own Trainer on examples it packs itself into one row
         from transformers import DataCollatorWithFlattening, Trainer
@@ -361,9 +356,9 @@ def main() -> int:
         "--resume-at",
         type=int,
         default=None,
-        help="stop the CP run after this step and resume it (default: half way; 0: no resume)",
+        help="resume the CP run's checkpoint of this step (default: half way; 0: no resume)",
     )
-    p.add_argument("--stop-cp", type=int, default=None, help="CP degree of the stopped run (default: --cp)")
+    p.add_argument("--stop-cp", type=int, default=None, help="whose checkpoint is resumed: 1 (one process) or --cp")
     p.add_argument("--resume-cp", type=int, default=1, help="CP degree of the resumed run")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every this many steps (0: never)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference per step")
@@ -374,7 +369,6 @@ def main() -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--output-dir", help=argparse.SUPPRESS)
     p.add_argument("--save-steps", type=int, default=10_000, help=argparse.SUPPRESS)
-    p.add_argument("--stop-at", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.worker:
@@ -384,9 +378,27 @@ def main() -> int:
     resume_at = opts.steps // 2 if opts.resume_at is None else opts.resume_at
     work = Path(opts.keep or tempfile.mkdtemp(prefix="sft_trl_"))
     work.mkdir(parents=True, exist_ok=True)
-    processes = opts.cp * opts.dp
-    reference = launch(opts, processes=opts.dp, cp=1, out=work / "reference.json", output_dir=work / "reference")
-    cp = launch(opts, processes=processes, cp=opts.cp, out=work / "cp.json", output_dir=work / "cp")
+    processes, stop_cp = opts.cp * opts.dp, opts.stop_cp or opts.cp
+    if stop_cp not in (1, opts.cp):
+        p.error(f"--stop-cp {stop_cp}: the checkpoint resumed is the one-process run's (1) or the CP run's (--cp)")
+    # both runs save a checkpoint at step k (the file a job stopped there leaves), and run alike in all else
+    saving = ("--save-steps", str(resume_at)) if resume_at else ()
+    reference = launch(
+        opts,
+        processes=opts.dp,
+        cp=1,
+        out=work / "reference.json",
+        output_dir=work / "reference",
+        extra=saving,
+    )
+    cp = launch(
+        opts,
+        processes=processes,
+        cp=opts.cp,
+        out=work / "cp.json",
+        output_dir=work / "cp",
+        extra=saving,
+    )
     where = f"C={opts.cp}" + (f" x {opts.dp} replicas" if opts.dp > 1 else "")
     name = "SFTTrainer" if opts.trainer == "sft" else "Trainer"
     worst = compare(f"{name} under CP ({where}, {opts.launcher})", losses(cp), losses(reference))
@@ -400,15 +412,7 @@ def main() -> int:
     print(f"steps per second: one process {steps_per_second(reference):.2f}, CP {steps_per_second(cp):.2f}")
     curves = {"one process": losses(reference), f"CP {where}": losses(cp)}
     if resume_at:
-        stopped, stop_cp = work / "stopped", opts.stop_cp or opts.cp
-        launch(
-            opts,
-            processes=stop_cp * opts.dp,
-            cp=stop_cp,
-            out=work / "stopped.json",
-            output_dir=stopped,
-            extra=("--stop-at", str(resume_at), "--save-steps", str(resume_at)),
-        )
+        stopped = work / ("cp" if stop_cp == opts.cp else "reference")
         resume_processes = opts.resume_cp * opts.dp
         resumed = launch(
             opts,
@@ -420,7 +424,7 @@ def main() -> int:
         )
         after = {s: v for s, v in losses(resumed).items() if s > resume_at}
         ref_after = {s: v for s, v in losses(reference).items() if s > resume_at}
-        change = f"C={stop_cp} stopped after step {resume_at}, resumed at C={opts.resume_cp}"
+        change = f"C={stop_cp} checkpoint of step {resume_at} resumed at C={opts.resume_cp}"
         worst = max(worst, compare(change, after, ref_after))
         curves[change] = {**{s: v for s, v in losses(resumed).items() if s <= resume_at}, **after}
     if opts.plot:

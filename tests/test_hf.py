@@ -1,5 +1,7 @@
 """Hugging Face transformers models with attn_implementation="cp_compile" under CP, against "sdpa" on one process."""
 
+import tempfile
+
 import pytest
 import torch
 
@@ -199,6 +201,32 @@ def test_random_splits_compile_at_most_twice(ranks, arch, world_size, mode, pack
         assert graphs == [graphs[0]] and graphs[0] <= 2, graphs
         for r in results:
             assert max(r["logits"], r["loss"], r["grads"]) < TOL, r
+
+
+def saved_between_steps() -> int:
+    """A compiled model's steps with a checkpoint saved between them (``save_pretrained`` sets
+    ``config.architectures``, which a model built from its config lacks): the graphs the plan's backend compiled."""
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+
+    torch._dynamo.reset()
+    plan = cp_compile.ContextParallel()
+    model = tiny_model("qwen2", "cp_compile")
+    backend = plan.backend("aot_eager")
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    ids, _, _, _ = batch(None)
+    for _ in range(2):
+        with plan:
+            run(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False).logits.sum().backward()
+        with tempfile.TemporaryDirectory() as checkpoint:
+            model.save_pretrained(checkpoint)
+    return len(backend.records)
+
+
+def test_a_checkpoint_saved_between_steps_recompiles_nothing(ranks):
+    """The names in cp_compile's messages are read outside the traced code: a guard on ``config.architectures``
+    recompiled every compiled model after its first checkpoint (TRL's chunked loss then broke the graph again)."""
+    assert ranks(2, saved_between_steps) == [1, 1]
 
 
 def _unsupported_cause(error):

@@ -28,13 +28,13 @@ def run_example(*args: str) -> str:
 
 def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     """SFTTrainer(packing=True) at C=2 compiled with the plan's backend (aot_eager behind it), evaluated every 3
-    steps, then stopped after step 3 and resumed from its checkpoint on one process: every logged loss within
+    steps, then its checkpoint of step 3 resumed on one process: every logged loss within
     1e-4 of one process's. The CP run adds no graph break to the one the one-process run has (TRL's fused LM
     head), and the model's graph compiles once."""
     plot = tmp_path / "sft.png"
     out = run_example("--steps", "6", "--compile", "aot_eager", "--eval-steps", "3", "--plot", str(plot))
     assert "SFTTrainer under CP (C=2, torchrun): 6 steps" in out
-    assert "evaluation loss: 2 steps" in out and "C=2 stopped after step 3, resumed at C=1: 3 steps" in out
+    assert "evaluation loss: 2 steps" in out and "C=2 checkpoint of step 3 resumed at C=1: 3 steps" in out
     assert "num_tokens: as one process's at every logged step" in out  # TRL's count, padding slots left out
     breaks = {
         line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in out.splitlines() if "graph breaks" in line
@@ -55,7 +55,7 @@ def test_sft_trainer_packed_hybrid_restarts_at_documents():
 def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     """transformers' Trainer with DataCollatorWithFlattening, launched by accelerate on 4 processes (2 replicas
     of C=2), SGD with 2 accumulation steps, against the same script on 2 processes without CP; then a run on 2
-    processes without CP stopped after step 2 and resumed at C=2 on 4."""
+    processes without CP (the reference run itself) resumed from its checkpoint of step 2 at C=2 on 4."""
     out = run_example(
         "--trainer",
         "trainer",
@@ -75,7 +75,7 @@ def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
         "2",
     )
     assert "Trainer under CP (C=2 x 2 replicas, accelerate): 4 steps" in out
-    assert "C=1 stopped after step 2, resumed at C=2: 2 steps" in out
+    assert "C=1 checkpoint of step 2 resumed at C=2: 2 steps" in out
 
 
 # -- the batch a rank gets -----------------------------------------------------------------------------

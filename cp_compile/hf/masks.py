@@ -165,7 +165,9 @@ def _walk(fn: Callable, model: str, facts: dict) -> None:
 
 
 def model_name(config) -> str:
-    architectures = getattr(config, "architectures", None) or []
+    """The model's class for messages, or its model type. While Dynamo traces, the type alone: saving a checkpoint
+    sets ``config.architectures``, and a guard on it would recompile the model after its first save."""
+    architectures = None if torch.compiler.is_compiling() else getattr(config, "architectures", None)
     return architectures[0] if architectures else f"a {getattr(config, 'model_type', '?')} model"
 
 
