@@ -98,7 +98,7 @@ def local_error(case: str):
         ("gqa", "ValueError", "enable_gqa=True"),
         ("layout", "ValueError", "spiral"),
         ("shard", "ValueError", "sequence length 30"),
-        ("odd-local", "ValueError", "odd"),
+        ("odd-local", "ValueError", "holds 2 equal chunks per rank"),
     ],
 )
 def test_unsupported_input_is_named(ranks, case, kind, words):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..layout import layout_named
+
 _fc = torch.ops._c10d_functional
 
 
@@ -26,16 +28,6 @@ def reduce_scatter_dim0(t: Tensor, group_name: str, world_size: int) -> Tensor:
     return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", world_size, group_name))
 
 
-def _sequence_order(world_size: int, layout: str) -> list[int]:
-    """order[g] = index, in the gathered (rank-major) chunks, of global chunk g."""
-    if layout == "contiguous":
-        return list(range(world_size))
-    order = [0] * (2 * world_size)
-    for rank in range(world_size):
-        order[rank], order[2 * world_size - 1 - rank] = 2 * rank, 2 * rank + 1
-    return order
-
-
 def _permute_chunks(t: Tensor, order: list[int], dim: int) -> Tensor:
     chunks = t.chunk(len(order), dim=dim)
     return torch.cat([chunks[i] for i in order], dim=dim)
@@ -49,9 +41,9 @@ def _inverse(order: list[int]) -> list[int]:
 
 
 def gather_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
-    """``[B, H, L, D]`` shards -> ``[B, H, C*L, D]``: sequence order, or rank order for ``"contiguous"``."""
+    """``[B, H, L, D]`` shards -> ``[B, H, C*L, D]`` in sequence order."""
     gathered = gather_dim0(t.movedim(2, 0), group_name, world_size).movedim(0, 2)
-    return _permute_chunks(gathered, _sequence_order(world_size, layout), 2)
+    return _permute_chunks(gathered, layout_named(layout).gathered_order(world_size), 2)
 
 
 def scatter_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
@@ -59,5 +51,5 @@ def scatter_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -
     if world_size == 1:
         return t
     # reordered along the sequence as dim 0: the cat is the one full-size copy the collective needs
-    in_rank_order = _permute_chunks(t.movedim(2, 0), _inverse(_sequence_order(world_size, layout)), 0)
+    in_rank_order = _permute_chunks(t.movedim(2, 0), _inverse(layout_named(layout).gathered_order(world_size)), 0)
     return reduce_scatter_dim0(in_rank_order, group_name, world_size).movedim(0, 2)

@@ -452,7 +452,7 @@ def attention(
             "sliding window or chunk is not supported"
         )
     if cu is None:  # rows as documents: per-document zigzag of equal rows is the zigzag layout
-        if plan.load_balance != "zigzag":
+        if not plan.layout.rows_are_packed_documents:
             raise UnsupportedAttention(
                 f"attn_implementation={NAME!r} under context parallelism: a sliding window, chunked attention, "
                 f"soft-capping or attention sinks need load_balance='zigzag' (the plan has {plan.load_balance!r})"

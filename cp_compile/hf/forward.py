@@ -35,7 +35,6 @@ from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
 from ..errors import LocalAttentionError, UnsupportedAttention
-from ..layout import layout_named
 from ..plan import active_plan, made_by
 from ..torch_compat import hooks_taken_out
 
@@ -247,19 +246,13 @@ def _check_positions(model, plan, positions) -> None:
     if (made is not None and made[0] is plan) or plan.world_size == 1:
         return
     local = positions.shape[-1]
-    if plan.load_balance == "contiguous":  # rank 0's own positions are 0..L-1: compare with the layout's
-        wrong = plan.documents is None and not bool(
-            (
-                positions
-                == layout_named("contiguous").positions(
-                    local * plan.world_size, plan.rank, plan.world_size, positions.device
-                )
-            ).all()
-        )
+    if plan.layout.starts_on_rank_zero:  # rank 0's own positions are 0..L-1: compare with the layout's
+        expected = plan.layout.positions(local * plan.world_size, plan.rank, plan.world_size, positions.device)
+        wrong = plan.documents is None and not bool((positions == expected).all())
         verdict = torch.tensor([int(wrong)])
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=plan.group)
         wrong = bool(verdict.item())
-    else:  # zigzag and balanced shards never hold 0..L-1 in order at C > 1
+    else:  # the other layouts' shards never hold 0..L-1 in order at C > 1
         wrong = bool((positions == torch.arange(local, device=positions.device)).all())
     if wrong:
         raise UnsupportedAttention(

@@ -38,10 +38,8 @@ from ..kernels.block import (
 )
 from ..kernels.masked import all_finite, fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
-from ..layout import layout_named
+from ..layout import DIAGONAL, FULL, KV_FIRST_HALF, Q_SECOND_HALF, layout_named
 from .base import GATHERED, Call, Kind, Units, check_heads_and_lengths, register_kind
-
-FULL, DIAGONAL, KV_FIRST_HALF, Q_SECOND_HALF, SKIP = "full", "diagonal", "kv_first_half", "q_second_half", "skip"
 
 
 def ring_section(is_causal: bool, layout: str, rank: int, source: int) -> str:
@@ -50,9 +48,7 @@ def ring_section(is_causal: bool, layout: str, rank: int, source: int) -> str:
         return FULL
     if source == rank:
         return DIAGONAL
-    if layout == "zigzag":
-        return KV_FIRST_HALF if source < rank else Q_SECOND_HALF
-    return FULL if source < rank else SKIP
+    return layout_named(layout).causal_section(rank, source)
 
 
 def _halves(length: int) -> tuple[slice, slice]:
@@ -113,13 +109,8 @@ def _q_chunks(q_len: int, rank: int, world_size: int, is_causal: bool, layout: s
     """(local q rows, number of visible global keys, mask) per local chunk."""
     if not is_causal:
         return [(slice(0, q_len), None, "none")]
-    if layout == "contiguous":
-        return [(slice(0, q_len), (rank + 1) * q_len, "causal_bottom_right")]
-    half = q_len // 2
-    return [
-        (slice(0, half), (rank + 1) * half, "causal_bottom_right"),
-        (slice(half, q_len), (2 * world_size - rank) * half, "causal_bottom_right"),
-    ]
+    prefixes = layout_named(layout).visible_prefixes(q_len, rank, world_size)
+    return [(rows, visible, "causal_bottom_right") for rows, visible in prefixes]
 
 
 def _key_tiles(q_len: int, visible: int, mask: str, width: int):
@@ -204,15 +195,15 @@ def check_sdpa_args(
     q: Tensor, k: Tensor, v: Tensor, world_size: int, is_causal: bool, layout: str, enable_gqa: bool
 ) -> None:
     """Local checks; identical inputs on every rank give identical verdicts."""
-    layout_named(layout)
+    pieces = layout_named(layout).chunks_per_rank(world_size)
     check_block_args(q, k, v, "none")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     check_heads_and_lengths(q, k, enable_gqa)
-    if is_causal and layout == "zigzag" and world_size > 1 and q.shape[2] % 2:
+    if is_causal and world_size > 1 and q.shape[2] % pieces:
         raise ValueError(
-            f"zigzag layout holds two equal chunks per rank, but the local length {q.shape[2]} is odd; "
-            "shard with ContextParallel.shard so the sequence splits into 2*C chunks"
+            f"the {layout} layout holds {pieces} equal chunks per rank, but the local length {q.shape[2]} does not "
+            f"split into them; shard with ContextParallel.shard so the sequence splits into {pieces}*C chunks"
         )
 
 
