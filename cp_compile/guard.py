@@ -56,7 +56,7 @@ class LocalAttentionGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mixer = _MIXERS.get(func)
-        if mixer is not None:
+        if mixer is not None and not _Whole.sequence:
             raise LocalAttentionError(mixer_message(mixer))
         name = _NAMES.get(func)
         if name is not None:
@@ -64,6 +64,22 @@ class LocalAttentionGuard(TorchFunctionMode):
                 raise LocalAttentionError(eager_message(name))
             args, kwargs = _marked(name, list(args), dict(kwargs))
         return func(*args, **kwargs)
+
+
+class _Whole:
+    sequence = False
+
+
+@contextlib.contextmanager
+def mixers_over_the_whole_sequence() -> Iterator[None]:
+    """Inside, the sequence mixers the guard watches run over every rank's tokens (a module over the gathered
+    sequence: RecurrentGemma's recurrent block and its convolution), and pass. A flag the guard reads, so that it
+    holds while Dynamo traces too (the mode stack, ``set_aside``, is left as it is there)."""
+    before, _Whole.sequence = _Whole.sequence, True
+    try:
+        yield
+    finally:
+        _Whole.sequence = before
 
 
 @contextlib.contextmanager
@@ -94,4 +110,4 @@ def _marked(name: str, args: list, kwargs: dict) -> tuple[list, dict]:
     return args, kwargs
 
 
-__all__ = ["LocalAttentionError", "LocalAttentionGuard", "set_aside"]
+__all__ = ["LocalAttentionError", "LocalAttentionGuard", "mixers_over_the_whole_sequence", "set_aside"]

@@ -163,7 +163,8 @@ def test_modules_reading_the_mask_generate(ranks, world_size):
             assert "different tokens" in refusal, refusal
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1"])
+# RecurrentGemma's recurrent block and Zaya's projection run convolutions of their own over the gathered sequence
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1", "recurrent_gemma", "zaya"])
 def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
 

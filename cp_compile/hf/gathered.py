@@ -32,7 +32,7 @@ from transformers.utils import ModelOutput
 
 from ..comm import every_rank, refuse_together, resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
-from ..guard import set_aside
+from ..guard import mixers_over_the_whole_sequence, set_aside
 from ..inference.hf_cache import (
     HybridLayer,
     ReplicatedLinearLayer,
@@ -129,6 +129,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     count_call(SCAN)
     # the module's own convolutions run on the whole sequence, on purpose: the guard would take them for a shard's
     guard = contextlib.ExitStack()
+    guard.enter_context(mixers_over_the_whole_sequence())
     if not torch.compiler.is_compiling():
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
