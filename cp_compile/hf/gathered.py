@@ -186,6 +186,9 @@ def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, 
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{where}: {what}, which its model builds for this rank's shard alone")
     shard = _first_given(call, kwargs)
+    if torch.compiler.is_compiling():
+        _refuse_masks_while_tracing(where, call, kwargs)
+        return
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
         if isinstance(mask, Tensor) and _hides_tokens(mask, real()):
@@ -203,6 +206,19 @@ def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, 
                 "builds for this rank's shard alone; under a plan it attends to every token of the sequence"
             )
             refuse_together(error, shard, shard, shard, plan.group_name)
+
+
+def _refuse_masks_while_tracing(where: str, call: GatheredModule, kwargs: dict) -> None:
+    """While Dynamo traces, a mask's values cannot be read: a 2-D padding mask goes unread, as the attention
+    function leaves it (documented), and a mask the model builds per pair of the shard's tokens is refused by name
+    (CPM-Ant's, from its token ids; XLNet's)."""
+    masks = [n for n in _PADDING_MASKS if isinstance(kwargs.get(n), Tensor) and kwargs[n].dim() > 2]
+    masks += [n for n in call.hiding_nothing if isinstance(kwargs.get(n), Tensor)]
+    if masks:
+        raise UnsupportedAttention(
+            f"{where}, compiled: its model builds {', '.join(masks)} per pair of the shard's tokens, from their "
+            "values, which cp_compile cannot read while Dynamo traces; run it eagerly"
+        )
 
 
 def _after_the_prefix(value: Tensor, dim: int, prefix: int, change) -> Tensor:

@@ -40,7 +40,6 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
@@ -163,14 +162,8 @@ def _inkling2_distance(module, model, hidden: Tensor, keys: int) -> Tensor:
 def _xlnet_relative_positions(module, model, hidden: Tensor, keys: int) -> Tensor:
     """XLNet's sinusoids of every relative position among ``keys`` tokens, as its model builds them for a call of
     that length (``hidden``: time-major, for the batch and device), its dropout after."""
-    from transformers.models.xlnet.modeling_xlnet import XLNetModel
-
-    config = model.config
-    settings = ("d_model", "attn_type", "bi_data", "clamp_len")
-    builder = SimpleNamespace(**{name: getattr(config, name) for name in settings})
-    builder.positional_embedding = XLNetModel.positional_embedding
-    positions = XLNetModel.relative_positional_encoding(builder, keys, keys, hidden.shape[1], hidden.device)
-    return F.dropout(positions, config.dropout, module.training)
+    positions = model.base_model.relative_positional_encoding(keys, keys, hidden.shape[1], hidden.device)
+    return F.dropout(positions, model.config.dropout, module.training)
 
 
 def _cpmant_position_bias(module, model, hidden: Tensor, keys: int) -> Tensor:
