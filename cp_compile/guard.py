@@ -41,6 +41,11 @@ _MIXERS = {
 }
 
 
+# a Python-level Tensor method that Dynamo cannot inline when the mode hands it over (it calls
+# ``super().unflatten``): while it traces, called as the tensor's own method, which it traces as any other
+_UNFLATTEN = torch.Tensor.unflatten
+
+
 def mixer_message(what: str) -> str:
     return (
         f"{what} ran inside `with plan:`: cp_compile does not parallelise it, so it would mix only the tokens "
@@ -58,6 +63,8 @@ class LocalAttentionGuard(TorchFunctionMode):
         mixer = _MIXERS.get(func)
         if mixer is not None and not _Whole.sequence:
             raise LocalAttentionError(mixer_message(mixer))
+        if func is _UNFLATTEN and torch.compiler.is_compiling():
+            return args[0].unflatten(*args[1:], **kwargs)
         name = _NAMES.get(func)
         if name is not None:
             if not torch.compiler.is_compiling():

@@ -57,6 +57,12 @@ def _run_route(route: str, plan, q):
         return plan.attention(q, q, q, is_causal=True)
     if route == "plan.backend()":
         return torch.compile(lambda x: _sdpa(x.sin(), x, x), backend=plan.backend("aot_eager"), fullgraph=True)(q)
+    if route == "unflatten":  # a Python-level Tensor method the guard hands Dynamo as a method call
+
+        def unflattened(x):
+            return _sdpa(x.sin().flatten(2).unflatten(2, x.shape[2:]), x, x)
+
+        return torch.compile(unflattened, backend=plan.backend("aot_eager"), fullgraph=True)(q)
     if route == "aot_eager backend":
         return torch.compile(lambda x: _sdpa(x.sin(), x, x), backend="aot_eager")(q)
     if route == "torch._dynamo.disable":
@@ -106,7 +112,7 @@ def test_plain_attention_on_a_shard_raises_on_every_rank(ranks, route):
 
 # a graph break inside the function that holds the call: Dynamo compiles the rest of that function as a
 # graph of its own, with the same backend, which rewrites the call
-@pytest.mark.parametrize("route", ["cp op eager", "plan.backend()", "graph break"])
+@pytest.mark.parametrize("route", ["cp op eager", "plan.backend()", "graph break", "unflatten"])
 def test_correct_paths_run_under_the_guard(ranks, route):
     for message, error in ranks(2, route_outcome, route):
         assert message is None and error < 1e-12, (message, error)
