@@ -58,7 +58,6 @@ from .mixers import (
     _sharding,
     in_gathered_module,
     over_the_gathered_sequence,
-    over_this_ranks_share,
 )
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
@@ -410,7 +409,7 @@ def _share_before(share: ShardedInside, module, args: tuple, kwargs: dict):
     kwargs[share.positions] = rank_rows(places, 1, local_len, sharding)
     kwargs[share.mask] = MaskSpec(True, model=type(module).__name__)
     context = contextlib.ExitStack()
-    context.enter_context(over_this_ranks_share())
+    context.enter_context(over_the_gathered_sequence(gathered=False))
     _SHARES.setdefault(id(module), []).append((total, sharding, context))
     return (), kwargs
 

@@ -308,11 +308,13 @@ def _plan_of_shards() -> Optional[ContextParallel]:
 
 
 @contextlib.contextmanager
-def over_the_gathered_sequence():
+def over_the_gathered_sequence(gathered: bool = True):
     """While a module runs over the gathered sequence (``hf.gathered``), every rank holds the same tokens: the
-    mixers and the attention it calls run as on one process."""
+    mixers and the attention it calls run as on one process. ``gathered=False``: while a module inside such a module
+    runs over this rank's share of a sequence of its own (``ShardedInside``), the attention it calls runs by the
+    schedules again."""
     before = _Steps.on_every_rank, _Steps.in_gathered_module
-    _Steps.on_every_rank = _Steps.in_gathered_module = True
+    _Steps.on_every_rank = _Steps.in_gathered_module = gathered
     try:
         yield
     finally:
@@ -322,18 +324,6 @@ def over_the_gathered_sequence():
 def in_gathered_module() -> bool:
     """Whether a module runs over the gathered sequence now: the masks its model code builds are one process's."""
     return _Steps.in_gathered_module
-
-
-@contextlib.contextmanager
-def over_this_ranks_share():
-    """While a module inside a gathered one runs over this rank's share of a sequence of its own
-    (``ShardedInside``): the attention it calls runs by the schedules again."""
-    before = _Steps.on_every_rank, _Steps.in_gathered_module
-    _Steps.on_every_rank = _Steps.in_gathered_module = False
-    try:
-        yield
-    finally:
-        _Steps.on_every_rank, _Steps.in_gathered_module = before
 
 
 def attention_as_one_process(module) -> bool:
@@ -536,7 +526,6 @@ __all__ = [
     "ATTENTION_WITHIN_TOKENS",
     "attention_as_one_process",
     "in_gathered_module",
-    "over_this_ranks_share",
     "MIXER_LAYER_TYPES",
     "WRAPPED_FAMILIES",
     "mixers_under_plans",
