@@ -184,10 +184,10 @@ def _refuse_what_a_plan_cannot_give(module, call: GatheredModule, kwargs: dict, 
     for name, what in call.refused:
         if kwargs.get(name) is not None:
             raise UnsupportedAttention(f"{where}: {what}, which its model builds for this rank's shard alone")
-    shard = _first_given(call, kwargs)
     if torch.compiler.is_compiling():
         _refuse_masks_while_tracing(where, call, kwargs)
         return
+    shard = _first_given(call, kwargs)
     for name in _PADDING_MASKS:
         mask = kwargs.get(name)
         if isinstance(mask, Tensor) and _hides_tokens(mask, real()):
@@ -399,9 +399,8 @@ def _share_before(share: ShardedInside, module, args: tuple, kwargs: dict):
             "sequence of its own that knows no documents; pass one sequence per row"
         )
     whole = kwargs[share.sequence[0]]
-    total, world = whole.shape[1], plan.world_size
-    multiple = layout_named(plan.load_balance).num_chunks(world)
-    local_len = -(-total // multiple) * multiple // world
+    total, world, layout = whole.shape[1], plan.world_size, layout_named(plan.load_balance)
+    local_len = -(-total // layout.num_chunks(world)) * layout.chunks_per_rank(world)  # whole chunks, padded at the end
     sharding = Sharding(plan.group_name, world, plan.load_balance, None)
     for name in share.sequence:
         kwargs[name] = rank_rows(kwargs[name], 1, local_len, sharding)

@@ -45,7 +45,7 @@ def _key(cu_seqlens) -> Optional[tuple[int, ...]]:
 def _chunks(layout: str, local_len: int, world_size: int, cu: Optional[tuple[int, ...]]):
     if cu is None:
         named = layout_named(layout)
-        pieces = len(named.rank_chunks(0, world_size))
+        pieces = named.chunks_per_rank(world_size)
         if local_len % pieces:
             raise ValueError(f"{local_len} local tokens do not split into the {layout} layout's {pieces} chunks")
         size = local_len // pieces
