@@ -163,6 +163,31 @@ def test_modules_reading_the_mask_generate(ranks, world_size):
             assert "different tokens" in refusal, refusal
 
 
+def generate_whole(family: str, prompts: list) -> tuple:
+    """``generate_reading_the_sequence`` of a family every rank generates whole, with the warnings it raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        results = generate_reading_the_sequence(family, prompts)
+    return results, [str(w.message) for w in seen if "cp_compile" in str(w.message)]
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_generation_no_shard_can_run_runs_whole_on_every_rank(ranks, world_size):
+    """XLNet's steps pass a permutation mask over every pair of their tokens, Reformer pads every call to its chunk
+    length: every rank runs one process's generation, says so, and the ranks compare every step's token (Reformer's
+    one process fails on a one-token prompt: its LSH attention picks its bucket count from the first call it runs)."""
+    for family, prompts in (("xlnet", [1, 30]), ("reformer", [30])):
+        for (*runs, refusal), said in ranks(world_size, generate_whole, family, prompts):
+            for same, new, err in runs:
+                assert same and new == 20 and err < 1e-5, (family, runs)
+            # Reformer seeds torch's generator again in every LSH call (its config's hash_seed): ranks seeded
+            # differently sample the same tokens, as they would on one process each
+            assert ("different tokens" in refusal) if family == "xlnet" else refusal == "no error", refusal
+            assert said and all("every rank runs" in message for message in said), said
+
+
 # RecurrentGemma's recurrent block and Zaya's projection run convolutions of their own over the gathered sequence;
 # XLNet's relative positions are built again while Dynamo traces
 COMPILED = ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1", "recurrent_gemma", "zaya", "xlnet"]

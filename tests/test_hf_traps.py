@@ -46,6 +46,10 @@ def route(name: str, mode: str, load_balance: str = "zigzag") -> str:
     import cp_compile.hf  # noqa: F401  (registers "cp_compile")
 
     torch._dynamo.reset()
+    if load_balance == "blockmask":  # a causal BlockMask's query blocks dealt to the ranks
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        load_balance = create_block_mask(lambda b, h, q, k: q >= k, 1, 1, SEQ, SEQ, device="cpu", BLOCK_SIZE=16)
     plan = cp_compile.ContextParallel(load_balance=load_balance)
     model = llama()
     if mode != "eager":
@@ -119,6 +123,13 @@ def test_local_positions_under_the_contiguous_layout(ranks):
         messages = ranks(2, route, "local positions", "eager", load_balance)
         assert all(expected in m for m in messages), (load_balance, messages)
     assert ranks(2, route, "right", "eager", "contiguous") == ["no error", "no error"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+def test_a_plan_balanced_by_a_blockmask_is_refused_by_name(ranks, mode):
+    """Its layout deals the mask's query blocks to the ranks, an order only its FlexAttention calls know."""
+    for message in ranks(2, route, "right", mode, "blockmask"):
+        assert message.startswith("UnsupportedAttention") and "plan balanced by a BlockMask" in message, message
 
 
 def outside_any_plan() -> bool:

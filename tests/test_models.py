@@ -23,9 +23,9 @@ MUST_BE_EXACT += ["deepseek_v4"]
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
 # Mamba's scan per head; modules over the gathered sequence
 HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
-# generation whose every call the model builds for the whole sequence: XLNet's permutation mask over every pair of
-# the step's tokens, Reformer's padding of every call to its chunk length
-REFUSED_IN_GENERATION = ["xlnet", "reformer"]
+# generation whose every call the model builds for the whole sequence (XLNet's permutation mask over every pair of
+# the step's tokens, Reformer's padding of every call to its chunk length): every rank runs it whole
+GENERATED_WHOLE = ["xlnet", "reformer"]
 # their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
 # sequence sharded, as one process runs it whole
@@ -87,9 +87,10 @@ def test_hybrid_families_are_exact(rows, family):
     assert row["generate"]["status"] == "exact", row["generate"]
 
 
-@pytest.mark.parametrize("family", REFUSED_IN_GENERATION)
-def test_generation_cp_cannot_run_is_refused(rows, family):
-    assert rows[family]["generate"]["status"] == "refused", rows[family]["generate"]
+@pytest.mark.parametrize("family", GENERATED_WHOLE)
+def test_generation_cp_cannot_shard_runs_whole_on_every_rank(rows, family):
+    assert rows[family]["generate"]["status"] == "exact", rows[family]["generate"]
+    assert "generation: the whole model on every rank" in rows[family]["route"]
 
 
 # XLNet's relative attention and Reformer's local and LSH attention (and its axial position embeddings, which tile

@@ -35,6 +35,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
 from ..errors import LocalAttentionError, UnsupportedAttention
+from ..layout import LOAD_BALANCERS
 from ..plan import active_plan, made_by
 from ..torch_compat import hooks_taken_out
 
@@ -91,8 +92,20 @@ def start_model_call(module, args: tuple) -> None:
         return
     model = _transformers_model(module)
     if model is not None:
+        _check_layout(model, active_plan())
         prepare(model)
         _FORWARDS.append([module, 0, 0, 0])
+
+
+def _check_layout(model, plan) -> None:
+    """A plan balanced by a BlockMask deals the mask's query blocks to the ranks: its FlexAttention calls alone know
+    that order, and the same plan on every rank refuses alike."""
+    if model.config._attn_implementation == "cp_compile" and plan.load_balance not in LOAD_BALANCERS:
+        raise UnsupportedAttention(
+            f"{type(model).__name__} under a plan balanced by a BlockMask: that layout is for FlexAttention calls "
+            "(cp_compile.flex_attention, flex_attention compiled with plan.backend()); a Hugging Face model's "
+            "attention and token mixers run under load_balance='zigzag' or 'contiguous'"
+        )
 
 
 def end_model_call(module, args: tuple, *kwargs_and_output) -> None:

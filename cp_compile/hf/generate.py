@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -35,7 +36,7 @@ from ..plan import ContextParallel, active_plan
 from .attention import NAME
 from .forward import model_calls_unfollowed, one_model_call_followed, prepare
 from .gathered import sharded_cache
-from .mixers import GATHERED_MODULES, same_tokens_on_every_rank
+from .mixers import GATHERED_MODULES, GENERATED_WHOLE, same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -57,18 +58,7 @@ def _generation_config(model, generate_kwargs: dict):
     return config
 
 
-# families whose generation cp_compile does not run, by modeling module, with why
-_FAMILIES_REFUSED = {
-    "transformers.models.reformer.modeling_reformer": "Reformer pads every call to a multiple of its chunk length "
-    "while generating (a shard would be padded in the middle of the sequence) and keeps its own cache of buckets "
-    "(past_buckets_states)",
-}
-
-
 def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
-    refused = _FAMILIES_REFUSED.get(type(model).__module__)
-    if refused is not None:
-        raise UnsupportedAttention(f"cp_compile.hf.generate: {refused}")
     if model.config._attn_implementation != NAME:
         raise ValueError(
             f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "
@@ -302,6 +292,13 @@ class _EveryStepSharded:
                 handle.remove()
 
 
+_RANKS_DIFFERED = (
+    "cp_compile.hf.generate: the ranks generated different tokens or stopped at different steps; sampling needs the "
+    "same seed on every rank (torch.manual_seed(s) on each before generate), and a stopping rule must decide the same "
+    "on every rank"
+)
+
+
 class _StepsAgreed(StoppingCriteria):
     """Where no cache carries the comparison: every step, the ranks all-gather their new token and what the user's
     stopping criteria decided (one small collective); ranks that differ in either all stop at once, and ``generate``
@@ -317,6 +314,10 @@ class _StepsAgreed(StoppingCriteria):
         self.differ = self.differ or not bool((everyone == mine).all())
         return torch.full((input_ids.shape[0],), self.differ or bool(stop.all()), device=input_ids.device)
 
+    def check(self) -> None:
+        if self.differ:
+            raise RuntimeError(_RANKS_DIFFERED)
+
 
 def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict):
     """``model.generate`` for a model that keeps no transformers cache: as on one process, every step runs the whole
@@ -325,12 +326,22 @@ def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, gener
     generate_kwargs["use_cache"] = False
     with _EveryStepSharded(model, plan).on():  # the guard stays on: every step runs on the shards
         result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
-    if agreed.differ:
-        raise RuntimeError(
-            "cp_compile.hf.generate: the ranks generated different tokens or stopped at different steps; sampling "
-            "needs the same seed on every rank (torch.manual_seed(s) on each before generate), and a stopping rule "
-            "must decide the same on every rank"
-        )
+    agreed.check()
+    return result
+
+
+def _generate_whole(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict, why: str):
+    """``model.generate`` run whole on every rank, as one process runs it (the prompt is the same on every rank):
+    exact at C times the model's compute, with no memory saved. The ranks compare each step's token."""
+    warnings.warn(
+        f"cp_compile.hf.generate: every rank runs {type(model).__name__}'s whole generation (C times its compute, "
+        f"nothing sharded): {why}",
+        stacklevel=3,
+    )
+    agreed = _StepsAgreed(plan, StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or []))
+    with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
+        result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
+    agreed.check()
     return result
 
 
@@ -353,6 +364,13 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     _check(model, input_ids, generate_kwargs, config)
     # the first collective: what follows may raise on the prompt's length, which a rank's other prompt would change
     _check_same_prompt(plan, input_ids)
+    why_whole = GENERATED_WHOLE.get(type(model).__module__)
+    if why_whole is not None:
+        if cache is not None:
+            raise ValueError(
+                f"cp_compile.hf.generate: a cache given for {type(model).__name__}, which every rank generates whole"
+            )
+        return _generate_whole(model, plan, input_ids, generate_kwargs, why_whole)
     if keeps_no_cache(model, generate_kwargs, config):
         if cache is not None:
             raise ValueError("cp_compile.hf.generate: a cache given for a generation that keeps none (use_cache=False)")
@@ -401,9 +419,5 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     silent = all_linear or not cache.agreement.per_query
     differs = silent and not _same_on_every_rank(plan, sequences)
     if cache.agreement.finish() or differs:
-        raise RuntimeError(
-            "cp_compile.hf.generate: the ranks generated different tokens or stopped at different "
-            "steps; sampling needs the same seed on every rank (torch.manual_seed(s) on each before "
-            "generate), and a stopping rule must decide the same on every rank"
-        )
+        raise RuntimeError(_RANKS_DIFFERED)
     return result

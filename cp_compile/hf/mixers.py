@@ -284,6 +284,17 @@ GATHERED_MIXERS = {
     "zaya": {"ZayaCCAProjection": GatheredModule(("hidden_states",), outputs=(0, 1, 2))},
 }
 GATHERED_MODULES = {f"transformers.models.{name}.modeling_{name}": classes for name, classes in GATHERED_MIXERS.items()}
+# families whose generation every rank runs whole, as one process runs it (C times its compute, nothing sharded), with
+# why no finer route runs it
+GENERATED_WHOLE = {
+    f"transformers.models.{name}.modeling_{name}": why
+    for name, why in {
+        "reformer": "Reformer pads every call to a multiple of its chunk length while generating, and the padding "
+        "moves its LSH buckets' chunk boundaries: a shard would be padded in the middle of the sequence",
+        "xlnet": "each XLNet step passes a permutation mask over every pair of the step's tokens and a query stream "
+        "for the one token it predicts, which its model builds for its own whole call",
+    }.items()
+}
 # modules that call the attention function over something other than the sequence (Inkling 2's attention of each
 # token over its own residual blocks): it runs on each rank's tokens as on one process
 ATTENTION_WITHIN_TOKENS = {
@@ -502,7 +513,10 @@ def route_of(model) -> str:
         calls = GATHERED_MODULES[module]
         route = f"attention schedules; {', '.join(calls)} over the gathered sequence (C times its compute)"
         inside = [name for call in calls.values() for name, _ in call.sharded_inside]
-        return route + "".join(f", its {name} over this rank's share by the schedules" for name in inside)
+        route += "".join(f", its {name} over this rank's share by the schedules" for name in inside)
+        if module in GENERATED_WHOLE:
+            route += "; generation: the whole model on every rank (C times its compute)"
+        return route
     if module in WRAPPED_FAMILIES:
         return "attention schedules; convolution halo; scans by all-to-all or state passing"
     if module in INDEXED_MODULES:
@@ -523,6 +537,7 @@ __all__ = [
     "ShardedInside",
     "GATHERED_MIXERS",
     "GATHERED_MODULES",
+    "GENERATED_WHOLE",
     "ATTENTION_WITHIN_TOKENS",
     "attention_as_one_process",
     "in_gathered_module",
