@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from .comm import group_name_of, is_2d_mesh, mesh_groups, refuse_together, resolve_group
-from .kinds.base import check_heads_and_lengths
-from .kinds.flex import eager_mods, flex_options
-from .kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
-from .schedules import HEAD_SCHEDULES, check_schedule_name, run_schedule, softmax_scale
+from .kinds.base import Call, check_heads_and_lengths
+from .kinds.flex import FlexSettings, eager_mods
+from .kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
+from .schedules import HEAD_SCHEDULES, check_schedule_name, run_schedule, schedule_groups, softmax_scale
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -47,8 +47,8 @@ def _dense(schedule: str, q, k, v, group, is_causal, scale, enable_gqa, layout, 
                 f"dropout_p={dropout_p}: attention dropout under context parallelism is not supported; "
                 "use dropout_p=0.0"
             )
-        scale = softmax_scale(q, scale)
-    return run_schedule(schedule, q, k, v, [], group, is_causal, layout, scale, enable_gqa, "sdpa", "")[0]
+        call = Call("sdpa", schedule_groups(group, schedule), bool(is_causal), layout, softmax_scale(q, scale))
+    return run_schedule(schedule, q, k, v, [], call, enable_gqa)[0]
 
 
 def ring_attention(
@@ -183,21 +183,9 @@ def flex_attention(
                 else choose_flex(q, k, v, block_mask, resolve_group(group_name_of(group)).size(), machine)[0]
             )
         check_schedule_name(schedule)
-    out, lse = run_schedule(
-        schedule,
-        q,
-        k,
-        v,
-        buffers,
-        group,
-        False,
-        layout,
-        softmax_scale(q, scale),
-        q.shape[1] != k.shape[1],
-        "flex",
-        flex_options(mask_b, mask_h),
-        mods,
-    )
+        groups = schedule_groups(group, schedule)
+    call = Call("flex", groups, False, layout, softmax_scale(q, scale), FlexSettings(mask_b, mask_h), mods)
+    out, lse = run_schedule(schedule, q, k, v, buffers, call, q.shape[1] != k.shape[1])
     return (out, lse) if return_lse else out
 
 
@@ -250,21 +238,11 @@ def varlen_attention(
                 q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine
             )[0]
         check_schedule_name(schedule)
-        scale = softmax_scale(q, scale)
+        settings = PackedSettings(left, right, chunk, softcap)
+        call = Call("packed", schedule_groups(group, schedule), False, PACKED_LAYOUT, softmax_scale(q, scale), settings)
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
-    out, lse = run_schedule(
-        schedule,
-        *qkv,
-        [cu_seqlens],
-        group,
-        False,
-        PACKED_LAYOUT,
-        scale,
-        enable_gqa,
-        "packed",
-        packed_options(left, right, chunk, softcap),
-    )
+    out, lse = run_schedule(schedule, *qkv, [cu_seqlens], call, enable_gqa)
     if heads:
         out, lse = thd(out), thd(lse)
     return (out, lse) if return_lse else out
@@ -293,7 +271,7 @@ def cached_attention(
     attends to its own slots, then the partial results merge exactly across ranks. GQA when
     ``Hq`` is a multiple of ``Hkv``. Not differentiable.
     """
-    from .inference.cached import cached_options, check_cached_args
+    from .inference.cached import CachedSettings, check_cached_args
 
     group_name = group_name_of(group)
     with _refused_together(q, k_cache, v_cache, group_name):
@@ -306,8 +284,8 @@ def cached_attention(
         k_cache.narrow(2, 0, 0),
         v_cache.narrow(2, 0, 0),
         group_name,
-        f"cached_attention left={left} scale={scale} {cached_options(chunk, softcap)}",
+        f"cached_attention left={left} scale={scale} {CachedSettings(chunk, softcap).encode()}",
     )
     return torch.ops.cp.cached_attention(
-        q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale, cached_options(chunk, softcap)
+        q, k_cache, v_cache, q_positions, k_positions, group_name, left, scale, CachedSettings(chunk, softcap).encode()
     )[0]

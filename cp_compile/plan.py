@@ -395,20 +395,10 @@ class ContextParallel:
         enable_gqa: bool = False,
     ) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
-        from .schedules import run_schedule, softmax_scale
+        from .kinds.base import Call
+        from .schedules import run_schedule, schedule_groups, softmax_scale
 
         schedule = "ring" if self.schedule == "auto" else self.schedule
-        return run_schedule(
-            schedule,
-            q,
-            k,
-            v,
-            [],
-            (self.group_name, *self.mesh_groups),
-            is_causal,
-            self.load_balance,
-            softmax_scale(q, scale),
-            enable_gqa,
-            "sdpa",
-            "",
-        )[0]
+        groups = schedule_groups((self.group_name, *self.mesh_groups), schedule)
+        call = Call("sdpa", groups, bool(is_causal), self.load_balance, softmax_scale(q, scale))
+        return run_schedule(schedule, q, k, v, [], call, enable_gqa)[0]

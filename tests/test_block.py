@@ -155,7 +155,7 @@ def test_gathered_block_matches_dense_fp64(monkeypatch, one_call, layout, is_cau
     q, k, v, do, _ = inputs(seq, seq)
     for rank in range(world_size):
         rows = layout_named(layout).positions(seq, rank, world_size)
-        units, call = Units(rank, world_size, 1, GATHERED), Call("sdpa", ("",), is_causal, layout, scale, "")
+        units, call = Units(rank, world_size, 1, GATHERED), Call("sdpa", ("",), is_causal, layout, scale)
         q_local = q[:, :, rows].contiguous()
         out, lse = sdpa.gathered_attn(q_local, k, v, units, call)
         dq, dk, dv = sdpa.gathered_attn_backward(

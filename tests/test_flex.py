@@ -265,7 +265,7 @@ def opcheck_flex_ops():
     from torch.nn.attention.flex_attention import create_block_mask
 
     import cp_compile
-    from cp_compile.kinds.flex import eager_mods, flex_options
+    from cp_compile.kinds.flex import FlexSettings, eager_mods
 
     plan = cp_compile.ContextParallel()
     seq = 2 * plan.world_size * CHUNK
@@ -276,7 +276,7 @@ def opcheck_flex_ops():
     name = dist.group.WORLD.group_name
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
     settings = (name, False, "zigzag", 0.3)
-    kind = ("flex", flex_options(mb, mh), mods)
+    kind = ("flex", FlexSettings(mb, mh).encode(), mods)
     out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     req = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     k_all, v_all = (torch.cat([t] * plan.world_size, 2) for t in (k, v))
@@ -299,7 +299,7 @@ def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cp_compile.kinds.flex import eager_mods, flex_options
+    from cp_compile.kinds.flex import FlexSettings, eager_mods
 
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -309,7 +309,7 @@ def score_grad_error_under_a_dispatch_mode(plan, seq, name) -> str:
     local_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK))
     mods, buffers, mb, mh = eager_mods(local_mask, score_mod)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 2, 1, seq, 8))
-    settings, kind = (name, False, "zigzag", 0.3), ("flex", flex_options(mb, mh), mods)
+    settings, kind = (name, False, "zigzag", 0.3), ("flex", FlexSettings(mb, mh).encode(), mods)
     out, lse = torch.ops.cp.ring_attention(q, k, v, buffers, *settings, True, *kind)
     try:
         with PassThrough():
@@ -415,10 +415,10 @@ def test_expanded_flex_schedules(fake_group):
 
     from cp_compile.compiler.expand import expand_cp_ops
     from cp_compile.compiler.order import schedule_listing
-    from cp_compile.kinds.flex import NO_MODS, flex_options
+    from cp_compile.kinds.flex import NO_MODS, FlexSettings
 
     c, name = fake_group
-    settings, kind = (name, False, "zigzag", 0.25), ("flex", flex_options(1, 1), NO_MODS)
+    settings, kind = (name, False, "zigzag", 0.25), ("flex", FlexSettings(1, 1).encode(), NO_MODS)
 
     def traced(fn, *shapes):
         with FakeTensorMode():

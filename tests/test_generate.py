@@ -496,20 +496,27 @@ def opcheck_cached():
     from cp_compile.plan import ContextParallel
 
     plan = ContextParallel()
-    from cp_compile.inference.cached import cached_options
+    from cp_compile.inference.cached import CachedSettings
 
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     k_pos, q_pos = torch.tensor([0, 4, 2, 2**62, 1]), torch.tensor([4, 5, 6])
-    for v_dim, options in [(8, cached_options()), (6, cached_options(chunk=4)), (8, cached_options(softcap=2.0))]:
+    for v_dim, options in [
+        (8, CachedSettings().encode()),
+        (6, CachedSettings(chunk=4).encode()),
+        (8, CachedSettings(softcap=2.0).encode()),
+    ]:
         v = torch.randn(1, 2, 5, v_dim)
         torch.library.opcheck(
             torch.ops.cp.cached_attention.default, (q, k, v, q_pos, k_pos, plan.group_name, -1, 0.3, options)
         )
     tag = torch.tensor([0.0, float(plan.rank)])  # a tag rides along: every rank's comes back, in rank order
     torch.library.opcheck(
-        torch.ops.cp.cached_attention.default, (q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag)
+        torch.ops.cp.cached_attention.default,
+        (q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, CachedSettings().encode(), tag),
     )
-    tags = torch.ops.cp.cached_attention(q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, cached_options(), tag)[2]
+    tags = torch.ops.cp.cached_attention(
+        q, k, k, q_pos, k_pos, plan.group_name, -1, 0.3, CachedSettings().encode(), tag
+    )[2]
     assert torch.equal(tags, torch.tensor([[0.0, 0.0], [0.0, 1.0]])), tags
     return True
 

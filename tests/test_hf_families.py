@@ -344,7 +344,7 @@ def test_explain_lists_the_ops_a_model_calls_itself(ranks):
     """Soft-capped layers call the CP op directly; explain lists each with its options and the model's line."""
     for report in ranks(2, explained):
         assert report.startswith("cp_compile: 2 attention site(s), 1 graph(s), 0 graph break(s)"), report
-        assert "window=15,0 softcap=5.0" in report and "window=-1,0 softcap=5.0" in report, report
+        assert "left=15 right=0 softcap=5.0" in report and "left=-1 right=0 softcap=5.0" in report, report
         assert report.count("modeling_gemma2.py") == 2, report
 
 

@@ -433,14 +433,14 @@ def opcheck_ulysses_mask_ops():
 
     import cp_compile
     from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+    from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
-    from cp_compile.kinds.packed import packed_options
 
     plan = cp_compile.ContextParallel()
     name, c = dist.group.WORLD.group_name, plan.world_size
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
     q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
-    cases = head_sharding_cases(q, k, v, do, [cu], (name,), RANK_ORDER, "packed", packed_options(2, 0), c)
+    cases = head_sharding_cases(q, k, v, do, [cu], (name,), RANK_ORDER, "packed", PackedSettings(2, 0).encode(), c)
     cases += flex_head_sharding_cases(plan, (name,), c)
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -473,14 +473,14 @@ def head_sharding_cases(q, k, v, do, extra, groups, layout, inner, options, a2a,
 def flex_head_sharding_cases(plan, groups, a2a):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_compile.kinds.flex import eager_mods, flex_options
+    from cp_compile.kinds.flex import FlexSettings, eager_mods
 
     seq = 2 * plan.world_size * 3
     mask_mod, _ = mask_case("document-causal", seq, 3)
     block_mask = plan.shard(create_block_mask(mask_mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=3))
     mods, buffers, mb, mh = eager_mods(block_mask, None)
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
-    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", flex_options(mb, mh), a2a, mods)
+    return head_sharding_cases(q, k, v, do, buffers, groups, "zigzag", "flex", FlexSettings(mb, mh).encode(), a2a, mods)
 
 
 def test_opcheck(ranks):
@@ -493,8 +493,8 @@ def opcheck_hybrid_ops():
     import cp_compile
     from cp_compile.comm import mesh_groups
     from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+    from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
-    from cp_compile.kinds.packed import packed_options
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "a2a"))
     plan = cp_compile.ContextParallel(mesh)
@@ -502,10 +502,12 @@ def opcheck_hybrid_ops():
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
     q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
     window = (2, 0)
-    cases = head_sharding_cases(q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", packed_options(*window), 2)
+    cases = head_sharding_cases(
+        q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", PackedSettings(*window).encode(), 2
+    )
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    step = ([cu], "packed", 1, flat, 2, False, RANK_ORDER, 0.4, packed_options(*window))
+    step = ([cu], "packed", 1, flat, 2, False, RANK_ORDER, 0.4, PackedSettings(*window).encode())
     out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, *step)
     cases += [
         (torch.ops.cp.attend.default, (qh, kh, vh, *step)),
@@ -521,7 +523,7 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     from torch.nn.attention.flex_attention import create_block_mask
 
     from cp_compile.comm import mesh_groups
-    from cp_compile.kinds.flex import eager_mods, flex_options
+    from cp_compile.kinds.flex import FlexSettings, eager_mods
 
     flat, ring, a2a = mesh_groups(mesh)
     cases = flex_head_sharding_cases(plan, (flat, ring, a2a), 2)
@@ -532,7 +534,7 @@ def flex_hybrid_opcheck_cases(plan, mesh):
     q, k, v, do = (plan.shard(t, 2) for t in make_qkv(1, 4, 2, seq, 8))
     # one all-to-all group's tokens for this rank's heads
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    step_opts = ("flex", 1, flat, 2, False, "zigzag", 0.3, flex_options(mb, mh), mods)
+    step_opts = ("flex", 1, flat, 2, False, "zigzag", 0.3, FlexSettings(mb, mh).encode(), mods)
     out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, buffers, *step_opts)
     return cases + [
         (torch.ops.cp.attend.default, (qh, kh, vh, buffers, *step_opts)),

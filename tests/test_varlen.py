@@ -237,7 +237,7 @@ def test_ring_skips_blocks_outside_every_window(ranks):
 def opcheck_packed_ops():
     import torch.distributed as dist
 
-    from cp_compile.kinds.packed import packed_options
+    from cp_compile.kinds.packed import PackedSettings
 
     name = dist.group.WORLD.group_name
     c = dist.get_world_size()
@@ -249,13 +249,16 @@ def opcheck_packed_ops():
     for schedule in ("allgather", "ring"):
         forward = getattr(torch.ops.cp, f"{schedule}_attention")
         backward = getattr(torch.ops.cp, f"{schedule}_attention_backward")
-        out, lse = forward(q, k, v, [cu], *settings, True, "packed", packed_options(2, 0))
+        out, lse = forward(q, k, v, [cu], *settings, True, "packed", PackedSettings(2, 0).encode())
         cases += [
-            (forward.default, (*req(q, k, v), [cu], *settings, True, "packed", packed_options(2, 0))),
-            (backward.default, (do, q, k, v, out, lse, lse.clone(), [cu], *settings, "packed", packed_options(2, 0))),
+            (forward.default, (*req(q, k, v), [cu], *settings, True, "packed", PackedSettings(2, 0).encode())),
+            (
+                backward.default,
+                (do, q, k, v, out, lse, lse.clone(), [cu], *settings, "packed", PackedSettings(2, 0).encode()),
+            ),
         ]
     k_all, v_all = (torch.cat([t] * c) for t in (k, v))
-    step = lambda i, window: ("packed", i, name, 1, False, "contiguous", 0.4, packed_options(*window))  # noqa: E731
+    step = lambda i, window: ("packed", i, name, 1, False, "contiguous", 0.4, PackedSettings(*window).encode())  # noqa: E731
     cases += [
         (torch.ops.cp.attend.default, (q, k_all, v_all, [cu], *step(-1, (-1, 0)))),
         (torch.ops.cp.attend.default, (q, k, v, [cu], *step(1, (-1, -1)))),
@@ -487,10 +490,10 @@ def test_packed_expansion_graph(fake_group, schedule):
 
     from cp_compile.compiler.expand import expand_cp_ops
     from cp_compile.compiler.order import pin_overlap_order
-    from cp_compile.kinds.packed import packed_options
+    from cp_compile.kinds.packed import PackedSettings
 
     name, fc = fake_group, torch.ops._c10d_functional
-    settings, kind = (name, False, "contiguous", 0.25), ("packed", packed_options(4, 0))
+    settings, kind = (name, False, "contiguous", 0.25), ("packed", PackedSettings(4, 0).encode())
 
     def fwd(q, k, v, cu):
         return getattr(torch.ops.cp, f"{schedule}_attention")(q, k, v, [cu], *settings, True, *kind)

@@ -15,7 +15,6 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from ..kinds.base import Call
-from ..kinds.packed import parse_packed_options
 from ..schedules.registry import FORWARD_OPS
 from .site import AttentionSite, CPOptions, SitePattern
 
@@ -36,7 +35,7 @@ def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
         "scale": call.scale,
         "enable_gqa": enable_gqa,
         "kind": call.kind,
-        "options": call.options,
+        "settings": call.settings,
         "schedule": target.__name__.split(".")[0].removesuffix("_attention"),
     }
 
@@ -47,10 +46,11 @@ def _check_cp(site: AttentionSite) -> None:
 
 def _record_cp(site: AttentionSite, options: CPOptions) -> None:
     args = site.args
-    detail = f"{args['kind']} kind" + (f", {args['options']}" if args["options"] else "")
+    options = "" if args["settings"] is None else args["settings"].encode()
+    detail = f"{args['kind']} kind" + (f", {options}" if options else "")
     causal = bool(args["is_causal"])
     if args["kind"] == "packed":  # the packed kind is causal through its window
-        causal = parse_packed_options(args["options"]).right == 0
+        causal = args["settings"].right == 0
     site.decision.update(
         {
             "schedule": args["schedule"],

@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.flex import flex_options
+from ..kinds.base import Call
+from ..kinds.flex import FlexSettings
 from ..layout.blockmask import HEADER, Mods
 from .choose import choose_schedule
 from .site import AttentionSite, CPOptions, SitePattern, _example, constant, insert_schedule, traced_value
@@ -123,22 +124,9 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     schedule, why = choose_schedule(site, options)
     scale = float(constant(args["scale"]))
     enable_gqa = site.shape("query")[1] != site.shape("key")[1]
-    _, out, lse = insert_schedule(
-        site,
-        options,
-        schedule,
-        args["query"],
-        args["key"],
-        args["value"],
-        mask_buffers + score_buffers,
-        is_causal=False,
-        layout=options.layout,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        kind="flex",
-        kind_options=flex_options(mask_b, mask_h),
-        mods=mods,
-    )
+    call = Call("flex", options.groups(schedule), False, options.layout, scale, FlexSettings(mask_b, mask_h), mods)
+    buffers = mask_buffers + score_buffers
+    _, out, lse = insert_schedule(site, schedule, args["query"], args["key"], args["value"], buffers, call, enable_gqa)
     graph = site.owner.graph
     with graph.inserting_before(site.node):
         lse2 = graph.call_function(torch.mul, (lse, 1.0 / math.log(2.0)))  # the HOP's lse is base 2

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import UnsupportedAttention
+from ..kinds.base import Call
 from .choose import choose_schedule
 from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
 
@@ -70,21 +71,9 @@ def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
     schedule, why = choose_schedule(site, options)
+    call = Call("sdpa", options.groups(schedule), bool(args["is_causal"]), options.layout, scale)
     _, out = insert_schedule(
-        site,
-        options,
-        schedule,
-        args["query"],
-        args["key"],
-        args["value"],
-        [],
-        is_causal=bool(args["is_causal"]),
-        layout=options.layout,
-        scale=scale,
-        enable_gqa=bool(args["enable_gqa"]),
-        kind="sdpa",
-        kind_options="",
-        outputs_used=1,
+        site, schedule, args["query"], args["key"], args["value"], [], call, args["enable_gqa"], outputs_used=1
     )
     site.node.replace_all_uses_with(out)
     site.owner.graph.erase_node(site.node)

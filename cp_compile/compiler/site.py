@@ -39,6 +39,10 @@ class CPOptions:
     def mesh_sizes(self) -> tuple:
         return tuple(resolve_group(g).size() for g in self.mesh_groups)
 
+    def groups(self, schedule: str) -> tuple[str, ...]:
+        """The group names ``schedule`` runs over (the hybrid's: the flattened mesh, ring, all-to-all)."""
+        return (self.group_name, *self.mesh_groups) if schedule == "hybrid" else (self.group_name,)
+
 
 @dataclass
 class AttentionSite:
@@ -146,28 +150,20 @@ def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int =
 
 def insert_schedule(
     site: AttentionSite,
-    options: CPOptions,
     schedule: str,
     q,
     k,
     v,
     extra: list,
-    *,
-    is_causal: bool,
-    layout: str,
-    scale: float,
+    call: Call,
     enable_gqa: bool,
-    kind: str,
-    kind_options: str,
-    mods: Optional[fx.Node] = None,
     outputs_used: int = 2,
 ) -> list[fx.Node]:
-    """Insert ``schedule``'s whole op for the site (see ``replace_node``); returns [op, out(, lse)]."""
+    """Insert ``schedule``'s whole op for the site's ``call`` (see ``replace_node``); returns [op, out(, lse)]."""
     try:
-        target, groups = whole_op(schedule, options.group_name, options.mesh_groups)
+        target = whole_op(schedule, call.groups)
     except ValueError as e:
         raise UnsupportedAttention(f"attention at {site.source}: {e}") from None
-    call = Call(kind, groups, bool(is_causal), layout, float(scale), kind_options, mods)
     return replace_node(
         site, target, (q, k, v, list(extra), *call.op_args(bool(enable_gqa))), n_outputs_used=outputs_used
     )

@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.packed import PACKED_LAYOUT, bhsd, packed_options, thd, window_of
+from ..kinds.base import Call
+from ..kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .choose import choose_schedule
 from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
@@ -94,19 +95,8 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
     if heads:
         with graph.inserting_before(site.node):
             qkv = [graph.call_function(bhsd, (t,)) for t in qkv]
-    _, out, lse = insert_schedule(
-        site,
-        options,
-        schedule,
-        *qkv,
-        [args["cu_seq_q"]],
-        is_causal=False,
-        layout=PACKED_LAYOUT,
-        scale=scale,
-        enable_gqa=bool(args["enable_gqa"]),
-        kind="packed",
-        kind_options=packed_options(left, right),
-    )
+    call = Call("packed", options.groups(schedule), False, PACKED_LAYOUT, scale, PackedSettings(left, right))
+    _, out, lse = insert_schedule(site, schedule, *qkv, [args["cu_seq_q"]], call, args["enable_gqa"])
     if heads:
         with graph.inserting_before(site.node):
             out, lse = (graph.call_function(thd, (t,)) for t in (out, lse))

@@ -67,7 +67,7 @@ from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_ma
 
 from ..comm import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
-from ..inference.cached import cached_options
+from ..inference.cached import CachedSettings
 from ..inference.hf_cache import (
     CACHE_STEP,
     runs_indexers_under_cp,
@@ -315,8 +315,8 @@ def _cached(
             f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
         )
-    options = cached_options(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else ""
-    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), options, indices, index, left)
+    settings = CachedSettings(variant.spec.chunk or 0, variant.softcap) if variant.needs_kind else CachedSettings()
+    out, lse = layer.attend(query, appended, softmax_scale(query, scaling), settings, indices, index, left)
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 

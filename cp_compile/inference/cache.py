@@ -36,7 +36,7 @@ from ..kernels.block import block_attn_impl
 from ..kernels.masked import EMPTY_POSITION, every_key_attn, positions_visible, visible_attn
 from ..kernels.merge import acc_dtype
 from ..kernels.sparse import picked_attention, picks_in_slots
-from .cached import cached_attention, cached_options, merge_over_ranks, payload_numel
+from .cached import CachedSettings, cached_attention, merge_over_ranks, payload_numel
 
 
 def capacity_for(max_tokens: int, world_size: int) -> int:
@@ -49,7 +49,7 @@ def capacity_for(max_tokens: int, world_size: int) -> int:
 _DIGEST = 2**24
 _IN_STEP, _FINAL = 0, 1
 TAG_NUMEL = 2  # an Agreement's tag: [marker, digest]
-_PLAIN = ("", cached_options())  # the options of attention without a chunk or a soft-cap
+_PLAIN = CachedSettings()  # attention without a chunk or a soft-cap
 
 
 class Agreement:
@@ -353,13 +353,13 @@ class CacheShard:
         q: Tensor,
         step: Step,
         scale: float,
-        options: str = "",
+        settings: CachedSettings = _PLAIN,
         picked: Optional[Tensor] = None,
         index: Optional[int] = None,
         left: Optional[int] = None,
     ) -> tuple[Tensor, Tensor]:
         """(out, lse) of ``q`` (the same on every rank, at ``step.query_positions``) over every rank's share;
-        ``options`` from ``inference.cached.cached_options``; ``picked [B, Lq, k]``: the tokens each query reads, by
+        ``settings``: its chunk and soft-cap; ``picked [B, Lq, k]``: the tokens each query reads, by
         their place in the sequence (a sparse-attention indexer's choice), or None for every one it may see; ``index``:
         the layer whose attention this is, when not this one's (a layer attending to another's K/V); ``left``: how far
         back from its own position a query sees (-1: every key), None for the layer's window."""
@@ -370,12 +370,12 @@ class CacheShard:
         sent = check is not None and self.index == 0 and self.world_size > 1
         tag = check.tag(acc_dtype(q.dtype)) if sent else None
         compiling = torch.compiler.is_compiling()
-        if compiling and self.world_size == 1 and options in _PLAIN and picked is None:
+        if compiling and self.world_size == 1 and settings == _PLAIN and picked is None:
             # one rank holds every slot: one process's attention over a static cache, which the compiler lowers with
             # the step around it (a query always sees its own slot, written before it attends)
             visible = positions_visible(step.query_positions, step.key_positions, left)
             return visible_attn(q, step.keys, step.values, visible, scale)
-        written = None if compiling or options not in _PLAIN or picked is not None else self.written()
+        written = None if compiling or settings != _PLAIN or picked is not None else self.written()
         if picked is not None:
             slots = picks_in_slots(picked, step.query_positions, step.key_positions, self.max_tokens)
             out, lse = picked_attention(q, step.keys, step.values, *slots, scale)
@@ -404,7 +404,7 @@ class CacheShard:
                 self.group_name,
                 left,
                 scale,
-                options,
+                settings.encode(),
                 tag,
             )
         if check is not None and self.world_size > 1:  # one rank has no other to agree with

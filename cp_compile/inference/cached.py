@@ -14,6 +14,7 @@ holds neither the rank nor the position.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,17 +24,15 @@ from ..comm import resolve_group
 from ..comm.gather import gather_dim0
 from ..kernels.masked import positions_attn
 from ..kernels.merge import acc_dtype, pivot
-from ..kinds.base import parse_options
+from ..kinds.base import Settings
 
 
-def cached_options(chunk: int = 0, softcap: float = 0.0) -> str:
-    """The ``options`` of ``cp::cached_attention``: chunked attention's chunk size and the logit soft-cap."""
-    return f"chunk={int(chunk)} softcap={float(softcap)!r}"
+@dataclass(frozen=True)
+class CachedSettings(Settings):
+    """``cp::cached_attention``'s settings: chunked attention's chunk size and the logit soft-cap."""
 
-
-def _cached_settings(options: str) -> tuple[int, float]:
-    items = parse_options(options)
-    return int(items.get("chunk", 0)), float(items.get("softcap", 0.0))
+    chunk: int = 0
+    softcap: float = 0.0
 
 
 def cached_attention(
@@ -54,7 +53,8 @@ def cached_attention(
     accumulator dtype) as ``[C, n]``: a few numbers that ride on the collective, for checks between ranks
     that then cost no collective of their own (``inference.cache.Agreement``). Collective: every rank of
     ``group_name`` calls it with the same ``q``."""
-    chunk, softcap = _cached_settings(options)
+    settings = CachedSettings.decode(options)
+    chunk, softcap = settings.chunk, settings.softcap
     out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)
     return merge_over_ranks(q, out, lse, group_name, tag)
 

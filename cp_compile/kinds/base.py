@@ -26,7 +26,7 @@ size, never the rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
@@ -47,23 +47,62 @@ MODS_SCHEMA = f"{opaque_reference_type(Mods)}? mods=None"
 
 
 @dataclass(frozen=True)
+class Settings:
+    """A kind's own settings (dense attention has none): a subclass with typed fields (ints and floats). The op
+    schemas carry them as one string, ``"name=value ..."``, which ``encode`` writes and ``decode`` reads: the one
+    place that string is made or parsed. Fields at their default are left out of it."""
+
+    def encode(self) -> str:
+        # the instance's own attributes and the class's defaults, not ``dataclasses.fields``: Dynamo traces this
+        defaults = type(self)
+        return " ".join(
+            f"{name}={value!r}"
+            for name, value in vars(self).items()
+            if not (hasattr(defaults, name) and getattr(defaults, name) == value)
+        )
+
+    @classmethod
+    def decode(cls, options: str) -> Settings:
+        items = dict(item.split("=", 1) for item in options.split())
+        types = {f.name: _PARSERS[f.type] for f in fields(cls)}
+        try:
+            return cls(**{name: types[name](value) for name, value in items.items()})
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{options!r} are not {cls.__name__} (fields {', '.join(types)})") from None
+
+
+_PARSERS: dict[Any, type] = {"int": int, "float": float, int: int, float: float}  # annotations as written
+
+
+@dataclass(frozen=True)
 class Call:
     """One attention call's non-tensor arguments, the same on every rank.
 
-    The one record of a call: the schedule ops' schemas carry its fields, and their fake and
-    autograd implementations, the expansion of a schedule, ``cp::attend`` and the kinds read it."""
+    The one record of a call from the API to the kernel: the eager API and the compiler's insertion build it,
+    ``op_args`` / ``attend_args`` encode it as the custom ops' arguments and ``from_op_args`` / ``decoded`` read it
+    back, for the ops' fake and autograd implementations, the expansion of a schedule, ``cp::attend`` and the
+    kinds."""
 
     kind: str  # the attention kind (``register_kind``): "sdpa", "flex", "packed"
     groups: tuple[str, ...]  # the schedule's group first (hybrid: the flattened mesh, ring, all-to-all)
     is_causal: bool
     layout: str  # the plan's layout of the sequence shards
     scale: float
-    options: str  # the kind's own settings, "key=value key=value"
+    settings: Optional[Settings] = None  # the kind's own (``Kind.settings``), None for a kind without any
     mods: Any = None  # the flex kind's ``Mods`` (in a graph being expanded: the node that holds them)
 
     @property
     def group_name(self) -> str:
         return self.groups[0]
+
+    @classmethod
+    def decoded(cls, kind: str, groups: tuple, is_causal: bool, layout: str, scale: float, options: str, mods=None):
+        """The call whose settings an op carries as ``options``."""
+        settings = kind_entry(kind).settings
+        if settings is None and options:
+            raise ValueError(f"the {kind} kind takes no settings; got {options!r}")
+        decoded = None if settings is None else settings.decode(options)
+        return cls(kind, tuple(groups), is_causal, layout, scale, decoded, mods)
 
     @classmethod
     def from_op_args(cls, args: tuple, n_tensors: int) -> tuple[tuple, Call, Any]:
@@ -76,30 +115,25 @@ class Call:
         if isinstance(rest[-1], str):  # the mods left at the schema's default
             rest = (*rest, None)
         is_causal, layout, scale, *flag, kind, options, mods = rest
-        return tensors, cls(kind, groups, is_causal, layout, scale, options, mods), (flag[0] if flag else None)
+        return tensors, cls.decoded(kind, groups, is_causal, layout, scale, options, mods), (flag[0] if flag else None)
 
     def op_args(self, *flag) -> tuple:
         """The call as a whole op's non-tensor arguments (the inverse of ``from_op_args``)."""
-        return (*self.groups, self.is_causal, self.layout, self.scale, *flag, self.kind, self.options, *self._mods())
+        settings = (self.is_causal, self.layout, self.scale, *flag, self.kind, self.options)
+        return (*self.groups, *settings, *self._mods())
 
     def attend_args(self, step: int, a2a_size: int) -> tuple:
         """The non-tensor arguments of ``cp::attend`` (+ backward) for one step."""
         settings = (self.group_name, a2a_size, self.is_causal, self.layout, self.scale, self.options)
         return (self.kind, step, *settings, *self._mods())
 
+    @property
+    def options(self) -> str:
+        """The settings as the ops carry them (``Settings.encode``)."""
+        return "" if self.settings is None else self.settings.encode()
+
     def _mods(self) -> tuple:
         return () if self.mods is None else (self.mods,)
-
-    def option(self, key: str) -> str:
-        items = parse_options(self.options)
-        if key not in items:
-            raise ValueError(f"attention options {self.options!r} lack {key}=")
-        return items[key]
-
-
-def parse_options(options: str) -> dict[str, str]:
-    """``"key=value key=value"`` (a kind's or a schedule's settings, as op schemas carry them) as a dict."""
-    return dict(item.split("=", 1) for item in options.split())
 
 
 def check_heads_and_lengths(q: Tensor, k: Tensor, enable_gqa: bool) -> None:
@@ -154,6 +188,7 @@ class Kind:
     """One kind of attention. Subclass it, fill in the kernels, ``register_kind`` an instance."""
 
     name: str = ""
+    settings: Optional[type[Settings]] = None  # the type of ``Call.settings`` its calls carry, if any
     # the ring's backward may run a step in two K/V-head halves (no kernel reads a head index)
     split_heads: bool = True
     # the head exchange keeps every rank's tokens in rank order (a mask evaluated at known
@@ -247,7 +282,7 @@ def attend(
     mods: Optional[Mods] = None,
 ) -> tuple[Tensor, Tensor]:
     """The queries of this rank's unit against the keys ``step`` names: (out, lse)."""
-    call = Call(kind, (group_name,), is_causal, layout, scale, options, mods)
+    call = Call.decoded(kind, (group_name,), is_causal, layout, scale, options, mods)
     out, lse = kind_entry(kind).attend(q, k, v, list(extra), units_at(group_name, a2a_size, step), call)
     return out.contiguous(), lse.contiguous()
 
@@ -287,7 +322,7 @@ def attend_backward(
 
     At ``WHOLE`` (Ulysses) they leave in the inputs' dtype: the exchange back then moves no more
     bytes than the forward's, and no accumulator-dtype copy outlives the op."""
-    call = Call(kind, (group_name,), is_causal, layout, scale, options, mods)
+    call = Call.decoded(kind, (group_name,), is_causal, layout, scale, options, mods)
     grads = kind_entry(kind).attend_backward(
         dout, q, k, v, out, lse, dlse, list(extra), units_at(group_name, a2a_size, step), call
     )

@@ -38,7 +38,7 @@ from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, Mods, shard_info
 from ..torch_compat import flex_index_helpers
-from .base import Call, Kind, Units, check_heads_and_lengths, register_kind
+from .base import Call, Kind, Settings, Units, check_heads_and_lengths, register_kind
 
 # ----------------------------------------------------------------------------
 # Counting the work: (query chunk, key chunk) pairs computed and skipped.
@@ -253,16 +253,19 @@ def tile_backward(call: MaskCall, dout, q, k, v, out, lse, dlse, rows: Tensor, c
 # ----------------------------------------------------------------------------
 
 
-def flex_options(mask_b: int, mask_h: int) -> str:
-    """The ``options`` of a flex call: the BlockMask's (B, H)."""
-    return f"mask={int(mask_b)}x{int(mask_h)}"
+@dataclass(frozen=True)
+class FlexSettings(Settings):
+    """A flex call's BlockMask batch and head counts (1 where it broadcasts)."""
+
+    mask_b: int = 1
+    mask_h: int = 1
 
 
 def _mask_call(q: Tensor, buffers: list, units: Units, call: Call) -> MaskCall:
     """The tile description for this rank's unit and heads."""
     if not isinstance(call.mods, Mods):
         raise ValueError(f"a flex call needs its mods (a cp_compile.layout.blockmask.Mods); got {call.mods!r}")
-    mask_b, mask_h = (int(n) for n in call.option("mask").split("x"))
+    mask_b, mask_h = call.settings.mask_b, call.settings.mask_h
     # _resolve validates the index table against the local length: a unit's tokens / its ranks
     local = q.narrow(2, 0, q.shape[2] // units.a2a)
     tile = _resolve(local, buffers, call.mods, units.world_size, call.layout, mask_b, mask_h, call.scale)
@@ -293,6 +296,7 @@ def _spans(q: Tensor, k: Tensor, units: Units) -> tuple[Tensor, Tensor]:
 
 class Flex(Kind):
     name = "flex"
+    settings = FlexSettings
     split_heads = False  # a score_mod may read the head index
     rank_order = True
 

@@ -6,7 +6,7 @@ chunks on its own, rank r holding chunks r and 2C-1-r of each, padding at a
 document's tail. ``cu_seqlens`` is the *global* int32 tensor of real document
 lengths, the same on every rank, exactly what the model passes to
 ``varlen_attn`` on one device; it travels as the call's ``extra`` and the
-window as its ``options`` (``packed_options``).
+window as its settings (``PackedSettings``).
 
 Which query may see which key is decided from global facts only: the
 document, the position inside it and whether the slot is a real token, all
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from ..layout.packed import (
     sequence_permutation,
     sequence_segments,
 )
-from .base import Call, Kind, Units, parse_options, register_kind
+from .base import Call, Kind, Settings, Units, register_kind
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,36 +113,15 @@ def _(cu_seqlens, group_name):
 torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
 
 
-def packed_options(window_left: int, window_right: int, chunk: int = 0, softcap: float = 0.0) -> str:
-    """The ``options`` of a packed call: the window (left, right), and when set the chunk size
-    (keys visible only inside the query's chunk of ``chunk`` positions of its document) and the
-    logit soft-cap."""
-    options = f"window={int(window_left)},{int(window_right)}"
-    if chunk:
-        options += f" chunk={int(chunk)}"
-    if softcap:
-        options += f" softcap={float(softcap)!r}"
-    return options
+@dataclass(frozen=True)
+class PackedSettings(Settings):
+    """A packed call's window (left, right; -1 unbounded, right = 0 causal), and when set the chunk size (keys
+    visible only inside the query's chunk of ``chunk`` positions of its document) and the logit soft-cap."""
 
-
-class PackedSettings(NamedTuple):
     left: int
     right: int
-    chunk: int
-    softcap: float
-
-
-def parse_packed_options(options: str) -> PackedSettings:
-    """What ``packed_options`` wrote."""
-    items = parse_options(options)
-    if "window" not in items:
-        raise ValueError(f"packed attention options {options!r} lack window=")
-    left, right = items["window"].split(",")
-    return PackedSettings(int(left), int(right), int(items.get("chunk", 0)), float(items.get("softcap", 0.0)))
-
-
-def packed_settings(call: Call) -> PackedSettings:
-    return parse_packed_options(call.options)
+    chunk: int = 0
+    softcap: float = 0.0
 
 
 def bhsd(t: Tensor) -> Tensor:
@@ -194,7 +173,7 @@ def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int
 
 def _call_tiles(q: Tensor, k: Tensor, extra: list, units: Units, call: Call) -> tuple[tuple, float]:
     """(tiles, soft-cap) of one packed call, from its options."""
-    settings = packed_settings(call)
+    settings = call.settings
     return unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk), settings.softcap
 
 
@@ -205,6 +184,7 @@ PACKED_LAYOUT = "contiguous"
 
 class Packed(Kind):
     name = "packed"
+    settings = PackedSettings
     rank_order = True  # the per-document zigzag has no sequence order to restore
 
     def attend(self, q, k, v, extra, units: Units, call: Call):
@@ -225,7 +205,7 @@ class Packed(Kind):
         return tuple(bhsd(g) for g in grads) if heads_view else grads
 
     def agreed(self, call: Call) -> str:
-        return f"{packed_settings(call)} scale={call.scale!r}"
+        return f"{call.options} scale={call.scale!r}"
 
     def agree_extra(self, q, extra, call: Call) -> None:
         torch.ops.cp.agree_cu_seqlens(extra[0], call.group_name)

@@ -80,7 +80,7 @@ def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
     from ...kinds.base import Call
     from ...schedules.ring import ring_backward, ring_forward
 
-    call = Call("sdpa", (group_name_of(None),), p.causal, "zigzag", _scale(p), "")
+    call = Call("sdpa", (group_name_of(None),), p.causal, "zigzag", _scale(p))
 
     def step():
         with _stub_our_kernels() if stub else contextlib.nullcontext():
