@@ -20,7 +20,7 @@ commands and instruments (``python -m cp_compile ...``), which ``import cp_compi
 
 from . import registration  # noqa: F401  (first: every torch.ops.cp op, kind and schedule)
 from .calibrate import calibrate
-from .comm import count_traffic
+from .comm.traffic import count_traffic
 from .compiler.explain import explain
 from .cost.model import Machine
 from .eager import (

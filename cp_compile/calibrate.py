@@ -29,7 +29,7 @@ def _best_of(fn, repeats: int) -> float:
 
 def calibrate(plan, device=None, small: int = 1 << 10, large: int = 1 << 22, repeats: int = 3) -> Machine:
     """A ``Machine`` measured on ``plan``'s group: the same on every rank."""
-    from .comm import wait
+    from .comm.ring import wait
     from .kernels.block import block_attn_impl
 
     device = torch.device(

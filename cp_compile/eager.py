@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 from torch import Tensor
 
-from .comm import group_name_of, is_2d_mesh, mesh_groups, refuse_together, resolve_group
-from .kinds.base import Call, check_heads_and_lengths
+from .comm.agree import refuse_together
+from .comm.groups import group_name_of, is_2d_mesh, mesh_groups, resolve_group
+from .kinds.base import check_heads_and_lengths
+from .kinds.call import Call
 from .kinds.flex import FlexSettings, eager_mods
 from .kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
 from .schedules import HEAD_SCHEDULES, check_schedule_name, run_schedule, schedule_groups, softmax_scale

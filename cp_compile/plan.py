@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import every_rank, group_name_of, mesh_groups
+from .comm.agree import every_rank
+from .comm.groups import group_name_of, mesh_groups
 from .layout import Layout, layout_named
 from .layout.packed import Packed, check_cu_seqlens, packed_local_len
 from .torch_compat import resolve_process_group
@@ -181,6 +182,15 @@ class ContextParallel:
     @property
     def rank(self) -> int:
         return self.group.rank()
+
+    @property
+    def mesh_sizes(self) -> tuple[int, ...]:
+        """The (ring, all-to-all) sizes of a 2-D plan; () for a 1-D one."""
+        return tuple(resolve_process_group(name).size() for name in self.mesh_groups)
+
+    def groups(self, schedule: str) -> tuple[str, ...]:
+        """The group names ``schedule`` runs over: the plan's; the hybrid's the flattened mesh, ring, all-to-all."""
+        return (self.group_name, *self.mesh_groups) if schedule == "hybrid" else (self.group_name,)
 
     def __enter__(self) -> ContextParallel:
         """``with plan:`` makes this the active plan (``cp_compile.active_plan()``), e.g. for a
@@ -381,9 +391,7 @@ class ContextParallel:
         """
         from .compiler.backend import CPBackend
 
-        return CPBackend(
-            self.group_name, self.load_balance, inner, self.schedule, self.mesh_groups, self.machine, self.sharded_masks
-        )
+        return CPBackend(self, inner)
 
     def attention(
         self,
@@ -395,10 +403,9 @@ class ContextParallel:
         enable_gqa: bool = False,
     ) -> Tensor:
         """Eager CP attention over this plan's group and layout (the plan's schedule; ``auto``: the ring)."""
-        from .kinds.base import Call
-        from .schedules import run_schedule, schedule_groups, softmax_scale
+        from .kinds.call import Call
+        from .schedules import run_schedule, softmax_scale
 
         schedule = "ring" if self.schedule == "auto" else self.schedule
-        groups = schedule_groups((self.group_name, *self.mesh_groups), schedule)
-        call = Call("sdpa", groups, bool(is_causal), self.load_balance, softmax_scale(q, scale))
+        call = Call("sdpa", self.groups(schedule), bool(is_causal), self.load_balance, softmax_scale(q, scale))
         return run_schedule(schedule, q, k, v, [], call, enable_gqa)[0]

@@ -10,6 +10,6 @@ kind or schedule is one module plus its line here. (The collectives of ``comm`` 
 
 from .inference import cached  # noqa: F401  cp::cached_attention
 from .kernels import block, merge, triton_merge  # noqa: F401  cp::block_attn, cp::merge, cp::merge_
-from .kinds import flex, packed, sdpa  # noqa: F401  the kinds cp::attend dispatches to
+from .kinds import attend, flex, packed, sdpa  # noqa: F401  cp::attend (+ _backward) and the kinds it dispatches to
 from .mixers import gathered, halo, heads  # noqa: F401  cp::halo, cp::to_head_groups, cp::gather_sequence, ...
 from .schedules import allgather, hybrid, ring, ulysses  # noqa: F401  cp::<schedule>_attention (+ _backward)

@@ -191,7 +191,7 @@ def compiled_parity(inner: str):
     out.backward(plan.shard(do, 2))
     errs = [max_err(out, plan.shard(attention(q, k, v), 2))]
     errs += [max_err(a.grad, plan.shard(b.grad, 2)) for a, b in zip(local, ref_inputs)]
-    schedules = [s.decision["schedule"] for r in backend.records for s in r.sites]
+    schedules = [s.decision.schedule for r in backend.records for s in r.sites]
     return errs, schedules, sum(counters["graph_break"].values())
 
 

@@ -146,7 +146,8 @@ def test_gathered_block_matches_dense_fp64(monkeypatch, one_call, layout, is_cau
     """A rank's queries against every rank's keys (the all-gather schedule's one attend): out, lse, dQ and the
     rank's share of the full-length dK/dV, whether the block runs as one masked call or in tiles."""
     from cp_compile.kinds import sdpa
-    from cp_compile.kinds.base import GATHERED, Call, Units
+    from cp_compile.kinds.base import GATHERED, Units
+    from cp_compile.kinds.call import Call
     from cp_compile.layout import layout_named
 
     if not one_call:

@@ -316,7 +316,7 @@ def prefill_parity(grad_mode: str):
     from torch._dynamo.utils import counters
 
     import cp_compile
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
     from cp_compile.tools.llama import Llama, LlamaConfig
 
     torch._dynamo.reset()

@@ -208,18 +208,15 @@ def test_packed_facts_come_from_cu_seqlens_or_say_they_do_not():
 def capture_sites(fn, args, plan):
     """Stage 1 only, on the graph Dynamo captures: the rewritten sites (the compiled function returns zeros,
     so nothing runs on the fake process group)."""
-    from cp_compile.compiler.rewrite import CPOptions, rewrite_attention
+    from cp_compile.compiler.rewrite import rewrite_attention
 
-    options = CPOptions(
-        plan.group_name, plan.load_balance, plan.schedule, plan.mesh_groups, plan.machine, plan.sharded_masks
-    )
     sites = []
 
     def backend(gm, example_inputs):
         from torch.fx.experimental.symbolic_shapes import optimization_hint
 
         outputs = [n.meta["example_value"] for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
-        sites.extend(rewrite_attention(gm, options))
+        sites.extend(rewrite_attention(gm, plan))
         shapes = [[int(optimization_hint(d)) for d in o.shape] for o in outputs]  # packed sizes are dynamic
         return lambda *a: tuple(torch.zeros(shape, dtype=o.dtype) for shape, o in zip(shapes, outputs))
 

@@ -131,7 +131,7 @@ def test_eager_fp64_forward_backward(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_empty_blocks_skipped_with_identical_collectives(ranks, world_size):
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     results = ranks(world_size, run_flex_eager, "empty-blocks", "ring")
     for result in results:
@@ -222,7 +222,7 @@ def run_flex_compiled(inner: str, case: str, dtype_name: str = "float64", checkp
         "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
         "single_err": [max_err(single, ref[0]), max_err(single_lse, ref[1])],
         "graph_breaks": sum(counters["graph_break"].values()),
-        "sites": [(s.pattern, s.location, s.decision["schedule"]) for r in backend.records for s in r.sites],
+        "sites": [(s.pattern, s.location, s.decision.schedule) for r in backend.records for s in r.sites],
         "listing": [x for r in backend.records for x in r.schedules],
         "explained": [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites],
     }

@@ -129,7 +129,7 @@ def hf_parity(arch: str, runs: list):
                 "grads": grad_err,
             }
         )
-    sites = [(s.pattern, s.decision.get("window")) for b in backends for r in b.records for s in r.sites]
+    sites = [(s.pattern, s.decision.schedule) for b in backends for r in b.records for s in r.sites]
     return results, sum(counters["graph_break"].values()), sites, [len(b.records) for b in backends]
 
 

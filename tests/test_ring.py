@@ -63,7 +63,7 @@ def test_low_precision_within_twice_single_device_error(ranks, world_size, dtype
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_transfers_are_exactly_the_designed_ones(ranks, world_size):
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for result in ranks(world_size, run_ring, 1, 2, 2, 6, 8, True, "zigzag"):
         kv = result["kv_bytes"]  # k + v of one rank, fp64 (also the dK/dV accumulator dtype)

@@ -53,7 +53,7 @@ def checkpointed_traffic(mode: str, compiled: bool, inner: str = "aot_eager", bu
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_sac_backward_sends_no_forward_ring(ranks, world_size, compiled):
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(world_size, checkpointed_traffic, "sac", compiled, timeout=300):
         assert err < 1e-10
@@ -63,7 +63,7 @@ def test_sac_backward_sends_no_forward_ring(ranks, world_size, compiled):
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_plain_checkpoint_compiled_does_not_rerun_the_ring(ranks, inner):
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_traffic, "plain", True, inner, timeout=600):
         assert err < 1e-10
@@ -74,7 +74,7 @@ def test_plain_checkpoint_compiled_does_not_rerun_the_ring(ranks, inner):
 def test_activation_memory_budget_never_recomputes_the_ring(ranks, budget):
     """Under a budget the min-cut partitioner ignores MUST_SAVE tags (budget 0 saves only inputs);
     the CP partitioner splits again with the CP outputs saved."""
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_traffic, "none", True, "inductor", budget, timeout=600):
         assert err < 1e-10
@@ -83,7 +83,7 @@ def test_activation_memory_budget_never_recomputes_the_ring(ranks, budget):
 
 def test_plain_checkpoint_reruns_the_ring_in_eager_mode(ranks):
     """Documented: without a policy, eager checkpoint recomputes the forward, ring included."""
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_traffic, "plain", False):
         assert err < 1e-10

@@ -344,7 +344,7 @@ def titan_fsdp_sac_fp64_case():
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     import cp_compile
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     model = titan_llama("flex")
     for block in model.layers.values():  # causal over the whole sequence, fp64 on CPU

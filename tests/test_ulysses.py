@@ -164,8 +164,8 @@ def compiled_parity(inner, schedule, mesh=None, heads=(4, 2), bandwidth_bound=Fa
     return {
         "errs": errs,
         "graph_breaks": sum(counters["graph_break"].values()),
-        "choices": [(s.decision["schedule"], s.decision["why"]) for s in sites],
-        "estimates": [[e.row() for e in s.decision["estimates"]] for s in sites],
+        "choices": [(s.decision.schedule, s.decision.why) for s in sites],
+        "estimates": [[e.row() for e in s.decision.estimates] for s in sites],
         "listings": [listing for r in backend.records for listing in r.schedules],
     }
 

@@ -176,7 +176,7 @@ def run_flex_compiled_ulysses(mesh=None):
     return {
         "err": [max_err(out / 2, plan.shard(ref[0], 2)), max_err(lse, plan.shard(ref[1], 2))],
         "graph_breaks": sum(counters["graph_break"].values()),
-        "schedules": [s.decision["schedule"] for r in backend.records for s in r.sites],
+        "schedules": [s.decision.schedule for r in backend.records for s in r.sites],
         "listings": [listing for r in backend.records for listing in r.schedules],
         "forward_all_to_alls": all_to_alls(backend, "forward"),
     }
@@ -305,7 +305,7 @@ def compiled_ulysses_varlen(mesh=None):
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
     return {
         "errs": errs,
-        "decisions": [(s.pattern, s.decision["schedule"]) for r in backend.records for s in r.sites],
+        "decisions": [(s.pattern, s.decision.schedule) for r in backend.records for s in r.sites],
         "graph_breaks": sum(counters["graph_break"].values()),
         "all_to_alls": (all_to_alls(backend, "forward"), all_to_alls(backend, "backward")),
         "listings": [listing for r in backend.records for listing in r.schedules],
@@ -411,7 +411,7 @@ def test_backward_moves_only_gradients(ranks, world_size, mesh):
     and dq, dk, dv out (4), plus dlse in when lse is differentiated (5): the head-sharded q, k, v,
     out and lse are kept from the forward, never exchanged again. On the hybrid mesh the backward's
     ring is the K/V ring's own: K/V R-1 times, dK/dV R times."""
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for per_case in ranks(world_size, backward_traffic, mesh, timeout=300):
         for name, result in per_case.items():
@@ -491,7 +491,7 @@ def opcheck_hybrid_ops():
     from torch.distributed.device_mesh import init_device_mesh
 
     import cp_compile
-    from cp_compile.comm import mesh_groups
+    from cp_compile.comm.groups import mesh_groups
     from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
     from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
@@ -522,7 +522,7 @@ def opcheck_hybrid_ops():
 def flex_hybrid_opcheck_cases(plan, mesh):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_compile.comm import mesh_groups
+    from cp_compile.comm.groups import mesh_groups
     from cp_compile.kinds.flex import FlexSettings, eager_mods
 
     flat, ring, a2a = mesh_groups(mesh)

@@ -330,7 +330,7 @@ def compiled_varlen(inner: str):
         and max_err(lse.t()[real], ref_lse[real]) < 1e-5
     )
     errs += [max_err(a.grad, plan.shard(b.grad, 0, cu_seqlens=cu)) for a, b in zip(local, ref_inputs)]
-    decisions = [(s.pattern, s.decision["schedule"], s.decision["why"]) for r in backend.records for s in r.sites]
+    decisions = [(s.pattern, s.decision.schedule, s.decision.why) for r in backend.records for s in r.sites]
     from cp_compile.compiler.explain import site_report
 
     reports = [str(site_report(s, plan.world_size)) for r in backend.records for s in r.sites]
@@ -435,7 +435,7 @@ def checkpointed_varlen(mode: str, compiled: bool):
 
 @pytest.mark.parametrize("mode,compiled", [("sac", False), ("sac", True), ("plain", True)])
 def test_varlen_under_checkpoint_never_reruns_the_ring(ranks, mode, compiled):
-    from cp_compile.comm import TAG_DKV, TAG_KV
+    from cp_compile.comm.ring import TAG_DKV, TAG_KV
 
     for by_tag, err in ranks(2, checkpointed_varlen, mode, compiled, timeout=300):
         assert err < 1e-10

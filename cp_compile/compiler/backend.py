@@ -14,7 +14,6 @@ the partitioned forward and backward graphs (``compiler.expand``):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
@@ -24,12 +23,11 @@ from pathlib import Path
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..comm import resolve_group
 from .expand import Expansion, expand_cp_ops
 from .mixer_sites import MixerReport, find_mixers
 from .order import pin_overlap_order, schedule_listing
 from .partition import CPPartitioner, save_cp_outputs
-from .rewrite import AttentionSite, CPOptions, rewrite_attention
+from .rewrite import AttentionSite, rewrite_attention
 
 INNER_COMPILERS = ("inductor", "aot_eager")
 
@@ -54,16 +52,15 @@ class CompileRecord:
     mixers: list[MixerReport] = field(default_factory=list)  # convolution halos and scan exchanges
 
 
-def _plan_key(options: CPOptions) -> tuple:
+def _plan_key(plan) -> tuple:
     """What, besides the graph and our code, decides the compiled result.
 
     The graph holds the group's name but not its size, and the same local
     shapes at C=2 and C=4 give the same captured graph; the expansion (C ring
     steps) differs. Every cache key of ours therefore carries C (and the mesh's sizes).
     """
-    size = resolve_group(options.group_name).size()
-    settings = tuple(getattr(options, f.name) for f in dataclasses.fields(options) if f.compare)
-    return (*settings, size, options.mesh_sizes, _source_hash())
+    settings = (plan.group_name, plan.load_balance, plan.schedule, tuple(plan.mesh_groups), plan.machine)
+    return (*settings, plan.world_size, plan.mesh_sizes, _source_hash())
 
 
 class _ExpandPass(CustomGraphPass):
@@ -105,24 +102,10 @@ class _PinPass(CustomGraphPass):
 class CPBackend:
     """A ``torch.compile`` backend that turns attention into CP schedules."""
 
-    def __init__(
-        self,
-        group_name: str,
-        layout: str,
-        inner: str = "inductor",
-        schedule: str = "auto",
-        mesh_groups: tuple = (),
-        machine=None,
-        sharded_masks: dict | None = None,
-    ):
-        from ..cost.model import check_schedule
-
+    def __init__(self, plan, inner: str = "inductor"):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; expected one of {INNER_COMPILERS}")
-        check_schedule(schedule)
-        self.options = CPOptions(
-            group_name, layout, schedule, tuple(mesh_groups), machine, {} if sharded_masks is None else sharded_masks
-        )
+        self.plan = plan  # the ``ContextParallel`` whose group, layout, schedule and machine the passes read
         self.inner = inner
         self.records: list[CompileRecord] = []
 
@@ -136,7 +119,7 @@ class CPBackend:
         """
         from .explain import ExplainReport, site_report
 
-        world_size = resolve_group(self.options.group_name).size()
+        world_size = self.plan.world_size
         report = ExplainReport(graphs=len(self.records))
         for record in self.records:
             report.sites += [site_report(site, world_size) for site in record.sites]
@@ -153,12 +136,12 @@ class CPBackend:
         return compiled
 
     def _compile(self, gm: fx.GraphModule, example_inputs, record: CompileRecord) -> Callable:
-        record.sites = rewrite_attention(gm, self.options)
-        record.mixers = find_mixers(gm, resolve_group(self.options.group_name).size())
+        record.sites = rewrite_attention(gm, self.plan)
+        record.mixers = find_mixers(gm, self.plan.world_size)
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            key = _plan_key(self.options)
+            key = _plan_key(self.plan)
             patches = {
                 "joint_custom_pre_pass": _SaveCPOutputsPass(key),
                 "post_grad_custom_pre_pass": _ExpandPass(record, key),

@@ -1,16 +1,16 @@
 """The cost model's view of a compiled site: the workload and the mask facts read off the graph node, then
 ``cost`` chooses (the same choice eager calls make from their tensors).
 
-``choose_schedule(site, options)`` is what each site pattern's rewrite asks; the estimates land in
-``site.decision`` for ``explain``.
+``choose_schedule(site, plan, is_causal)`` is what each site pattern's rewrite asks: its ``Decision`` becomes
+``site.decision``, for ``explain``.
 """
 
 from __future__ import annotations
 
-from ..comm import resolve_group
+from ..comm.groups import resolve_group
 from ..cost.masked import choose_masked, flex_facts, packed_facts
 from ..cost.model import Estimate, Machine, Workload, check_schedule, decide, machine_for
-from .site import _example
+from .site import Decision, _example
 
 
 def visible_fraction(site, seq_len: int) -> float:
@@ -25,9 +25,9 @@ def _needs_backward(site) -> bool:
     return any(getattr(_example(site.args[n]), "requires_grad", False) for n in ("query", "key", "value"))
 
 
-def workload(site, options) -> Workload:
+def workload(site, plan) -> Workload:
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
-    c = resolve_group(options.group_name).size()
+    c = resolve_group(plan.group_name).size()
     return (
         Workload(
             batch=q[0],
@@ -41,17 +41,17 @@ def workload(site, options) -> Workload:
             visible=visible_fraction(site, q[2] * c),
             causal=bool(site.args.get("is_causal")),
             backward=_needs_backward(site),
-            mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
+            mesh=plan.mesh_sizes,
         )
         if _example(site.query) is not None
         else None
     )
 
 
-def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimate]]:
+def choose_site(site, plan, machine: Machine) -> tuple[str, str, list[Estimate]]:
     """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
 
-    c = resolve_group(options.group_name).size()
+    c = resolve_group(plan.group_name).size()
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     if site.pattern == "varlen":
@@ -59,7 +59,7 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
     else:
         has_mask = bool(site.args["mask_mod_buffers"])
-        facts = flex_facts(options.sharded_masks.get((q[2], c)) if has_mask else None, has_mask, q[2], c)
+        facts = flex_facts(plan.sharded_masks.get((q[2], c)) if has_mask else None, has_mask, q[2], c)
         causal = False
     return choose_masked(
         "packed" if site.pattern == "varlen" else "flex",
@@ -72,21 +72,19 @@ def choose_site(site, options, machine: Machine) -> tuple[str, str, list[Estimat
         causal=causal,
         backward=_needs_backward(site),
         machine=machine,
-        mesh=tuple(getattr(options, "mesh_sizes", ()) or ()),
-        schedule=options.schedule,
+        mesh=plan.mesh_sizes,
+        schedule=plan.schedule,
         where=site.source,
     )
 
 
-def choose_schedule(site, options) -> tuple[str, str]:
-    """(schedule, reason) for ``site`` under the plan's ``options``; the estimates land in ``site.decision``."""
-    check_schedule(options.schedule)
+def choose_schedule(site, plan, is_causal: bool) -> Decision:
+    """The schedule for ``site`` under ``plan``, why, and the estimates behind the choice."""
+    check_schedule(plan.schedule)
     example = _example(site.query)
-    machine = machine_for(options, example.device.type if example is not None else "cpu")
+    machine = machine_for(plan, example.device.type if example is not None else "cpu")
     if site.pattern in ("varlen", "flex"):
-        schedule, why, estimates = choose_site(site, options, machine)
+        schedule, why, estimates = choose_site(site, plan, machine)
     else:
-        schedule, why, estimates = decide(workload(site, options), machine, options.schedule, None, site.source)
-    site.decision["estimates"] = estimates
-    site.decision["machine"] = machine
-    return schedule, why
+        schedule, why, estimates = decide(workload(site, plan), machine, plan.schedule, None, site.source)
+    return Decision(schedule, why, is_causal, tuple(estimates), machine)

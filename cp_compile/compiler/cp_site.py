@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from ..kinds.base import Call
+from ..kinds.call import Call
 from ..schedules.registry import FORWARD_OPS
-from .site import AttentionSite, CPOptions, SitePattern
+from .site import AttentionSite, Decision, SitePattern
 
 
 def _match_cp(node: fx.Node) -> Optional[dict[str, Any]]:
@@ -44,22 +44,14 @@ def _check_cp(site: AttentionSite) -> None:
     """The op checks its own arguments, on every rank, when it runs."""
 
 
-def _record_cp(site: AttentionSite, options: CPOptions) -> None:
+def _record_cp(site: AttentionSite, plan) -> None:
     args = site.args
-    options = "" if args["settings"] is None else args["settings"].encode()
-    detail = f"{args['kind']} kind" + (f", {options}" if options else "")
+    encoded = "" if args["settings"] is None else args["settings"].encode()
+    detail = f"{args['kind']} kind" + (f", {encoded}" if encoded else "")
     causal = bool(args["is_causal"])
     if args["kind"] == "packed":  # the packed kind is causal through its window
         causal = args["settings"].right == 0
-    site.decision.update(
-        {
-            "schedule": args["schedule"],
-            "why": f"called as a CP op ({detail})",
-            "is_causal": causal,
-            "scale": args["scale"],
-            "enable_gqa": args["enable_gqa"],
-        }
-    )
+    site.decision = Decision(args["schedule"], f"called as a CP op ({detail})", causal)
 
 
 CP_PATTERN = SitePattern("cp", _match_cp, _check_cp, _record_cp)

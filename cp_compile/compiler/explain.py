@@ -20,6 +20,7 @@ import torch
 
 from ..cost.model import fmt_bytes as _fmt_bytes
 from ..kernels.merge import acc_dtype
+from .site import Decision
 
 
 @dataclass
@@ -142,16 +143,17 @@ def site_report(site, world_size: int) -> SiteReport:
     forward = (2 * kv_bytes if world_size > 1 else kv_bytes) + out_acc + lse + partial
     # backward: current + incoming K/V, travelling dK/dV (mine + incoming), dQ accumulator, one step's grads
     backward = 2 * kv_bytes + 2 * dkv_bytes + _nbytes(q_shape, acc) + q_bytes + kv_bytes
-    if site.decision.get("schedule") == "allgather":
+    decision = site.decision or Decision("?", "", bool(site.args["is_causal"]))
+    if decision.schedule == "allgather":
         # gathered K/V, out and lse; backward: gathered K/V, full-length fp32 dK/dV, dQ
         forward = world_size * kv_bytes + out_acc + lse
         backward = world_size * (kv_bytes + dkv_bytes) + _nbytes(q_shape, acc)
     return SiteReport(
         source=site.source,
         location=site.location,
-        schedule=site.decision.get("schedule", "?"),
-        why=site.decision.get("why", ""),
-        is_causal=bool(site.decision.get("is_causal", site.args["is_causal"])),
+        schedule=decision.schedule,
+        why=decision.why,
+        is_causal=decision.is_causal,
         q_shape=q_shape,
         kv_shape=k_shape,
         dtype=str(dtype).replace("torch.", ""),
@@ -160,8 +162,8 @@ def site_report(site, world_size: int) -> SiteReport:
         backward_bytes_per_step=kv_bytes + dkv_bytes,
         forward_memory_q_units=forward / q_bytes,
         backward_memory_q_units=backward / q_bytes,
-        candidates=list(site.decision.get("estimates", [])),
-        machine=site.decision.get("machine"),
+        candidates=list(decision.estimates),
+        machine=decision.machine,
     )
 
 

@@ -21,11 +21,11 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.base import Call
+from ..kinds.call import Call
 from ..kinds.flex import FlexSettings
 from ..layout.blockmask import HEADER, Mods
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SitePattern, _example, constant, insert_schedule, traced_value
+from .site import AttentionSite, SitePattern, _example, constant, insert_schedule, traced_value
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = (
@@ -112,7 +112,7 @@ def _mods_node(site: AttentionSite, mods: Mods) -> fx.Node:
         return owner.graph.create_node("get_attr", name)
 
 
-def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
+def _rewrite_flex(site: AttentionSite, plan) -> None:
     args = site.args
     block_mask = args["block_mask"]
     mask_gm, score_gm = _submodule(site, block_mask[-1]), _submodule(site, args["score_mod"])
@@ -121,10 +121,11 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
     score = None if _is_identity_score(score_gm) else score_gm
     mods = _mods_node(site, Mods(mask, score, len(mask_buffers)))
     mask_b, mask_h = _example(block_mask[2]).shape[:2]
-    schedule, why = choose_schedule(site, options)
+    site.decision = choose_schedule(site, plan, False)
+    schedule = site.decision.schedule
     scale = float(constant(args["scale"]))
     enable_gqa = site.shape("query")[1] != site.shape("key")[1]
-    call = Call("flex", options.groups(schedule), False, options.layout, scale, FlexSettings(mask_b, mask_h), mods)
+    call = Call("flex", plan.groups(schedule), False, plan.load_balance, scale, FlexSettings(mask_b, mask_h), mods)
     buffers = mask_buffers + score_buffers
     _, out, lse = insert_schedule(site, schedule, args["query"], args["key"], args["value"], buffers, call, enable_gqa)
     graph = site.owner.graph
@@ -144,7 +145,6 @@ def _rewrite_flex(site: AttentionSite, options: CPOptions) -> None:
         if not attr.users:
             graph.erase_node(attr)
     site.args = {**args, "is_causal": False, "enable_gqa": enable_gqa}
-    site.decision.update({"schedule": schedule, "why": why, "is_causal": False, "scale": scale})
 
 
 FLEX_PATTERN = SitePattern("flex", _match_flex, _check_flex, _rewrite_flex)

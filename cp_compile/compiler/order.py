@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
-from ..kinds.base import listing_name
+from ..kinds.attend import listing_name
 from ..schedules.registry import COMPUTE_OPS
 
 cp = torch.ops.cp

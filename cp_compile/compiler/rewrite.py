@@ -25,7 +25,7 @@ import torch.fx as fx
 from .cp_site import CP_PATTERN
 from .flex_site import FLEX_PATTERN
 from .sdpa_site import SDPA_PATTERN
-from .site import AttentionSite, CPOptions, SitePattern, _graph_modules
+from .site import AttentionSite, SitePattern, _graph_modules
 from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_PATTERN
 
@@ -56,14 +56,14 @@ def check_site(site: AttentionSite) -> None:
     handler(site).check(site)
 
 
-def rewrite_attention(gm: fx.GraphModule, options: CPOptions) -> list[AttentionSite]:
+def rewrite_attention(gm: fx.GraphModule, plan) -> list[AttentionSite]:
     """Stage 1 over a whole Dynamo graph module (HOP bodies included)."""
     strip_unrewritten(gm)  # the markers the plan's guard put in front of the calls rewritten here
     sites = find_sites(gm)
     for site in sites:
         check_site(site)
     for site in sites:
-        handler(site).rewrite(site, options)
+        handler(site).rewrite(site, plan)
     touched = {id(s.owner): s.owner for s in sites}
     for module in touched.values():
         module.graph.lint()

@@ -14,9 +14,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import UnsupportedAttention
-from ..kinds.base import Call
+from ..kinds.call import Call
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
+from .site import AttentionSite, SitePattern, constant, insert_schedule
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -65,27 +65,19 @@ def _check_sdpa(site: AttentionSite) -> None:
         )
 
 
-def _rewrite_sdpa(site: AttentionSite, options: CPOptions) -> None:
+def _rewrite_sdpa(site: AttentionSite, plan) -> None:
     """Replace the SDPA node with the chosen schedule's CP op."""
     args = site.args
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
-    schedule, why = choose_schedule(site, options)
-    call = Call("sdpa", options.groups(schedule), bool(args["is_causal"]), options.layout, scale)
+    site.decision = choose_schedule(site, plan, bool(args["is_causal"]))
+    schedule = site.decision.schedule
+    call = Call("sdpa", plan.groups(schedule), bool(args["is_causal"]), plan.load_balance, scale)
     _, out = insert_schedule(
         site, schedule, args["query"], args["key"], args["value"], [], call, args["enable_gqa"], outputs_used=1
     )
     site.node.replace_all_uses_with(out)
     site.owner.graph.erase_node(site.node)
-    site.decision.update(
-        {  # keeps the cost model's estimates
-            "schedule": schedule,
-            "why": why,
-            "is_causal": bool(args["is_causal"]),
-            "scale": scale,
-            "enable_gqa": bool(args["enable_gqa"]),
-        }
-    )
 
 
 def _match_sdpa(node: fx.Node) -> Optional[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""What Stage 1 works with: an attention call found in a graph, the plan's options, one pattern of call.
+"""What Stage 1 works with: an attention call found in a graph, what the rewrite decided, one pattern of call.
 
 ``SitePattern``s (``sdpa_site``, ``flex_site``, ``varlen_site``) match, check and
 rewrite their op; ``insert_schedule`` is the rewrite they share: the chosen
@@ -9,39 +9,28 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
-from ..comm import resolve_group
 from ..errors import UnsupportedAttention
-from ..kinds.base import Call
+from ..kinds.call import Call
 from ..schedules import whole_op
 
 
 @dataclass(frozen=True)
-class CPOptions:
-    """What the plan tells the passes: the same on every rank."""
+class Decision:
+    """What the rewrite chose for a site, for ``explain``: the schedule and why, whether the call is causal (the
+    packed kind's through its window), and the cost model's estimates and the machine they assume."""
 
-    group_name: str
-    layout: str
-    schedule: str = "auto"  # "auto" or a schedule name forced for every site
-    mesh_groups: tuple = ()  # (ring group, all-to-all group) of a 2-D plan, for the hybrid schedule
-    machine: Any = None  # cost.model.Machine the cost model assumes; None: defaults for the device
-    # the plan's record of the BlockMasks it sharded, by (local length, C) (``ContextParallel.sharded_masks``);
-    # read when a flex site is costed, so not part of what compares or keys a compiled graph
-    sharded_masks: Mapping = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def mesh_sizes(self) -> tuple:
-        return tuple(resolve_group(g).size() for g in self.mesh_groups)
-
-    def groups(self, schedule: str) -> tuple[str, ...]:
-        """The group names ``schedule`` runs over (the hybrid's: the flattened mesh, ring, all-to-all)."""
-        return (self.group_name, *self.mesh_groups) if schedule == "hybrid" else (self.group_name,)
+    schedule: str
+    why: str
+    is_causal: bool = False
+    estimates: tuple = ()  # ``cost.model.Estimate`` per schedule considered
+    machine: Any = None
 
 
 @dataclass
@@ -53,7 +42,7 @@ class AttentionSite:
     node: fx.Node
     args: dict[str, Any]  # SDPA arguments by name
     pattern: str = "sdpa"  # the site pattern that matched it (``SitePattern.name``)
-    decision: dict = field(default_factory=dict)  # filled by the rewrite: schedule and why
+    decision: Optional[Decision] = None  # the rewrite's
 
     @property
     def query(self) -> fx.Node:
@@ -176,4 +165,4 @@ class SitePattern:
     name: str
     match: Callable[[fx.Node], Optional[dict[str, Any]]]  # the call's arguments by name, or None
     check: Callable[[AttentionSite], None]
-    rewrite: Callable[[AttentionSite, CPOptions], None]
+    rewrite: Callable[[AttentionSite, Any], None]  # given the site and the plan (``ContextParallel``)

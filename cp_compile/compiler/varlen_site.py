@@ -27,11 +27,11 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedAttention
-from ..kinds.base import Call
+from ..kinds.call import Call
 from ..kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .choose import choose_schedule
-from .site import AttentionSite, CPOptions, SitePattern, constant, insert_schedule
+from .site import AttentionSite, SitePattern, constant, insert_schedule
 
 
 @functools.cache
@@ -83,19 +83,20 @@ def _check_varlen(site: AttentionSite) -> None:
     args["window_left"], args["window_right"] = window_of(window, bool(args["is_causal"]))
 
 
-def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
+def _rewrite_varlen(site: AttentionSite, plan) -> None:
     args = site.args
-    schedule, why = choose_schedule(site, options)
+    left, right = args["window_left"], args["window_right"]
+    site.decision = choose_schedule(site, plan, right == 0)
+    schedule = site.decision.schedule
     head_dim = site.shape("query")[-1]
     scale = float(args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(head_dim))
-    left, right = args["window_left"], args["window_right"]
     graph = site.owner.graph
     qkv = [args[name] for name in ("query", "key", "value")]
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: the packed tensors as [1, H, T, D] views
     if heads:
         with graph.inserting_before(site.node):
             qkv = [graph.call_function(bhsd, (t,)) for t in qkv]
-    call = Call("packed", options.groups(schedule), False, PACKED_LAYOUT, scale, PackedSettings(left, right))
+    call = Call("packed", plan.groups(schedule), False, PACKED_LAYOUT, scale, PackedSettings(left, right))
     _, out, lse = insert_schedule(site, schedule, *qkv, [args["cu_seq_q"]], call, args["enable_gqa"])
     if heads:
         with graph.inserting_before(site.node):
@@ -111,16 +112,6 @@ def _rewrite_varlen(site: AttentionSite, options: CPOptions) -> None:
             user.replace_all_uses_with(lse_ht)
         graph.erase_node(user)
     graph.erase_node(site.node)
-    site.decision.update(
-        {
-            "schedule": schedule,
-            "why": why,
-            "is_causal": right == 0,
-            "scale": scale,
-            "enable_gqa": bool(args["enable_gqa"]),
-            "window": (left, right),
-        }
-    )
 
 
 VARLEN_PATTERN = SitePattern("varlen", _match_varlen, _check_varlen, _rewrite_varlen)

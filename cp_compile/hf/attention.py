@@ -65,7 +65,7 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from ..comm import refuse_together
+from ..comm.agree import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import CachedSettings
 from ..inference.hf_cache import (

@@ -30,7 +30,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
 from transformers.utils import ModelOutput
 
-from ..comm import every_rank, refuse_together, resolve_group
+from ..comm.agree import every_rank, refuse_together
+from ..comm.groups import resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import mixers_over_the_whole_sequence, set_aside
 from ..inference.hf_cache import (

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..comm import resolve_group
 from ..comm.gather import gather_dim0
+from ..comm.groups import resolve_group
 from ..kernels.masked import positions_attn
 from ..kernels.merge import acc_dtype, pivot
-from ..kinds.base import Settings
+from ..kinds.call import Settings
 
 
 @dataclass(frozen=True)

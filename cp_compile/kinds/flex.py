@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..comm import open_count
+from ..comm.traffic import open_count
 from ..kernels.merge import acc_dtype, pivot
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, Mods, shard_info
 from ..torch_compat import flex_index_helpers
-from .base import Call, Kind, Settings, Units, check_heads_and_lengths, register_kind
+from .base import Kind, Units, check_heads_and_lengths, register_kind
+from .call import Call, Settings
 
 # ----------------------------------------------------------------------------
 # Counting the work: (query chunk, key chunk) pairs computed and skipped.

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..comm.groups import resolve_group
 from ..kernels.block import dense_like
 from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from ..layout.packed import (
@@ -49,7 +49,8 @@ from ..layout.packed import (
     sequence_permutation,
     sequence_segments,
 )
-from .base import Call, Kind, Settings, Units, register_kind
+from .base import Kind, Units, register_kind
+from .call import Call, Settings
 
 
 @functools.lru_cache(maxsize=64)

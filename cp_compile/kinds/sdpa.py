@@ -39,7 +39,8 @@ from ..kernels.block import (
 from ..kernels.masked import all_finite, fused_masked_attn, fused_masked_attn_backward, fused_masked_ready
 from ..kernels.merge import acc_dtype
 from ..layout import DIAGONAL, FULL, KV_FIRST_HALF, Q_SECOND_HALF, layout_named
-from .base import GATHERED, Call, Kind, Units, check_heads_and_lengths, register_kind
+from .base import GATHERED, Kind, Units, check_heads_and_lengths, register_kind
+from .call import Call
 
 
 def ring_section(is_causal: bool, layout: str, rank: int, source: int) -> str:

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..comm.groups import resolve_group
 from . import Sharding
 from .heads import _in_global_order, _in_rank_order, rank_slice
 

@@ -29,8 +29,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..comm.groups import resolve_group
 from ..layout.runs import Chunk, _key, chunk_count, chunks
 from . import Sharding
 

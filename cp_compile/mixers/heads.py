@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..comm import resolve_group
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
+from ..comm.groups import resolve_group
 from ..layout.runs import sequence_order
 
 _fc = torch.ops._c10d_functional

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..comm import resolve_group
+from ..comm.groups import resolve_group
 from ..kernels.sparse import picked_attention
 from . import Sharding
 from .gathered import gather_sequence

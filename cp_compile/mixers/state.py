@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..comm import resolve_group
+from ..comm.groups import resolve_group
 from ..layout.runs import chunks
 from . import Sharding, SideBySide
 from .heads import gather_groups, rank_slice

@@ -7,7 +7,7 @@ is one module here, imported by ``cp_compile.registration``, plus its name in ``
 cost model's estimate in ``cost.model``, and its group arguments in
 ``whole_op``).
 
-``whole_op`` names a schedule's op and ``run_schedule`` calls it with a ``kinds.base.Call``: the eager API, the plan's
+``whole_op`` names a schedule's op and ``run_schedule`` calls it with a ``kinds.call.Call``: the eager API, the plan's
 ``attention`` and the Hugging Face integration run schedules through them.
 
 The decode schedule outside that family (queries every rank holds against a KV
@@ -21,8 +21,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from ..comm import group_name_of, mesh_groups
-from ..kinds.base import Call
+from ..comm.groups import group_name_of, mesh_groups
+from ..kinds.call import Call
 
 SCHEDULES = ("ring", "allgather", "ulysses", "hybrid")
 HEAD_SCHEDULES = ("ulysses", "hybrid")

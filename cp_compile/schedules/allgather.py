@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kinds.base import GATHERED, Call, kind_entry
+from ..kinds.base import GATHERED, kind_entry
+from ..kinds.call import Call
 from .whole import sequence_schedule
 
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..comm.exchange import check_heads
-from ..kinds.base import Call, kind_entry
+from ..kinds.base import kind_entry
+from ..kinds.call import Call
 from .ring import ring_over_units, ring_over_units_backward
 from .ulysses import exchange_backward, exchange_forward
 from .whole import heads_schedule, world_size_of

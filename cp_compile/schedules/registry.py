@@ -9,7 +9,7 @@ Stage 2 replaces by tracing the schedule's Python functions
 - which forward ops' outputs must be saved for backward (never recomputed);
 - which per-step compute ops communication should overlap with (every
   schedule's are ``cp::attend`` / ``cp::attend_backward``; the listing in
-  ``explain`` names them with ``kinds.base.listing_name``).
+  ``explain`` names them with ``kinds.attend.listing_name``).
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..comm import TAG_DKV, TAG_KV, first_hop_buffers, wait
+from ..comm.ring import TAG_DKV, TAG_KV, first_hop_buffers, wait
 from ..kernels.merge import acc_dtype, start_accumulator
-from ..kinds.base import Call, kind_entry
+from ..kinds.base import kind_entry
+from ..kinds.call import Call
 from .whole import sequence_schedule, world_size_of
 
 

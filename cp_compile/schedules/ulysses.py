@@ -34,7 +34,8 @@ from torch import Tensor
 
 from ..comm.exchange import check_heads, heads_to_seq, replicate_kv_heads, seq_to_heads
 from ..kernels.merge import acc_dtype
-from ..kinds.base import WHOLE, Call, kind_entry
+from ..kinds.base import WHOLE, kind_entry
+from ..kinds.call import Call
 from .whole import heads_schedule, world_size_of
 
 

@@ -32,10 +32,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm import resolve_group
 from ..comm.exchange import replicate_kv_heads
+from ..comm.groups import resolve_group
 from ..kernels.block import dense_like, result_like
-from ..kinds.base import MODS_SCHEMA, Call, kind_entry
+from ..kinds.base import kind_entry
+from ..kinds.call import MODS_SCHEMA, Call
 from .registry import Traceable, register_schedule
 
 _SETTINGS = "bool is_causal, str layout, float scale"

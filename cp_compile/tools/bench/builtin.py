@@ -76,8 +76,8 @@ def _stub_our_kernels():
 
 def _ours_traced_setup(p: Problem, x: Inputs, stub: bool):
     """The eager schedule called as plain Python, so OpTracer sees each step's ops."""
-    from ...comm import group_name_of
-    from ...kinds.base import Call
+    from ...comm.groups import group_name_of
+    from ...kinds.call import Call
     from ...schedules.ring import ring_backward, ring_forward
 
     call = Call("sdpa", (group_name_of(None),), p.causal, "zigzag", _scale(p))
@@ -97,7 +97,7 @@ class _Bytes:
 
 @contextlib.contextmanager
 def _ours_meter():
-    from ...comm import count_traffic
+    from ...comm.traffic import count_traffic
 
     box = _Bytes()
     with count_traffic() as traffic:

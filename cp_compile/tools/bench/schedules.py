@@ -46,7 +46,7 @@ def _mesh(world_size: int):
 def _hybrid_setup(p: Problem, x: Inputs):
     import cp_compile
 
-    from ...comm import mesh_groups
+    from ...comm.groups import mesh_groups
 
     groups = mesh_groups(_mesh(p.world_size))
     return fwd_bwd_step(

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...comm import TAG_KV
+from ...comm.ring import TAG_KV
 from ...kinds.sdpa import ring_section, section_attn, section_attn_backward
 from ...layout import Zigzag
 from ...schedules.ring import ring_pass_backward, ring_pass_forward
