@@ -6,5 +6,3 @@
 - ``traffic``: what this process sent, counted;
 - ``gather`` and ``exchange``: the all-gather and all-to-all layouts of a sequence.
 """
-
-from . import agree, ring  # noqa: F401  (registers their ops)
