@@ -98,3 +98,25 @@ def test_every_kind_runs_every_schedule(ranks, world_size):
         assert set(per_rank) == {(kind, s) for kind in KINDS for s in SCHEDULES}
         for case, errs in per_rank.items():
             assert len(errs) == 4 and max(errs) < 1e-10, (case, errs)
+
+
+def test_settings_travel_as_one_string_and_back():
+    """A kind's typed settings are the ops' ``options`` string written by ``encode`` and read by ``decode``, the
+    one dialect: every field comes back with its type, defaults are left out, and what is not the kind's raises."""
+    from cp_compile.inference.cached import CachedSettings
+    from cp_compile.kinds.call import Call
+    from cp_compile.kinds.flex import FlexSettings
+    from cp_compile.kinds.packed import PackedSettings
+
+    for settings in (PackedSettings(-1, 0, 48, 5.0), PackedSettings(3, 2), FlexSettings(2, 12), CachedSettings(4)):
+        assert type(settings).decode(settings.encode()) == settings
+    assert PackedSettings(7, 0).encode() == "left=7 right=0" and FlexSettings().encode() == ""
+    with pytest.raises(ValueError, match="are not PackedSettings"):
+        PackedSettings.decode("right=0")  # no left
+    with pytest.raises(ValueError, match="are not FlexSettings"):
+        FlexSettings.decode("window=3,0")
+    packed = Call("packed", ("g",), False, "contiguous", 0.5, PackedSettings(4, 0, 0, 1.5))
+    tensors, back, flag = Call.from_op_args(("q", "k", *packed.op_args(True)), 2)
+    assert (tensors, back, flag) == (("q", "k"), packed, True)
+    with pytest.raises(ValueError, match="the sdpa kind takes no settings"):
+        Call.decoded("sdpa", ("g",), True, "zigzag", 0.5, "left=1")

@@ -353,9 +353,10 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     prefilled sharded over the plan; the cache (``cache``, by default a ``ShardedCache`` sized for
     the generation's ``max_length``) keeps 1/C of the K/V on each rank. Greedy decoding and
     sampling (seed every rank the same) are supported; every new token is compared across the
-    ranks, and ranks that differ all raise. Beam search, several sequences per prompt, assisted
-    decoding, contrastive search, DoLa, ``max_time``, a batch of prompts and padding raise
-    ``UnsupportedAttention``.
+    ranks, and ranks that differ all raise. A family that builds every step for its whole call
+    (XLNet, Reformer: ``hf.mixers.GENERATED_WHOLE``) generates whole on every rank, C times its
+    compute, and warns. Beam search, several sequences per prompt, assisted decoding, contrastive
+    search, DoLa, ``max_time``, a batch of prompts and padding raise ``UnsupportedAttention``.
     """
     plan = active_plan()
     if plan is None:
