@@ -190,7 +190,9 @@ class ContextParallel:
 
     def groups(self, schedule: str) -> tuple[str, ...]:
         """The group names ``schedule`` runs over: the plan's; the hybrid's the flattened mesh, ring, all-to-all."""
-        return (self.group_name, *self.mesh_groups) if schedule == "hybrid" else (self.group_name,)
+        from .schedules import schedule_groups
+
+        return schedule_groups((self.group_name, *self.mesh_groups), schedule)
 
     def __enter__(self) -> ContextParallel:
         """``with plan:`` makes this the active plan (``cp_compile.active_plan()``), e.g. for a

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from ..comm.groups import resolve_group
 from ..cost.masked import choose_masked, flex_facts, packed_facts
 from ..cost.model import Estimate, Machine, Workload, check_schedule, decide, machine_for
 from .site import Decision, _example
@@ -27,7 +26,7 @@ def _needs_backward(site) -> bool:
 
 def workload(site, plan) -> Workload:
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
-    c = resolve_group(plan.group_name).size()
+    c = plan.world_size
     return (
         Workload(
             batch=q[0],
@@ -51,7 +50,7 @@ def workload(site, plan) -> Workload:
 def choose_site(site, plan, machine: Machine) -> tuple[str, str, list[Estimate]]:
     """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
 
-    c = resolve_group(plan.group_name).size()
+    c = plan.world_size
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
     q, k, v = site.shape("query"), site.shape("key"), site.shape("value")
     if site.pattern == "varlen":

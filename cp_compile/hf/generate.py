@@ -304,8 +304,8 @@ class _StepsAgreed(StoppingCriteria):
     stopping criteria decided (one small collective); ranks that differ in either all stop at once, and ``generate``
     raises (a rank that stopped alone would leave the others waiting in their next step's collectives)."""
 
-    def __init__(self, plan: ContextParallel, criteria: StoppingCriteriaList):
-        self.plan, self.criteria, self.differ = plan, criteria, False
+    def __init__(self, plan: ContextParallel):
+        self.plan, self.criteria, self.differ = plan, StoppingCriteriaList(), False
 
     def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
         stop = self.criteria(input_ids, scores, **kwargs) if self.criteria else input_ids.new_zeros(1, dtype=torch.bool)
@@ -314,20 +314,22 @@ class _StepsAgreed(StoppingCriteria):
         self.differ = self.differ or not bool((everyone == mine).all())
         return torch.full((input_ids.shape[0],), self.differ or bool(stop.all()), device=input_ids.device)
 
-    def check(self) -> None:
+    def generate(self, model, input_ids: Tensor, generate_kwargs: dict):
+        """``model.generate`` with the user's stopping criteria (taken out of ``generate_kwargs``) behind this one;
+        every rank raises after it where the ranks differed."""
+        self.criteria = StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or [])
+        result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([self]), **generate_kwargs)
         if self.differ:
             raise RuntimeError(_RANKS_DIFFERED)
+        return result
 
 
 def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict):
     """``model.generate`` for a model that keeps no transformers cache: as on one process, every step runs the whole
     sequence, here sharded over the ranks (C times less compute per rank, and no cache)."""
-    agreed = _StepsAgreed(plan, StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or []))
     generate_kwargs["use_cache"] = False
     with _EveryStepSharded(model, plan).on():  # the guard stays on: every step runs on the shards
-        result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
-    agreed.check()
-    return result
+        return _StepsAgreed(plan).generate(model, input_ids, generate_kwargs)
 
 
 def _generate_whole(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict, why: str):
@@ -338,11 +340,8 @@ def _generate_whole(model, plan: ContextParallel, input_ids: Tensor, generate_kw
         f"nothing sharded): {why}",
         stacklevel=3,
     )
-    agreed = _StepsAgreed(plan, StoppingCriteriaList(generate_kwargs.pop("stopping_criteria", None) or []))
     with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
-        result = model.generate(input_ids, stopping_criteria=StoppingCriteriaList([agreed]), **generate_kwargs)
-    agreed.check()
-    return result
+        return _StepsAgreed(plan).generate(model, input_ids, generate_kwargs)
 
 
 def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
