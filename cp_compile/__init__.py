@@ -20,9 +20,9 @@ commands and instruments (``python -m cp_compile ...``), which ``import cp_compi
 
 from . import registration  # noqa: F401  (first: every torch.ops.cp op, kind and schedule)
 from .calibrate import calibrate
-from .comm.traffic import count_traffic
 from .compiler.explain import explain
 from .cost.model import Machine
+from .counters import count_blocks, count_traffic
 from .eager import (
     allgather_attention,
     cached_attention,
@@ -33,7 +33,6 @@ from .eager import (
     varlen_attention,
 )
 from .errors import LocalAttentionError, UnsupportedAttention
-from .kinds.flex import count_blocks
 from .plan import ContextParallel, active_plan
 from .sac import sac_context, sac_policy
 

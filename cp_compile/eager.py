@@ -20,7 +20,7 @@ from .comm.groups import group_name_of, is_2d_mesh, mesh_groups, resolve_group
 from .kinds.base import check_heads_and_lengths
 from .kinds.call import Call
 from .kinds.flex import FlexSettings, eager_mods
-from .kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
+from .kinds.packed import PackedSettings, bhsd, thd, window_of
 from .schedules import HEAD_SCHEDULES, check_schedule_name, run_schedule, schedule_groups, softmax_scale
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ def varlen_attention(
             )[0]
         check_schedule_name(schedule)
         settings = PackedSettings(left, right, chunk, softcap)
-        call = Call("packed", schedule_groups(group, schedule), False, PACKED_LAYOUT, softmax_scale(q, scale), settings)
+        call = Call("packed", schedule_groups(group, schedule), False, "packed", softmax_scale(q, scale), settings)
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)
     out, lse = run_schedule(schedule, *qkv, [cu_seqlens], call, enable_gqa)

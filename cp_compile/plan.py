@@ -22,7 +22,6 @@ from .torch_compat import resolve_process_group
 if TYPE_CHECKING:
     from .compiler.backend import CPBackend
     from .cost.model import Machine
-    from .layout.blockmask import ShardInfo
 
 # (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
 # called by a framework without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan``.
@@ -142,10 +141,6 @@ class ContextParallel:
             raise RuntimeError("ContextParallel needs torch.distributed to be initialised (init_process_group)")
         from torch.nn.attention.flex_attention import BlockMask
 
-        # What shard() learned of each BlockMask it sharded, by (local length, C): the mask's visible tiles per
-        # rank pair, which the cost model needs for a compiled flex site (the graph holds only fake tensors).
-        # Backends made by this plan read it when they compile.
-        self.sharded_masks: dict[tuple[int, int], ShardInfo] = {}
         check_schedule(schedule)
         if scan_route not in ("auto", *ROUTES):
             raise ValueError(f"unknown scan route {scan_route!r}; expected 'auto' or one of {ROUTES}")
@@ -162,7 +157,7 @@ class ContextParallel:
         self.group = resolve_process_group(self.group_name)
         self.layout: Layout
         if isinstance(load_balance, BlockMask):
-            from .layout.blockmask import balance_blocks
+            from .layout.balanced import balance_blocks
 
             self.layout = balance_blocks(load_balance, self.world_size)
         else:
@@ -265,14 +260,10 @@ class ContextParallel:
         from torch.nn.attention.flex_attention import BlockMask
 
         if isinstance(x, BlockMask):
-            from .layout.blockmask import shard_block_mask, shard_info
+            from .layout.blockmask import shard_block_mask
 
-            seq_len, c = x.seq_lengths[0], self.world_size
-            sharded = shard_block_mask(
-                x, self.rank, c, self.layout.all_positions(seq_len, c), self.layout.chunk(seq_len, c)
-            )
-            self.sharded_masks[(sharded.seq_lengths[0], self.world_size)] = shard_info(sharded)
-            return sharded
+            n, c = x.seq_lengths[0], self.world_size
+            return shard_block_mask(x, self.rank, c, self.layout.all_positions(n, c), self.layout.chunk(n, c))
         if seq_dim is None:
             raise TypeError("shard(x, seq_dim): seq_dim is required for tensors")
         seq_dim = _sequence_dim(x, seq_dim, "shard")

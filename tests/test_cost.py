@@ -216,7 +216,7 @@ def capture_sites(fn, args, plan):
         from torch.fx.experimental.symbolic_shapes import optimization_hint
 
         outputs = [n.meta["example_value"] for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
-        sites.extend(rewrite_attention(gm, plan))
+        sites.extend(rewrite_attention(gm, plan, example_inputs))
         shapes = [[int(optimization_hint(d)) for d in o.shape] for o in outputs]  # packed sizes are dynamic
         return lambda *a: tuple(torch.zeros(shape, dtype=o.dtype) for shape, o in zip(shapes, outputs))
 
@@ -262,3 +262,12 @@ def test_explain_shows_masked_estimates(fake_group):
     text = str(site_report(site, c))
     assert "global BlockMask's block counts (plan.shard)" in text and "candidates" in text
     assert "ulysses" in text and sum(line.lstrip().startswith("* ") for line in text.splitlines()) == 1
+
+    # the mask a compiled call is given, read inside a checkpoint region too, whatever was sharded after it
+    plan.shard(create_block_mask(masks.prefix_lm(seq // 2), None, None, seq, seq, device="cpu", BLOCK_SIZE=16))
+
+    def checkpointed(q, k, v, bm):
+        return torch.utils.checkpoint.checkpoint(flex_attention, q, k, v, block_mask=bm, use_reentrant=False)
+
+    (again,) = capture_sites(checkpointed, [*qs, local_mask], plan)
+    assert again.owner_path and again.decision.why == site.decision.why, (again.owner_path, again.decision.why)

@@ -336,7 +336,7 @@ def test_schedule_choice_from_global_block_counts():
     from cp_compile.cost.masked import MaskFacts, choose_masked
     from cp_compile.cost.model import MACHINES
     from cp_compile.layout import layout_named
-    from cp_compile.layout.blockmask import rank_tiles
+    from cp_compile.layout.blockmask import tile_counts, tile_fractions
 
     c, seq = 4, 32
     perm = layout_named("zigzag").all_positions(seq, c)
@@ -344,7 +344,7 @@ def test_schedule_choice_from_global_block_counts():
     chosen = {}
     for name, mod in {"documents": docs, "prefix-lm": masks.prefix_lm(seq // 2)}.items():
         bm = create_block_mask(mod, None, None, seq, seq, device="cpu", BLOCK_SIZE=CHUNK)
-        facts = MaskFacts(rank_tiles(bm, perm, c), "test mask")
+        facts = MaskFacts(tile_fractions(tile_counts(bm, perm, c), c), "test mask")
         for hq, hkv in ((12, 2), (8, 8)):
             shapes = [(1, h, 4096, 128) for h in (hq, hkv, hkv)]
             chosen[name, hq, hkv] = choose_masked(

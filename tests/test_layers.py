@@ -16,8 +16,8 @@ PACKAGE = pathlib.Path(cp_compile.__file__).parent
 # bottom to top; a module may import from its own layer or any layer below. ``tools`` holds the instruments
 # (commands, the local rank pool, the reference Llama, memory probes), above the library they measure.
 LAYERS = [
-    "errors", "torch_compat", "layout", "kernels", "comm", "kinds", "schedules", "mixers", "cost", "compiler", "api",
-    "tools", "__main__",
+    "errors", "torch_compat", "counters", "layout", "kernels", "comm", "kinds", "schedules", "mixers", "cost",
+    "compiler", "api", "tools", "__main__",
 ]  # fmt: skip
 API_MODULES = {
     "__init__",

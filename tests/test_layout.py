@@ -32,7 +32,7 @@ def test_packed_and_balanced_layouts_answer_the_same_interface(world_size):
     """Packed documents and a BlockMask's balance shard, unshard and place tokens as the chunked layouts do."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_compile.layout.blockmask import balance_blocks
+    from cp_compile.layout.balanced import balance_blocks
     from cp_compile.layout.packed import Packed, packed_slots
 
     x = torch.arange(3 * 24).view(3, 24)

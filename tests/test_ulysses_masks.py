@@ -432,7 +432,8 @@ def opcheck_ulysses_mask_ops():
     import torch.distributed as dist
 
     import cp_compile
-    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+
+    RANK_ORDER = "packed"  # the layout packed calls name: per-document zigzag, exchanged in rank order
     from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
 
@@ -492,7 +493,8 @@ def opcheck_hybrid_ops():
 
     import cp_compile
     from cp_compile.comm.groups import mesh_groups
-    from cp_compile.kinds.packed import PACKED_LAYOUT as RANK_ORDER
+
+    RANK_ORDER = "packed"  # the layout packed calls name: per-document zigzag, exchanged in rank order
     from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
 

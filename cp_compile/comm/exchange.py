@@ -7,19 +7,20 @@ Both are written over ``_c10d_functional.all_to_all_single`` + ``wait_tensor``
 with equal splits, so a traced exchange holds the group name and C, never the
 rank: which head group a rank keeps is implied by the all-to-all itself.
 
-Order after the exchange. Source rank i contributes its local chunks in
-layout order. zigzag: rank i holds chunks i and 2C-1-i, so the group's
-sequence is the first halves in rank order followed by the second halves in
-reverse rank order. contiguous: rank order is sequence order. The reorder is
-slicing and ``cat`` only (no index tensors), so it traces into any graph.
+Order after the exchange: source rank i contributes its local chunks in
+layout order, and the layout's ``gathered_order`` puts them in sequence order
+(no order: rank order is the order kept). The reorder is slicing and ``cat``
+only (no index tensors), so it traces into any graph.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from ..layout import layout_named
+from .gather import inverse, permute_chunks
 
 
 def check_heads(heads: int, world_size: int, what: str) -> None:
@@ -38,12 +39,9 @@ def _exchange(x: Tensor, group_name: str, world_size: int) -> Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def _local_pieces(layout: str, world_size: int) -> int:
-    return len(layout_named(layout).rank_chunks(0, world_size)) if world_size > 1 else 1
-
-
-def seq_to_heads(x: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
-    """[B, H, S_local, ...] sequence shard -> [B, H/C, S, ...] head shard, sequence order."""
+def seq_to_heads(x: Tensor, group_name: str, world_size: int, order: Optional[list[int]]) -> Tensor:
+    """[B, H, S_local, ...] sequence shard -> [B, H/C, S, ...] head shard, the chunks in ``order`` (a layout's
+    ``gathered_order``; None: rank order)."""
     c = world_size
     if c == 1:
         return x
@@ -51,26 +49,18 @@ def seq_to_heads(x: Tensor, group_name: str, world_size: int, layout: str) -> Te
     # dim 0 = destination rank = head group
     parts = x.reshape(b, c, h // c, *x.shape[2:]).transpose(0, 1)
     received = _exchange(parts, group_name, c)  # dim 0 = source rank
-    pieces = _local_pieces(layout, c)
-    per_rank = [received[i].chunk(pieces, dim=2) for i in range(c)]
-    ordered = [p[0] for p in per_rank]
-    if pieces == 2:
-        ordered += [p[1] for p in reversed(per_rank)]
-    return torch.cat(ordered, dim=2)
+    pieces = 1 if order is None else len(order) // c
+    chunks = [piece for part in received for piece in part.chunk(pieces, dim=2)]
+    return torch.cat(chunks if order is None else [chunks[i] for i in order], dim=2)
 
 
-def heads_to_seq(y: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
+def heads_to_seq(y: Tensor, group_name: str, world_size: int, order: Optional[list[int]]) -> Tensor:
     """Inverse of ``seq_to_heads``: [B, H/C, S, ...] -> [B, H, S_local, ...]."""
     c = world_size
     if c == 1:
         return y
-    pieces = _local_pieces(layout, c)
-    chunks = y.chunk(c * pieces, dim=2)
-    if pieces == 2:
-        per_rank = [torch.cat([chunks[i], chunks[2 * c - 1 - i]], dim=2) for i in range(c)]
-    else:
-        per_rank = list(chunks)
-    received = _exchange(torch.stack(per_rank), group_name, c)  # dim 0 = source head group
+    per_rank = permute_chunks(y, inverse(order), 2).unflatten(2, (c, -1)).movedim(2, 0)
+    received = _exchange(per_rank, group_name, c)  # dim 0 = source head group
     b, hc = y.shape[0], y.shape[1]
     return received.transpose(0, 1).reshape(b, hc * c, *received.shape[3:])
 

@@ -6,10 +6,10 @@ schedule holds the group name and C, never the rank.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
-
-from ..layout import layout_named
 
 _fc = torch.ops._c10d_functional
 
@@ -28,28 +28,34 @@ def reduce_scatter_dim0(t: Tensor, group_name: str, world_size: int) -> Tensor:
     return _fc.wait_tensor(_fc.reduce_scatter_tensor(t.contiguous(), "sum", world_size, group_name))
 
 
-def _permute_chunks(t: Tensor, order: list[int], dim: int) -> Tensor:
+def permute_chunks(t: Tensor, order: Optional[list[int]], dim: int) -> Tensor:
+    """``t`` cut into ``len(order)`` equal chunks along ``dim``, chunk ``order[g]`` put at place g (None: as is)."""
+    if order is None:
+        return t
     chunks = t.chunk(len(order), dim=dim)
     return torch.cat([chunks[i] for i in order], dim=dim)
 
 
-def _inverse(order: list[int]) -> list[int]:
+def inverse(order: Optional[list[int]]) -> Optional[list[int]]:
+    if order is None:
+        return None
     inv = [0] * len(order)
     for g, i in enumerate(order):
         inv[i] = g
     return inv
 
 
-def gather_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
-    """``[B, H, L, D]`` shards -> ``[B, H, C*L, D]`` in sequence order."""
+def gather_sequence(t: Tensor, group_name: str, world_size: int, order: Optional[list[int]]) -> Tensor:
+    """``[B, H, L, D]`` shards -> ``[B, H, C*L, D]``, the chunks in ``order`` (a layout's ``gathered_order``;
+    None: rank order)."""
     gathered = gather_dim0(t.movedim(2, 0), group_name, world_size).movedim(0, 2)
-    return _permute_chunks(gathered, layout_named(layout).gathered_order(world_size), 2)
+    return permute_chunks(gathered, order, 2)
 
 
-def scatter_sequence(t: Tensor, group_name: str, world_size: int, layout: str) -> Tensor:
+def scatter_sequence(t: Tensor, group_name: str, world_size: int, order: Optional[list[int]]) -> Tensor:
     """Inverse of ``gather_sequence`` for gradients: sum over ranks, keep this rank's shard."""
     if world_size == 1:
         return t
     # reordered along the sequence as dim 0: the cat is the one full-size copy the collective needs
-    in_rank_order = _permute_chunks(t.movedim(2, 0), _inverse(layout_named(layout).gathered_order(world_size)), 0)
+    in_rank_order = permute_chunks(t.movedim(2, 0), inverse(order), 0)
     return reduce_scatter_dim0(in_rank_order, group_name, world_size).movedim(0, 2)

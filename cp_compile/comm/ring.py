@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..counters import record_shift
 from ..torch_compat import PythonCallbackWork, register_work
 from .groups import resolve_group
-from .traffic import record_shift
 
 # Tags keep concurrently travelling streams apart (K/V vs dK/dV in backward).
 TAG_KV = 0

@@ -136,7 +136,7 @@ class CPBackend:
         return compiled
 
     def _compile(self, gm: fx.GraphModule, example_inputs, record: CompileRecord) -> Callable:
-        record.sites = rewrite_attention(gm, self.plan)
+        record.sites = rewrite_attention(gm, self.plan, example_inputs)
         record.mixers = find_mixers(gm, self.plan.world_size)
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx

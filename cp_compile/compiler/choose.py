@@ -48,7 +48,7 @@ def workload(site, plan) -> Workload:
 
 
 def choose_site(site, plan, machine: Machine) -> tuple[str, str, list[Estimate]]:
-    """A compiled varlen or flex site: the facts recorded when the plan sharded the inputs."""
+    """A compiled varlen or flex site: the window, or the tile counts the sharded mask's table carries."""
 
     c = plan.world_size
     # ints even for a dynamic length (AttentionSite.shape): the call being compiled, the same on every rank
@@ -57,8 +57,8 @@ def choose_site(site, plan, machine: Machine) -> tuple[str, str, list[Estimate]]
         window = (site.args["window_left"], site.args["window_right"])  # parsed by the varlen site pattern
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
     else:
-        has_mask = bool(site.args["mask_mod_buffers"])
-        facts = flex_facts(plan.sharded_masks.get((q[2], c)) if has_mask else None, has_mask, q[2], c)
+        buffers = site.args["mask_mod_buffers"]
+        facts = flex_facts(site.values.get(buffers[0]) if buffers else None, bool(buffers), q[2], c)
         causal = False
     return choose_masked(
         "packed" if site.pattern == "varlen" else "flex",

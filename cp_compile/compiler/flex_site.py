@@ -95,7 +95,7 @@ def _check_flex(site: AttentionSite) -> None:
             )
         return
     table = _example(buffers[0])
-    if table is None or table.dim() != 1 or table.dtype != torch.int64 or (table.numel() - HEADER) % q[2]:
+    if table is None or table.dim() != 1 or table.dtype != torch.int64 or table.numel() <= HEADER + q[2]:
         raise UnsupportedAttention(
             f"flex_attention(block_mask=...) {where}: the mask's first buffer is not a CP index table; "
             "pass plan.shard(block_mask)"

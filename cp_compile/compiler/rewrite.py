@@ -25,15 +25,15 @@ import torch.fx as fx
 from .cp_site import CP_PATTERN
 from .flex_site import FLEX_PATTERN
 from .sdpa_site import SDPA_PATTERN
-from .site import AttentionSite, SitePattern, _graph_modules
+from .site import AttentionSite, SitePattern, _graph_modules, input_values
 from .unrewritten import strip_unrewritten
 from .varlen_site import VARLEN_PATTERN
 
 SITE_PATTERNS: list[SitePattern] = [SDPA_PATTERN, VARLEN_PATTERN, FLEX_PATTERN, CP_PATTERN]
 
 
-def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:
-    sites = []
+def find_sites(gm: fx.GraphModule, example_inputs=()) -> list[AttentionSite]:
+    sites, values = [], input_values(gm, example_inputs)
     for path, module in _graph_modules(gm):
         for node in module.graph.nodes:
             if node.op != "call_function":
@@ -41,9 +41,7 @@ def find_sites(gm: fx.GraphModule) -> list[AttentionSite]:
             for pattern in SITE_PATTERNS:
                 args = pattern.match(node)
                 if args is not None:
-                    sites.append(
-                        AttentionSite(owner=module, owner_path=path, node=node, args=args, pattern=pattern.name)
-                    )
+                    sites.append(AttentionSite(module, path, node, args, pattern.name, values=values))
                     break
     return sites
 
@@ -56,10 +54,11 @@ def check_site(site: AttentionSite) -> None:
     handler(site).check(site)
 
 
-def rewrite_attention(gm: fx.GraphModule, plan) -> list[AttentionSite]:
-    """Stage 1 over a whole Dynamo graph module (HOP bodies included)."""
+def rewrite_attention(gm: fx.GraphModule, plan, example_inputs=()) -> list[AttentionSite]:
+    """Stage 1 over a whole Dynamo graph module (HOP bodies included); ``example_inputs``: what the backend was
+    given with it."""
     strip_unrewritten(gm)  # the markers the plan's guard put in front of the calls rewritten here
-    sites = find_sites(gm)
+    sites = find_sites(gm, example_inputs)
     for site in sites:
         check_site(site)
     for site in sites:

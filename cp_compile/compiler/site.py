@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -43,6 +43,9 @@ class AttentionSite:
     args: dict[str, Any]  # SDPA arguments by name
     pattern: str = "sdpa"  # the site pattern that matched it (``SitePattern.name``)
     decision: Optional[Decision] = None  # the rewrite's
+    # what some placeholders of the graphs hold in the call being compiled (``input_values``): the contents a
+    # decision reads, e.g. a sharded mask's tile counts
+    values: dict = field(default_factory=dict)
 
     @property
     def query(self) -> fx.Node:
@@ -121,6 +124,22 @@ def _graph_modules(gm: fx.GraphModule):
     for path, module in gm.named_modules():
         if isinstance(module, fx.GraphModule):
             yield path, module
+
+
+def input_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, Any]:
+    """Each placeholder's value in the call being compiled: the top-level graph's from the example inputs Dynamo
+    gives a backend, a body's (a checkpoint region's) from the operands of the higher-order op that runs it."""
+    placeholders = lambda g: [n for n in g.graph.nodes if n.op == "placeholder"]  # noqa: E731
+    values = {p: x for p, x in zip(placeholders(gm), example_inputs) if type(x) is torch.Tensor}  # not fake
+    for _, module in _graph_modules(gm):  # parents before their bodies
+        for node in module.graph.nodes:
+            body = node.args[0] if node.op == "call_function" and node.args else None
+            if isinstance(body, fx.Node) and body.op == "get_attr":
+                operands = [a for a in node.args[1:] if isinstance(a, fx.Node)]
+                inner = getattr(module, str(body.target), None)
+                if isinstance(inner, fx.GraphModule):
+                    values.update((p, values[a]) for p, a in zip(placeholders(inner), operands) if a in values)
+    return values
 
 
 def replace_node(site: AttentionSite, target, args: tuple, n_outputs_used: int = 1) -> list[fx.Node]:

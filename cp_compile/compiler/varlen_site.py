@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedAttention
 from ..kinds.call import Call
-from ..kinds.packed import PACKED_LAYOUT, PackedSettings, bhsd, thd, window_of
+from ..kinds.packed import PackedSettings, bhsd, thd, window_of
 from ..schedules import HEAD_SCHEDULES
 from .choose import choose_schedule
 from .site import AttentionSite, SitePattern, constant, insert_schedule
@@ -96,7 +96,7 @@ def _rewrite_varlen(site: AttentionSite, plan) -> None:
     if heads:
         with graph.inserting_before(site.node):
             qkv = [graph.call_function(bhsd, (t,)) for t in qkv]
-    call = Call("packed", plan.groups(schedule), False, PACKED_LAYOUT, scale, PackedSettings(left, right))
+    call = Call("packed", plan.groups(schedule), False, "packed", scale, PackedSettings(left, right))
     _, out, lse = insert_schedule(site, schedule, *qkv, [args["cu_seq_q"]], call, args["enable_gqa"])
     if heads:
         with graph.inserting_before(site.node):

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from ..layout.blockmask import mask_tiles, sharded_mask_mod
 from ..layout.packed import check_cu_seqlens, packed_local_len
 from .model import Estimate, Machine, Workload, decide, default_machine
 
@@ -170,17 +171,19 @@ def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int,
 # ----------------------------------------------------------------------------
 
 
-def flex_facts(info, has_mask: bool, local_len: int, world_size: int) -> MaskFacts:
-    """From a ``layout.blockmask.ShardInfo`` (None: none recorded), or every pair visible without a block_mask."""
+def flex_facts(table: Optional[torch.Tensor], has_mask: bool, local_len: int, world_size: int) -> MaskFacts:
+    """From a sharded mask's index table (``layout.blockmask``; None: its value is not known), or every pair
+    visible without a block_mask."""
     if not has_mask:
         return MaskFacts(full_tiles(world_size), "no block_mask: every pair visible")
-    if info is None or info.world_size != world_size or len(info.tiles) != world_size:
+    tiles = mask_tiles(table, local_len, world_size)
+    if tiles is None:
         return MaskFacts(
             full_tiles(world_size),
             f"no BlockMask sharded by plan.shard for local length {local_len} at "
             f"C={world_size}: every pair counted as visible",
         )
-    return MaskFacts(info.tiles, "global BlockMask's block counts (plan.shard)")
+    return MaskFacts(tiles, "global BlockMask's block counts (plan.shard)")
 
 
 # ----------------------------------------------------------------------------
@@ -282,9 +285,8 @@ def choose_flex(
     q, k, v, block_mask, world_size: int, machine: Optional[Machine] = None, mesh: tuple = ()
 ) -> tuple[str, str, list[Estimate]]:
     """Eager ``flex_attention(schedule="auto")``: [B, H, S, D] q, k, v and the sharded BlockMask (or None)."""
-    from ..layout.blockmask import shard_info
-
-    facts = flex_facts(shard_info(block_mask), block_mask is not None, q.shape[2], world_size)
+    sharded = sharded_mask_mod(block_mask)
+    facts = flex_facts(sharded and sharded.table, block_mask is not None, q.shape[2], world_size)
     return choose_masked(
         "flex",
         tuple(q.shape),

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..comm.gather import gather_sequence, scatter_sequence
 from ..comm.groups import resolve_group
 from ..kernels.merge import acc_dtype
+from ..layout import layout_named
 from .call import SETTINGS, Call, Settings
 
 GATHERED = -1
@@ -131,14 +132,16 @@ class Kind:
 
     def gather(self, t: Tensor, extra: list, call: Call, world_size: int) -> Tensor:
         """Every rank's K (or V) in the order ``attend`` reads at ``GATHERED``."""
-        return gather_sequence(t, call.group_name, world_size, self.exchange_layout(call.layout))
+        return gather_sequence(t, call.group_name, world_size, self.chunk_order(call, world_size))
 
     def scatter(self, t: Tensor, extra: list, call: Call, world_size: int) -> Tensor:
         """The inverse of ``gather`` for gradients: summed over ranks, this rank's shard."""
-        return scatter_sequence(t, call.group_name, world_size, self.exchange_layout(call.layout))
+        return scatter_sequence(t, call.group_name, world_size, self.chunk_order(call, world_size))
 
-    def exchange_layout(self, layout: str) -> str:
-        return "contiguous" if self.rank_order else layout
+    def chunk_order(self, call: Call, world_size: int) -> Optional[list[int]]:
+        """Where each global chunk lies among ``world_size`` ranks' shards, concatenated in rank order, for the
+        gathers and exchanges to put them in sequence order; None: the kind keeps rank order."""
+        return None if self.rank_order else layout_named(call.layout).gathered_order(world_size)
 
 
 KINDS: dict[str, Kind] = {}

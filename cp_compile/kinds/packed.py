@@ -178,11 +178,6 @@ def _call_tiles(q: Tensor, k: Tensor, extra: list, units: Units, call: Call) -> 
     return unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk), settings.softcap
 
 
-# the layout argument of packed calls: slots are per-document zigzag whatever the plan's layout, and
-# exchanges keep rank order
-PACKED_LAYOUT = "contiguous"
-
-
 class Packed(Kind):
     name = "packed"
     settings = PackedSettings

@@ -16,7 +16,7 @@ the gathers ask it, and branch on no layout's name.
                 the same amount of visible work at every ring step.
 ``Contiguous``  C equal chunks, rank r holds chunk r.
 ``Packed``      per-document zigzag for packed documents (``layout.packed``).
-``Balanced``    a BlockMask's blocks dealt by their visible work (``layout.blockmask``).
+``Balanced``    a BlockMask's blocks dealt by their visible work (``layout.balanced``).
 """
 
 from __future__ import annotations

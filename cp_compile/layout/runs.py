@@ -11,7 +11,7 @@ so a rank can work out what its peers hold and send without asking them):
   tokens in global sequence order, padding slots last.
 
 A layout is named as the ops name it (``"zigzag"``, ``"contiguous"``) or, for packed documents, given by
-its global ``cu_seqlens``.
+its global ``cu_seqlens`` (which decide alone: the per-document layout, whatever the name beside them).
 """
 
 from __future__ import annotations

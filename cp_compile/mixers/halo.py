@@ -198,13 +198,13 @@ halo.register_autograd(_grad, setup_context=_setup)
 def halo_rows(cu_seqlens: Tensor, local_len: int, world_size: int, width: int) -> tuple[Tensor, Tensor]:
     """For packed documents (chunks of unequal sizes): the rows of ``cat([x, halo])`` in extended order (each
     chunk's halo, then the chunk), and the rows of the extended tensor that hold ``x``'s tokens."""
-    tables = halo_tables("zigzag", local_len, world_size, width, cu_seqlens)
+    tables = halo_tables("packed", local_len, world_size, width, cu_seqlens)
     return tables.assembly.to(cu_seqlens.device), tables.keep.to(cu_seqlens.device)
 
 
 @halo_rows.register_fake
 def _(cu_seqlens, local_len, world_size, width):
-    extended = local_len + chunk_count("zigzag", world_size, cu_seqlens) * (width - 1)
+    extended = local_len + chunk_count("packed", world_size, cu_seqlens) * (width - 1)
     return cu_seqlens.new_empty(extended, dtype=torch.int64), cu_seqlens.new_empty(local_len, dtype=torch.int64)
 
 

@@ -51,7 +51,7 @@ def hybrid_forward(q, k, v, extra: list, call: Call, enable_gqa: bool) -> tuple[
         v,
         a2a_group,
         a2a,
-        kind.exchange_layout(call.layout),
+        kind.chunk_order(call, a2a),
         lambda qh, kh, vh: ring_over_units(qh, kh, vh, extra, call, ring_group, a2a),
     )
 
@@ -66,7 +66,7 @@ def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Cal
         return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, call, ring_group, a2a)
 
     return exchange_backward(
-        dout, dlse, a2a_group, a2a, kind_entry(call.kind).exchange_layout(call.layout), kv_heads, attend_backward
+        dout, dlse, a2a_group, a2a, kind_entry(call.kind).chunk_order(call, a2a), kv_heads, attend_backward
     )
 
 

@@ -40,7 +40,7 @@ from .whole import heads_schedule, world_size_of
 
 
 def exchange_forward(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, world_size: int, layout: str, attend: Callable
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, world_size: int, order: Optional[list[int]], attend: Callable
 ) -> tuple[Tensor, ...]:
     """Head-shard q, k, v over the group, ``attend(qh, kh, vh) -> (out_h, lse_h)``, sequence-shard back.
 
@@ -49,10 +49,10 @@ def exchange_forward(
     copies = replicate_kv_heads(k.shape[1], q.shape[1], world_size)
     if copies > 1:
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-    qh, kh, vh = (seq_to_heads(t, group_name, world_size, layout) for t in (q, k, v))
+    qh, kh, vh = (seq_to_heads(t, group_name, world_size, order) for t in (q, k, v))
     out_h, lse_h = attend(qh, kh, vh)
-    out = heads_to_seq(out_h, group_name, world_size, layout)
-    lse = heads_to_seq(lse_h, group_name, world_size, layout)
+    out = heads_to_seq(out_h, group_name, world_size, order)
+    lse = heads_to_seq(lse_h, group_name, world_size, order)
     return out, lse, qh, kh, vh, out_h, lse_h
 
 
@@ -61,7 +61,7 @@ def exchange_backward(
     dlse: Optional[Tensor],
     group_name: str,
     world_size: int,
-    layout: str,
+    order: Optional[list[int]],
     kv_heads: int,
     attend_backward: Callable,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -69,10 +69,10 @@ def exchange_backward(
 
     The gradients travel in the dtype ``attend_backward`` returns them in; replicated K/V heads'
     gradients are summed in the accumulation dtype."""
-    dout_h = seq_to_heads(dout, group_name, world_size, layout)
-    dlse_h = None if dlse is None else seq_to_heads(dlse, group_name, world_size, layout)
+    dout_h = seq_to_heads(dout, group_name, world_size, order)
+    dlse_h = None if dlse is None else seq_to_heads(dlse, group_name, world_size, order)
     grads = attend_backward(dout_h, dlse_h)
-    dq, dk, dv = (heads_to_seq(t, group_name, world_size, layout) for t in grads)
+    dq, dk, dv = (heads_to_seq(t, group_name, world_size, order) for t in grads)
     copies = dk.shape[1] // kv_heads
     if copies > 1:  # the replicated heads' gradients, summed back onto each original head
         b, _, s, _ = dk.shape
@@ -91,7 +91,7 @@ def ulysses_forward(q, k, v, extra: list, call: Call, enable_gqa: bool) -> tuple
     def attend(qh, kh, vh):
         return torch.ops.cp.attend(qh, kh, vh, extra, *call.attend_args(WHOLE, world_size))
 
-    return exchange_forward(q, k, v, call.group_name, world_size, kind.exchange_layout(call.layout), attend)
+    return exchange_forward(q, k, v, call.group_name, world_size, kind.chunk_order(call, world_size), attend)
 
 
 def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Call, kv_heads: int):
@@ -102,8 +102,8 @@ def ulysses_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Ca
             dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, *call.attend_args(WHOLE, world_size)
         )
 
-    layout = kind_entry(call.kind).exchange_layout(call.layout)
-    return exchange_backward(dout, dlse, call.group_name, world_size, layout, kv_heads, attend_backward)
+    order = kind_entry(call.kind).chunk_order(call, world_size)
+    return exchange_backward(dout, dlse, call.group_name, world_size, order, kv_heads, attend_backward)
 
 
 ulysses_attention_op = heads_schedule("ulysses", ("group_name",), 0, ulysses_forward, ulysses_backward)

@@ -97,7 +97,7 @@ class _Bytes:
 
 @contextlib.contextmanager
 def _ours_meter():
-    from ...comm.traffic import count_traffic
+    from ...counters import count_traffic
 
     box = _Bytes()
     with count_traffic() as traffic:

@@ -1,4 +1,6 @@
-"""Traffic accounting: what this process really sent around the ring, eager or compiled."""
+"""What this process did inside a ``with`` block, eager or compiled: the ring transfers it sent
+(``count_traffic``) and the FlexAttention chunk pairs it computed and skipped (``count_blocks``). The ops add
+to every count open at the time they run."""
 
 from __future__ import annotations
 
@@ -40,3 +42,23 @@ def record_shift(tensors: list[Tensor], tag: int) -> None:
         t.tensors_sent += len(tensors)
         t.bytes_sent += sum(x.numel() * x.element_size() for x in tensors)
         t.by_tag[tag] = t.by_tag.get(tag, 0) + 1
+
+
+@dataclass
+class BlockCount:
+    computed: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    skipped: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+
+
+_active_counts: list[BlockCount] = []
+
+
+def count_blocks() -> contextlib.AbstractContextManager[BlockCount]:
+    """Count (query chunk, key chunk) pairs this process computes and skips inside the block."""
+    return open_count(_active_counts, BlockCount())
+
+
+def record_blocks(direction: str, computed: int, skipped: int) -> None:
+    for c in _active_counts:
+        c.computed[direction] += computed
+        c.skipped[direction] += skipped
