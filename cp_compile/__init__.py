@@ -19,6 +19,7 @@ commands and instruments (``python -m cp_compile ...``), which ``import cp_compi
 """
 
 from . import registration  # noqa: F401  (first: every torch.ops.cp op, kind and schedule)
+from .active import active_plan
 from .calibrate import calibrate
 from .compiler.explain import explain
 from .cost.model import Machine
@@ -33,7 +34,7 @@ from .eager import (
     varlen_attention,
 )
 from .errors import LocalAttentionError, UnsupportedAttention
-from .plan import ContextParallel, active_plan
+from .plan import ContextParallel
 from .sac import sac_context, sac_policy
 
 __all__ = [

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import operator
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .active import enter, leave, made
 from .comm.agree import every_rank
 from .comm.groups import group_name_of, mesh_groups
 from .layout import Layout, layout_named
@@ -22,51 +22,6 @@ from .torch_compat import resolve_process_group
 if TYPE_CHECKING:
     from .compiler.backend import CPBackend
     from .cost.model import Machine
-
-# (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
-# called by a framework without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan``.
-_ACTIVE: list = []
-# what integrations keep in force while any plan is active: context-manager factories, entered by the
-# outermost ``with plan:`` (``while_active``)
-_WHILE_ACTIVE: list[Callable[[], AbstractContextManager]] = []
-_ACTIVE_STACK: list[contextlib.ExitStack] = []
-
-
-def while_active(factory: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
-    """Registers ``factory``: the outermost ``with plan:`` enters ``factory()`` and leaves it at its exit.
-
-    The extension point of integrations that must watch what runs inside a plan (``cp_compile.hf``
-    installs module hooks there, so that nothing of it runs outside every plan)."""
-    _WHILE_ACTIVE.append(factory)
-    return factory
-
-
-def active_plan() -> Optional[ContextParallel]:
-    """The innermost plan entered with ``with plan:`` (None outside every one).
-
-    Integrations that call attention through a framework's dispatch (``cp_compile.hf``)
-    read it to know that the model runs under CP; under ``torch.compile`` it is read
-    while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
-    """
-    return _ACTIVE[-1][0] if _ACTIVE else None
-
-
-def made_by(t) -> Optional[tuple[ContextParallel, str]]:
-    """(plan, "shard" | "positions") when ``t``, or the tensor it is a view of, is what a plan's ``shard``
-    or ``positions`` returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own).
-    Integrations read it to tell a plan's shards from whole sequences."""
-    for x in (t, getattr(t, "_base", None)):
-        mark = getattr(x, "_cp_compile_made_by", None) if isinstance(x, Tensor) else None
-        if mark is not None:
-            return mark
-    return None
-
-
-def _made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
-    if t._base is not None:  # a view: views of it would name its base, not it
-        t = t.clone()
-    setattr(t, "_cp_compile_made_by", (plan, what))  # noqa: B010  (an attribute Tensor does not declare)
-    return t
 
 
 def _sequence_dim(x: Tensor, seq_dim: int, what: str) -> int:
@@ -197,26 +152,11 @@ class ContextParallel:
         not rewrite raises ``LocalAttentionError`` instead of attending to the local shard alone
         (run eagerly, or compiled by another backend). Compile and run models inside it.
         """
-        from .guard import LocalAttentionGuard
-
-        if not _ACTIVE:
-            stack = contextlib.ExitStack()
-            for factory in _WHILE_ACTIVE:
-                stack.enter_context(factory())
-            _ACTIVE_STACK.append(stack)
-        guard = LocalAttentionGuard()
-        guard.__enter__()
-        _ACTIVE.append((self, guard))
+        enter(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        for i in range(len(_ACTIVE) - 1, -1, -1):  # the innermost entry of this plan
-            if _ACTIVE[i][0] is self:
-                _, guard = _ACTIVE.pop(i)
-                guard.__exit__(*exc)
-                break
-        if not _ACTIVE and _ACTIVE_STACK:
-            _ACTIVE_STACK.pop().close()
+        leave(self, *exc)
 
     @property
     def documents(self) -> Optional[Tensor]:
@@ -270,9 +210,9 @@ class ContextParallel:
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
                 _dynamic(cu_seqlens, 0)
-            local = _made(self, Packed(cu_seqlens).shard(x, seq_dim, self.rank, self.world_size), "shard")
+            local = made(self, Packed(cu_seqlens).shard(x, seq_dim, self.rank, self.world_size), "shard")
             return _dynamic(local, seq_dim)
-        return _made(self, self.layout.shard(x, seq_dim, self.rank, self.world_size), "shard")
+        return made(self, self.layout.shard(x, seq_dim, self.rank, self.world_size), "shard")
 
     def unshard(self, x_local: Tensor, seq_dim: int, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """The full tensor, on every rank, from each rank's shard (packed: without padding).
@@ -353,13 +293,13 @@ class ContextParallel:
             cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int32)
             self._documents = (_dynamic(cu, 0), packed_local_len(cu, self.world_size))
             positions = Packed(cu).positions(int(cu[-1]), self.rank, self.world_size, device)
-            return _dynamic(_made(self, positions, "positions"), 0)
+            return _dynamic(made(self, positions, "positions"), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         if seq_len < 0:
             raise ValueError(f"positions: seq_len={seq_len} is negative")
         self._documents = None
-        return _made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
+        return made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
 
     @contextlib.contextmanager
     def documents_during(self, cu_seqlens: Tensor) -> Iterator[Tensor]:

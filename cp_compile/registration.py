@@ -8,7 +8,7 @@ kind or schedule is one module plus its line here. (The marker of ``compiler.unr
 functions that call it, and imported for those.)
 """
 
-from .comm import agree  # noqa: F401  cp::agree, cp::agree_tensors
+from .comm import agree, gather  # noqa: F401  cp::agree (+ _tensors, _cu_seqlens), cp::packed_sequence_order
 from .comm import ring as comm_ring  # noqa: F401  cp::ring_shift, cp::send_buffers
 from .inference import cached  # noqa: F401  cp::cached_attention
 from .kernels import block, merge, triton_merge  # noqa: F401  cp::block_attn, cp::merge, cp::merge_

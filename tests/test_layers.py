@@ -21,6 +21,7 @@ LAYERS = [
 ]  # fmt: skip
 API_MODULES = {
     "__init__",
+    "active",
     "calibrate",
     "eager",
     "guard",

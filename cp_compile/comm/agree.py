@@ -1,8 +1,9 @@
 """Cross-rank agreement on the arguments of one call.
 
 ``cp::agree`` makes every rank check every rank's q/k/v shapes and options
-before the first transfer, so a mismatch raises the same error everywhere
-instead of leaving some ranks waiting in a collective.
+before the first transfer (``cp::agree_tensors`` a call's own tensors,
+``cp::agree_cu_seqlens`` packed documents), so a mismatch raises the same
+error everywhere instead of leaving some ranks waiting in a collective.
 
 The ops talk to other ranks, so they are registered side-effectful: the compiler must never drop or duplicate them
 on one rank only.
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..layout.packed import check_cu_seqlens
 from .groups import resolve_group
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -149,5 +151,30 @@ def _(tensors, group_name, what):
     return None
 
 
-for _op in (torch.ops.cp.agree.default, torch.ops.cp.agree_tensors.default):
+@torch.library.custom_op("cp::agree_cu_seqlens", mutates_args=())
+def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
+    """All-gather a digest of cu_seqlens; raise on every rank if the ranks passed different ones.
+
+    Validation comes after the exchange: a rank that raised first would leave
+    the others waiting in the collective.
+    """
+    group = resolve_group(group_name)
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
+    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(group.size(), 3).tolist()
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
+        raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")
+    check_cu_seqlens(cu)
+
+
+@agree_cu_seqlens.register_fake
+def _(cu_seqlens, group_name):
+    return None
+
+
+for _op in (torch.ops.cp.agree.default, torch.ops.cp.agree_tensors.default, torch.ops.cp.agree_cu_seqlens.default):
     torch.fx.node.has_side_effect(_op)

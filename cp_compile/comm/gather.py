@@ -1,4 +1,5 @@
-"""All-gather and reduce-scatter along the sequence, for the schedules that gather K/V.
+"""All-gather and reduce-scatter along the sequence, for the schedules that gather K/V, and the order that puts
+gathered chunks (a layout's ``gathered_order``) or packed slots (``cp::packed_sequence_order``) in sequence order.
 
 Written over ``_c10d_functional`` collectives + ``wait_tensor``, so a traced
 schedule holds the group name and C, never the rank.
@@ -6,10 +7,14 @@ schedule holds the group name and C, never the rank.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..kernels.block import dense_like
+from ..layout.packed import check_cu_seqlens, sequence_permutation
 
 _fc = torch.ops._c10d_functional
 
@@ -59,3 +64,21 @@ def scatter_sequence(t: Tensor, group_name: str, world_size: int, order: Optiona
     # reordered along the sequence as dim 0: the cat is the one full-size copy the collective needs
     in_rank_order = permute_chunks(t.movedim(2, 0), inverse(order), 0)
     return reduce_scatter_dim0(in_rank_order, group_name, world_size).movedim(0, 2)
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(cu: tuple[int, ...], world_size: int, inverse: bool) -> Tensor:
+    perm = sequence_permutation(list(cu), world_size)
+    return perm.argsort() if inverse else perm
+
+
+@torch.library.custom_op("cp::packed_sequence_order", mutates_args=())
+def packed_sequence_order(x: Tensor, cu_seqlens: Tensor, world_size: int, inverse: bool) -> Tensor:
+    """Every rank's slots (rank order) -> real tokens in global packed order, then padding; ``inverse`` undoes it."""
+    perm = _permutation(tuple(check_cu_seqlens(cu_seqlens)), world_size, inverse)
+    return x.index_select(0, perm.to(x.device))
+
+
+@packed_sequence_order.register_fake
+def _(x, cu_seqlens, world_size, inverse):
+    return dense_like(x)

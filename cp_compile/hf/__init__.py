@@ -27,8 +27,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from ..active import while_active
 from ..inference.hf_cache import ShardedCache
-from ..plan import while_active
 from .attention import NAME, attention, mask
 from .forward import model_call_checks
 from .gathered import hook_gathered_modules  # noqa: F401  (prepares the models it runs over the gathered sequence)

@@ -65,6 +65,7 @@ from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
+from ..active import active_plan
 from ..comm.agree import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import CachedSettings
@@ -78,7 +79,7 @@ from ..inference.hf_cache import (
 from ..kernels.merge import fold_sinks
 from ..layout.packed import Packed
 from ..mixers.indexed import indexed_attention
-from ..plan import ContextParallel, active_plan
+from ..plan import ContextParallel
 from ..schedules import softmax_scale
 from .forward import check_outside_plan, count_call
 from .masks import MaskSpec, describe, model_name

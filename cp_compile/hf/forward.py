@@ -19,7 +19,7 @@ the model was fed a plan's shard.
 Each check raises the same ``UnsupportedAttention`` on every rank (every rank runs the same model on
 the same kind of input), the global-positions check under ``load_balance="contiguous"`` after one small
 all-reduce of the verdicts (rank 0's own positions are right there). A plan's tensors are recognised by
-``plan.made_by``: views of them too, not copies. A model compiled whole is checked from its
+``active.made_by``: views of them too, not copies. A model compiled whole is checked from its
 ``torch.compile`` wrapper's call; the count of attention calls is not kept for compiled models.
 """
 
@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
+from ..active import active_plan, made_by
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..layout import LOAD_BALANCERS
-from ..plan import active_plan, made_by
 from ..torch_compat import hooks_taken_out
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"

@@ -30,6 +30,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
 from transformers.utils import ModelOutput
 
+from ..active import active_plan
 from ..comm.agree import every_rank, refuse_together
 from ..comm.groups import resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
@@ -47,7 +48,6 @@ from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
-from ..plan import active_plan
 from .forward import CONV, SCAN, count_call, prepare_models_with
 from .masks import MaskSpec
 from .mixers import (

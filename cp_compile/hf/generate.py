@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..active import active_plan
 from ..comm.gather import gather_dim0
 from ..errors import UnsupportedAttention
 from ..guard import LocalAttentionGuard, set_aside
@@ -32,7 +33,7 @@ from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
-from ..plan import ContextParallel, active_plan
+from ..plan import ContextParallel
 from .attention import NAME
 from .forward import model_calls_unfollowed, one_model_call_followed, prepare
 from .gathered import sharded_cache

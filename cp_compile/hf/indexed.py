@@ -30,11 +30,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..active import active_plan
 from ..inference.hf_cache import INDEXED_MODULES, ShardedCache
 from ..mixers import Sharding
 from ..mixers.gathered import _real
 from ..mixers.indexed import gather_index_keys, indexer_mask, visible_keys
-from ..plan import active_plan
 from .forward import prepare_models_with
 from .gathered import _by_name
 from .mixers import _plan_of_shards, _sharding

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..active import active_plan
 from ..cost.mixers import ScanShape, choose_route
 from ..cost.model import default_machine
 from ..errors import UnsupportedAttention
@@ -55,7 +56,7 @@ from ..layout.runs import chunk_count
 from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
 from ..mixers.scan import gated_delta_rule, mamba2_scan, selective_scan
-from ..plan import ContextParallel, active_plan
+from ..plan import ContextParallel
 from .forward import CONV, SCAN, count_call
 
 FAMILIES = (

@@ -35,11 +35,12 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from ..active import active_plan
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..kernels.masked import EMPTY_POSITION
 from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
-from ..plan import ContextParallel, active_plan
+from ..plan import ContextParallel
 from .cache import Agreement, CacheShard
 
 # Key of the attention kwargs under which ``update`` leaves (layer, its ``cache.Step``, or None in a sharded prefill).

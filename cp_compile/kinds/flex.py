@@ -27,6 +27,7 @@ from ..layout.blockmask import HEADER, Mods, sharded_mask_mod
 from .base import Kind, Units, check_heads_and_lengths, register_kind
 from .call import Call, Settings
 
+
 @dataclass(frozen=True)
 class FlexSettings(Settings):
     """A flex call's BlockMask batch and head counts (1 where it broadcasts)."""

@@ -30,45 +30,22 @@ kind reads back as ``[T, H, D]``.
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
-from ..comm.groups import resolve_group
-from ..kernels.block import dense_like
 from ..kernels.tiles import plan_tiles, tiles_attn, tiles_attn_backward
 from ..layout.packed import (
     Segment,
     check_cu_seqlens,
     packed_local_len,
     packed_segments,
-    sequence_permutation,
     sequence_segments,
 )
 from .base import Kind, Units, register_kind
 from .call import Call, Settings
-
-
-@functools.lru_cache(maxsize=64)
-def _permutation(cu: tuple[int, ...], world_size: int, inverse: bool) -> Tensor:
-    perm = sequence_permutation(list(cu), world_size)
-    return perm.argsort() if inverse else perm
-
-
-@torch.library.custom_op("cp::packed_sequence_order", mutates_args=())
-def packed_sequence_order(x: Tensor, cu_seqlens: Tensor, world_size: int, inverse: bool) -> Tensor:
-    """Every rank's slots (rank order) -> real tokens in global packed order, then padding; ``inverse`` undoes it."""
-    perm = _permutation(tuple(check_cu_seqlens(cu_seqlens)), world_size, inverse)
-    return x.index_select(0, perm.to(x.device))
-
-
-@packed_sequence_order.register_fake
-def _(x, cu_seqlens, world_size, inverse):
-    return dense_like(x)
 
 
 def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
@@ -84,34 +61,6 @@ def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None
         raise ValueError(f"q has {q.shape[1]} heads but k/v have {k.shape[1]}; pass enable_gqa=True")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-
-
-@torch.library.custom_op("cp::agree_cu_seqlens", mutates_args=())
-def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
-    """All-gather a digest of cu_seqlens; raise on every rank if the ranks passed different ones.
-
-    Validation comes after the exchange: a rank that raised first would leave
-    the others waiting in the collective.
-    """
-    group = resolve_group(group_name)
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
-    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
-    dist.all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(group.size(), 3).tolist()
-    if any(row != rows[0] for row in rows):
-        detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
-        raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")
-    check_cu_seqlens(cu)
-
-
-@agree_cu_seqlens.register_fake
-def _(cu_seqlens, group_name):
-    return None
-
-
-torch.fx.node.has_side_effect(torch.ops.cp.agree_cu_seqlens.default)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""The plans in force: ``with plan:`` makes a plan active (``active_plan``) for integrations that a framework
+calls without the plan in their arguments, keeps what they need in force while any plan is (``while_active``), and
+marks the tensors a plan made (``made_by``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Optional
+
+from torch import Tensor
+
+# a plan is a ``plan.ContextParallel``, which imports this module: named ``Any`` here
+ContextParallel = Any
+
+# (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
+# called by a framework without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan``.
+_ACTIVE: list = []
+# what integrations keep in force while any plan is active: context-manager factories, entered by the
+# outermost ``with plan:`` (``while_active``)
+_WHILE_ACTIVE: list[Callable[[], AbstractContextManager]] = []
+_ACTIVE_STACK: list[contextlib.ExitStack] = []
+
+
+def while_active(factory: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
+    """Registers ``factory``: the outermost ``with plan:`` enters ``factory()`` and leaves it at its exit.
+
+    The extension point of integrations that must watch what runs inside a plan (``cp_compile.hf``
+    installs module hooks there, so that nothing of it runs outside every plan)."""
+    _WHILE_ACTIVE.append(factory)
+    return factory
+
+
+def active_plan() -> Optional[ContextParallel]:
+    """The innermost plan entered with ``with plan:`` (None outside every one).
+
+    Integrations that call attention through a framework's dispatch (``cp_compile.hf``)
+    read it to know that the model runs under CP; under ``torch.compile`` it is read
+    while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
+    """
+    return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def made_by(t) -> Optional[tuple[ContextParallel, str]]:
+    """(plan, "shard" | "positions") when ``t``, or the tensor it is a view of, is what a plan's ``shard``
+    or ``positions`` returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own).
+    Integrations read it to tell a plan's shards from whole sequences."""
+    for x in (t, getattr(t, "_base", None)):
+        mark = getattr(x, "_cp_compile_made_by", None) if isinstance(x, Tensor) else None
+        if mark is not None:
+            return mark
+    return None
+
+
+def made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
+    if t._base is not None:  # a view: views of it would name its base, not it
+        t = t.clone()
+    setattr(t, "_cp_compile_made_by", (plan, what))  # noqa: B010  (an attribute Tensor does not declare)
+    return t
+
+
+def enter(plan: ContextParallel) -> None:
+    """``with plan:`` (``ContextParallel.__enter__``)."""
+    from .guard import LocalAttentionGuard
+
+    if not _ACTIVE:
+        stack = contextlib.ExitStack()
+        for factory in _WHILE_ACTIVE:
+            stack.enter_context(factory())
+        _ACTIVE_STACK.append(stack)
+    guard = LocalAttentionGuard()
+    guard.__enter__()
+    _ACTIVE.append((plan, guard))
+
+
+def leave(plan: ContextParallel, *exc) -> None:
+    """The end of ``with plan:``: the innermost entry of ``plan`` leaves."""
+    for i in range(len(_ACTIVE) - 1, -1, -1):  # innermost first
+        if _ACTIVE[i][0] is plan:
+            _, guard = _ACTIVE.pop(i)
+            guard.__exit__(*exc)
+            break
+    if not _ACTIVE and _ACTIVE_STACK:
+        _ACTIVE_STACK.pop().close()
