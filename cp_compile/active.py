@@ -60,16 +60,13 @@ def made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
     return t
 
 
-def enter(plan: ContextParallel) -> None:
-    """``with plan:`` (``ContextParallel.__enter__``)."""
-    from .guard import LocalAttentionGuard
-
+def enter(plan: ContextParallel, guard) -> None:
+    """``with plan:`` (``ContextParallel.__enter__``), with the guard it arms (entered here)."""
     if not _ACTIVE:
         stack = contextlib.ExitStack()
         for factory in _WHILE_ACTIVE:
             stack.enter_context(factory())
         _ACTIVE_STACK.append(stack)
-    guard = LocalAttentionGuard()
     guard.__enter__()
     _ACTIVE.append((plan, guard))
 

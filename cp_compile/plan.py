@@ -152,7 +152,9 @@ class ContextParallel:
         not rewrite raises ``LocalAttentionError`` instead of attending to the local shard alone
         (run eagerly, or compiled by another backend). Compile and run models inside it.
         """
-        enter(self)
+        from .guard import LocalAttentionGuard
+
+        enter(self, LocalAttentionGuard())
         return self
 
     def __exit__(self, *exc) -> None:
