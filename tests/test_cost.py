@@ -271,3 +271,22 @@ def test_explain_shows_masked_estimates(fake_group):
 
     (again,) = capture_sites(checkpointed, [*qs, local_mask], plan)
     assert again.owner_path and again.decision.why == site.decision.why, (again.owner_path, again.decision.why)
+
+
+@pytest.mark.parametrize("fake_group", [2], indirect=True)
+def test_a_mask_reading_a_tensor_of_its_own_is_refused_at_compile_time(fake_group):
+    """A BlockMask built for the local length whose mask_mod reads a LongTensor of its own: its first buffer is
+    no CP index table (no C gives a table of that length), refused by name when compiled."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from cp_compile.errors import UnsupportedAttention
+
+    plan, local = cp_compile.ContextParallel(), 64
+    qs = [torch.randn(1, 2, local, 16) for _ in range(3)]
+    # ``local`` entries, and as many as a table of one rank's shard without its tile counts
+    for length in (local, 3 + local * 2):
+        ids = torch.arange(length) // 16
+        bm = create_block_mask(lambda b, h, q, k: ids[q] >= ids[k], None, None, local, local, device="cpu")
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="not a CP index table") as caught:
+            capture_sites(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm), [*qs, bm], plan)
+        assert isinstance(caught.value.inner_exception, UnsupportedAttention)

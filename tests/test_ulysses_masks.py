@@ -433,7 +433,7 @@ def opcheck_ulysses_mask_ops():
 
     import cp_compile
 
-    RANK_ORDER = "packed"  # the layout packed calls name: per-document zigzag, exchanged in rank order
+    layout = "packed"  # what packed calls name: per-document zigzag, exchanged in rank order
     from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
 
@@ -441,7 +441,7 @@ def opcheck_ulysses_mask_ops():
     name, c = dist.group.WORLD.group_name, plan.world_size
     q, k, v, do, cu = packed_inputs([5, 1, 0, 3], 4, 2, 6)
     q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
-    cases = head_sharding_cases(q, k, v, do, [cu], (name,), RANK_ORDER, "packed", PackedSettings(2, 0).encode(), c)
+    cases = head_sharding_cases(q, k, v, do, [cu], (name,), layout, "packed", PackedSettings(2, 0).encode(), c)
     cases += flex_head_sharding_cases(plan, (name,), c)
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -494,7 +494,7 @@ def opcheck_hybrid_ops():
     import cp_compile
     from cp_compile.comm.groups import mesh_groups
 
-    RANK_ORDER = "packed"  # the layout packed calls name: per-document zigzag, exchanged in rank order
+    layout = "packed"  # what packed calls name: per-document zigzag, exchanged in rank order
     from cp_compile.kinds.packed import PackedSettings
     from cp_compile.kinds.packed import bhsd as _bhsd
 
@@ -505,11 +505,11 @@ def opcheck_hybrid_ops():
     q, k, v, do = (_bhsd(plan.shard(t, 0, cu_seqlens=cu)) for t in (q, k, v, do))
     window = (2, 0)
     cases = head_sharding_cases(
-        q, k, v, do, [cu], (flat, ring, a2a), RANK_ORDER, "packed", PackedSettings(*window).encode(), 2
+        q, k, v, do, [cu], (flat, ring, a2a), layout, "packed", PackedSettings(*window).encode(), 2
     )
     # one all-to-all group's slots for this rank's heads: [1, H/A, A*T_local, D]
     qh, kh, vh, doh = (torch.cat([t[:, : t.shape[1] // 2]] * 2, 2) for t in (q, k, v, do))
-    step = ([cu], "packed", 1, flat, 2, False, RANK_ORDER, 0.4, PackedSettings(*window).encode())
+    step = ([cu], "packed", 1, flat, 2, False, layout, 0.4, PackedSettings(*window).encode())
     out_h, lse_h = torch.ops.cp.attend(qh, kh, vh, *step)
     cases += [
         (torch.ops.cp.attend.default, (qh, kh, vh, *step)),

@@ -158,13 +158,9 @@ def agree_cu_seqlens(cu_seqlens: Tensor, group_name: str) -> None:
     Validation comes after the exchange: a rank that raised first would leave
     the others waiting in the collective.
     """
-    group = resolve_group(group_name)
     cu = [int(x) for x in cu_seqlens.tolist()]
-    device = cu_seqlens.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor([zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1], dtype=torch.int64, device=device)
-    everyone = torch.empty(3 * group.size(), dtype=torch.int64, device=device)
-    dist.all_gather_single(everyone, mine, group=group)
-    rows = everyone.view(group.size(), 3).tolist()
+    mine = [zlib.crc32(str(cu).encode()), len(cu), cu[-1] if cu else -1]
+    rows = every_rank(mine, resolve_group(group_name), cu_seqlens.device)
     if any(row != rows[0] for row in rows):
         detail = "; ".join(f"rank {r}: {n - 1} documents, {total} tokens" for r, (_, n, total) in enumerate(rows))
         raise ValueError(f"cu_seqlens differs across ranks ({detail}); pass the same global cu_seqlens on every rank")

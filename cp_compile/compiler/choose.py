@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..cost.masked import choose_masked, flex_facts, packed_facts
 from ..cost.model import Estimate, Machine, Workload, check_schedule, decide, machine_for
+from ..layout.blockmask import mask_tiles
 from .site import Decision, _example
 
 
@@ -58,7 +59,8 @@ def choose_site(site, plan, machine: Machine) -> tuple[str, str, list[Estimate]]
         facts, causal = packed_facts(None, q[0], c, window), window[1] == 0
     else:
         buffers = site.args["mask_mod_buffers"]
-        facts = flex_facts(site.values.get(buffers[0]) if buffers else None, bool(buffers), q[2], c)
+        tiles = mask_tiles(site.values.get(buffers[0]), q[2], c) if buffers else None
+        facts = flex_facts(tiles, bool(buffers), q[2], c)
         causal = False
     return choose_masked(
         "packed" if site.pattern == "varlen" else "flex",

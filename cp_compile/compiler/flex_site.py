@@ -23,9 +23,18 @@ import torch.fx as fx
 from ..errors import UnsupportedAttention
 from ..kinds.call import Call
 from ..kinds.flex import FlexSettings
-from ..layout.blockmask import HEADER, Mods
+from ..layout.blockmask import Mods, is_table_length
 from .choose import choose_schedule
-from .site import AttentionSite, SitePattern, _example, constant, insert_schedule, traced_value
+from .site import (
+    AttentionSite,
+    SitePattern,
+    _example,
+    constant,
+    hinted,
+    insert_schedule,
+    placeholders,
+    traced_value,
+)
 
 FLEX_HOP = torch.ops.higher_order.flex_attention
 _NAMES = (
@@ -51,18 +60,14 @@ def _submodule(site: AttentionSite, node: fx.Node) -> fx.GraphModule:
     return getattr(site.owner, node.target)
 
 
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
 def _is_identity_score(gm: fx.GraphModule) -> bool:
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    return output.args[0] is _placeholders(gm)[0]
+    return output.args[0] is placeholders(gm)[0]
 
 
 def _is_noop_mask(gm: fx.GraphModule) -> bool:
     """A mask that reads no index (e.g. the default when block_mask=None): every pair visible."""
-    return all(not p.users for p in _placeholders(gm))
+    return all(not p.users for p in placeholders(gm))
 
 
 def _check_flex(site: AttentionSite) -> None:
@@ -95,7 +100,12 @@ def _check_flex(site: AttentionSite) -> None:
             )
         return
     table = _example(buffers[0])
-    if table is None or table.dim() != 1 or table.dtype != torch.int64 or table.numel() <= HEADER + q[2]:
+    if (
+        table is None
+        or table.dim() != 1
+        or table.dtype != torch.int64
+        or not is_table_length(hinted(table.numel()), q[2])
+    ):
         raise UnsupportedAttention(
             f"flex_attention(block_mask=...) {where}: the mask's first buffer is not a CP index table; "
             "pass plan.shard(block_mask)"

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..cost.model import fmt_bytes
 from ..layout.runs import chunk_count
-from .site import _example, _graph_modules, _in_library
+from .site import _example, _graph_modules, _in_library, hinted
 
 _ROUTES = {
     torch.ops.cp.halo.default: (
@@ -72,9 +72,7 @@ def _source(node: fx.Node) -> str:
 
 
 def _shape(val: torch.Tensor) -> tuple[int, ...]:
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    return tuple(int(optimization_hint(s)) for s in val.shape)
+    return tuple(hinted(s) for s in val.shape)
 
 
 def _received(node: fx.Node, shape: tuple[int, ...], itemsize: int, world_size: int) -> int:

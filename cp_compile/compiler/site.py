@@ -53,10 +53,8 @@ class AttentionSite:
 
     def shape(self, name: str) -> Optional[tuple[int, ...]]:
         """The argument's shape as ints (a dynamic dimension as its example value: what the cost model reads)."""
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
         val = _example(self.args[name])
-        return tuple(int(optimization_hint(s)) for s in val.shape) if val is not None else None
+        return tuple(hinted(s) for s in val.shape) if val is not None else None
 
     def dtype(self) -> Optional[torch.dtype]:
         val = _example(self.query)
@@ -126,10 +124,20 @@ def _graph_modules(gm: fx.GraphModule):
             yield path, module
 
 
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def hinted(size) -> int:
+    """A size as an int (a dynamic one as its example value), for checks and costs that read numbers."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(size))
+
+
 def input_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, Any]:
     """Each placeholder's value in the call being compiled: the top-level graph's from the example inputs Dynamo
     gives a backend, a body's (a checkpoint region's) from the operands of the higher-order op that runs it."""
-    placeholders = lambda g: [n for n in g.graph.nodes if n.op == "placeholder"]  # noqa: E731
     values = {p: x for p, x in zip(placeholders(gm), example_inputs) if type(x) is torch.Tensor}  # not fake
     for _, module in _graph_modules(gm):  # parents before their bodies
         for node in module.graph.nodes:

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..layout.blockmask import mask_tiles, sharded_mask_mod
+from ..layout.blockmask import sharded_mask_mod
 from ..layout.packed import check_cu_seqlens, packed_local_len
 from .model import Estimate, Machine, Workload, decide, default_machine
 
@@ -171,12 +171,11 @@ def packed_facts(cu_seqlens, local_len: int, world_size: int, window: tuple[int,
 # ----------------------------------------------------------------------------
 
 
-def flex_facts(table: Optional[torch.Tensor], has_mask: bool, local_len: int, world_size: int) -> MaskFacts:
-    """From a sharded mask's index table (``layout.blockmask``; None: its value is not known), or every pair
-    visible without a block_mask."""
+def flex_facts(tiles: Optional[tuple], has_mask: bool, local_len: int, world_size: int) -> MaskFacts:
+    """From a sharded mask's tile fractions (``layout.blockmask``; None: not known for this length and C), or
+    every pair visible without a block_mask."""
     if not has_mask:
         return MaskFacts(full_tiles(world_size), "no block_mask: every pair visible")
-    tiles = mask_tiles(table, local_len, world_size)
     if tiles is None:
         return MaskFacts(
             full_tiles(world_size),
@@ -286,7 +285,8 @@ def choose_flex(
 ) -> tuple[str, str, list[Estimate]]:
     """Eager ``flex_attention(schedule="auto")``: [B, H, S, D] q, k, v and the sharded BlockMask (or None)."""
     sharded = sharded_mask_mod(block_mask)
-    facts = flex_facts(sharded and sharded.table, block_mask is not None, q.shape[2], world_size)
+    tiles = None if sharded is None else sharded.tiles_for(q.shape[2], world_size)
+    facts = flex_facts(tiles, block_mask is not None, q.shape[2], world_size)
     return choose_masked(
         "flex",
         tuple(q.shape),

@@ -91,14 +91,21 @@ class ShardedMaskMod:
     """The mask_mod of a rank's shard of a global BlockMask: the global ``mask_mod`` at the global positions
     the index ``table`` gives (``shard_block_mask``)."""
 
-    def __init__(self, global_mod: Callable, table: Tensor):
-        self.global_mod, self.table = global_mod, table
+    def __init__(self, global_mod: Callable, table: Tensor, tiles: tuple):
+        # tiles: the fractions the table's tail holds (``tile_fractions``), read once, so that an eager call's
+        # schedule choice does not read the table back from its device
+        self.global_mod, self.table, self.tiles = global_mod, table, tiles
         # the mask as a call's mods, made here outside any compiled region: Dynamo takes an opaque object it
         # finds as a graph input, but cannot make one
         self.mods = Mods(lambda b, h, i, j, *table: self(b, h, i, j), None, 1)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.global_mod(b, h, self.table[HEADER + q_idx], self.table[HEADER + kv_idx])
+
+    def tiles_for(self, local_len: int, world_size: int) -> Optional[tuple[tuple[float, ...], ...]]:
+        """The tile fractions for a call of ``local_len`` tokens a rank over ``world_size`` ranks; None where the
+        table is not a shard of that length and C."""
+        return self.tiles if self.table.numel() == table_length(local_len, world_size) else None
 
 
 def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Tensor, chunk: int) -> BlockMask:
@@ -114,9 +121,9 @@ def shard_block_mask(block_mask: BlockMask, rank: int, world_size: int, perm: Te
     device = block_mask.kv_num_blocks.device
     perm = perm.to(device=device, dtype=torch.int64)
     header = torch.tensor([MAGIC, chunk, _block_digest(block_mask)], dtype=torch.int64, device=device)
-    tiles = tile_counts(block_mask, perm, world_size).to(device)
-    table = torch.cat([header, perm[rank * local : (rank + 1) * local], perm, tiles])
-    mask_mod = ShardedMaskMod(block_mask.mask_mod, table)
+    tiles = tile_counts(block_mask, perm, world_size)
+    table = torch.cat([header, perm[rank * local : (rank + 1) * local], perm, tiles.to(device)])
+    mask_mod = ShardedMaskMod(block_mask.mask_mod, table, tile_fractions(tiles, world_size))
     batch, heads = block_mask.kv_num_blocks.shape[:2]
     return create_block_mask(mask_mod, batch, heads, local, local, device=device, BLOCK_SIZE=block_mask.BLOCK_SIZE)
 
@@ -129,6 +136,11 @@ def sharded_mask_mod(block_mask) -> Optional[ShardedMaskMod]:
 
 def table_length(local_len: int, world_size: int) -> int:
     return HEADER + local_len * (world_size + 1) + 1 + world_size**2
+
+
+def is_table_length(numel: int, local_len: int) -> bool:
+    """Whether a table of ``numel`` entries can be a shard's of ``local_len`` tokens, over some C."""
+    return any(table_length(local_len, c) == numel for c in range(1, (numel - HEADER) // max(local_len, 1) + 1))
 
 
 def mask_tiles(table: Optional[Tensor], local_len: int, world_size: int) -> Optional[tuple[tuple[float, ...], ...]]:
