@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
@@ -42,10 +42,18 @@ def active_plan() -> Optional[ContextParallel]:
     return _ACTIVE[-1][0] if _ACTIVE else None
 
 
-def made_by(t) -> Optional[tuple[ContextParallel, str]]:
-    """(plan, "shard" | "positions") when ``t``, or the tensor it is a view of, is what a plan's ``shard``
-    or ``positions`` returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own).
-    Integrations read it to tell a plan's shards from whole sequences."""
+class Made(NamedTuple):
+    """What a plan's ``shard`` or ``positions`` made a tensor for."""
+
+    plan: ContextParallel
+    what: str  # "shard" | "positions"
+    documents: Optional[tuple[int, ...]]  # the packed batch's global cu_seqlens; None: one sequence per row
+
+
+def made_by(t) -> Optional[Made]:
+    """What made ``t`` when it, or the tensor it is a view of, is what a plan's ``shard`` or ``positions``
+    returned; None otherwise (and for copies: ``.to()`` makes a tensor of its own). Integrations read it to
+    tell a plan's shards from whole sequences, and the batch they were made for."""
     for x in (t, getattr(t, "_base", None)):
         mark = getattr(x, "_cp_compile_made_by", None) if isinstance(x, Tensor) else None
         if mark is not None:
@@ -53,10 +61,11 @@ def made_by(t) -> Optional[tuple[ContextParallel, str]]:
     return None
 
 
-def made(plan: ContextParallel, t: Tensor, what: str) -> Tensor:
+def made(plan: ContextParallel, t: Tensor, what: str, documents: Optional[list[int]] = None) -> Tensor:
     if t._base is not None:  # a view: views of it would name its base, not it
         t = t.clone()
-    setattr(t, "_cp_compile_made_by", (plan, what))  # noqa: B010  (an attribute Tensor does not declare)
+    mark = Made(plan, what, None if documents is None else tuple(documents))
+    setattr(t, "_cp_compile_made_by", mark)  # noqa: B010  (an attribute Tensor does not declare)
     return t
 
 

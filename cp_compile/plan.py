@@ -119,7 +119,8 @@ class ContextParallel:
             self.layout = layout_named(load_balance)
         self.load_balance: str = self.layout.name
         self.machine = machine
-        self._documents: Optional[tuple[Tensor, int]] = None  # (global cu_seqlens, local slots) of positions()
+        # the packed batch of the innermost ``with plan.packed(cu)``: (global cu_seqlens, slots per rank)
+        self._documents: Optional[tuple[Tensor, int]] = None
         if calibrate:
             from .calibrate import calibrate as _calibrate
 
@@ -162,15 +163,34 @@ class ContextParallel:
 
     @property
     def documents(self) -> Optional[Tensor]:
-        """The global ``cu_seqlens`` of the latest ``positions(cu_seqlens=...)`` call, or None after
-        ``positions(seq_len)``: what the batch being run is, for integrations that get only positions."""
+        """The global ``cu_seqlens`` of the packed batch in force (the innermost ``with plan.packed(cu)``), or
+        None outside every such block: what the batch being run is, for integrations that get only positions."""
         return None if self._documents is None else self._documents[0]
 
     @property
     def document_slots(self) -> Optional[int]:
-        """Slots per rank of ``documents`` (None without), counted when ``positions`` recorded them:
-        reading it in traced code needs no ``tolist()`` of the tensor."""
+        """Slots per rank of ``documents`` (None without), counted when the block began: reading it in traced
+        code needs no ``tolist()`` of the tensor."""
         return None if self._documents is None else self._documents[1]
+
+    @contextlib.contextmanager
+    def packed(self, cu_seqlens: Tensor) -> Iterator[None]:
+        """Inside, model calls run the packed documents ``cu_seqlens`` (global offsets, one row): for integrations
+        that a framework calls without them (``cp_compile.hf``: a model given only ``position_ids``, and its
+        convolutions and scans, which transformers hands no ``cu_seq_lens_q``). The block before is in force
+        again after it. A backward that recomputes attention (activation checkpointing) runs inside the block too.
+
+        Raises:
+            ValueError: ``cu_seqlens`` does not start at 0 or decreases.
+        """
+        saved, cu = self._documents, check_cu_seqlens(cu_seqlens)
+        if saved is None or saved[0].tolist() != cu:  # the same batch again (a step inside a step) keeps its tensor
+            documents = torch.tensor(cu, dtype=torch.int32)
+            self._documents = (_dynamic(documents, 0), packed_local_len(documents, self.world_size))
+        try:
+            yield
+        finally:
+            self._documents = saved
 
     def __repr__(self) -> str:
         return f"ContextParallel(C={self.world_size}, rank={self.rank}, load_balance={self.load_balance!r})"
@@ -212,7 +232,8 @@ class ContextParallel:
         if cu_seqlens is not None:
             if isinstance(cu_seqlens, Tensor):  # passed on to the model too (varlen_attn, cu_seq_lens_q)
                 _dynamic(cu_seqlens, 0)
-            local = made(self, Packed(cu_seqlens).shard(x, seq_dim, self.rank, self.world_size), "shard")
+            batch = Packed(cu_seqlens)
+            local = made(self, batch.shard(x, seq_dim, self.rank, self.world_size), "shard", batch.cu_seqlens)
             return _dynamic(local, seq_dim)
         return made(self, self.layout.shard(x, seq_dim, self.rank, self.world_size), "shard")
 
@@ -275,9 +296,8 @@ class ContextParallel:
         """Global positions (LongTensor) of this rank's tokens; with ``cu_seqlens``, each
         local slot's position inside its document (padding slots continue their document).
 
-        The call also records what the batch is (``documents``): packed documents with
-        ``cu_seqlens``, one sequence per row without. ``cp_compile.hf`` reads it when a
-        model is given only ``position_ids``.
+        The positions remember the batch they were made for: ``cp_compile.hf`` refuses a model
+        given them while another batch is in force (``packed``).
 
         Args:
             seq_len: the global sequence length (without ``cu_seqlens``).
@@ -292,28 +312,14 @@ class ContextParallel:
                 into the layout's chunks.
         """
         if cu_seqlens is not None:
-            cu = torch.tensor(check_cu_seqlens(cu_seqlens), dtype=torch.int32)
-            self._documents = (_dynamic(cu, 0), packed_local_len(cu, self.world_size))
-            positions = Packed(cu).positions(int(cu[-1]), self.rank, self.world_size, device)
-            return _dynamic(made(self, positions, "positions"), 0)
+            batch = Packed(cu_seqlens)
+            positions = batch.positions(batch.cu_seqlens[-1], self.rank, self.world_size, device)
+            return _dynamic(made(self, positions, "positions", batch.cu_seqlens), 0)
         if seq_len is None:
             raise ValueError("positions needs seq_len (or cu_seqlens for packed documents)")
         if seq_len < 0:
             raise ValueError(f"positions: seq_len={seq_len} is negative")
-        self._documents = None
         return made(self, self.layout.positions(seq_len, self.rank, self.world_size, device), "positions")
-
-    @contextlib.contextmanager
-    def documents_during(self, cu_seqlens: Tensor) -> Iterator[Tensor]:
-        """Inside, ``documents`` are ``cu_seqlens``: a batch run between two training steps that is not the
-        latest ``positions`` call's (generation's sharded prefill), so that what reads ``documents`` (a model's
-        convolutions and scans, given no ``cu_seq_lens_q``) sees it. The previous record is restored after.
-        Yields this rank's positions in that batch."""
-        saved = self._documents
-        try:
-            yield self.positions(cu_seqlens=cu_seqlens, device=cu_seqlens.device)
-        finally:
-            self._documents = saved
 
     def backend(self, inner: str = "inductor") -> CPBackend:
         """A ``torch.compile`` backend that rewrites attention into CP schedules.

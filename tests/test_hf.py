@@ -1,5 +1,6 @@
 """Hugging Face transformers models with attn_implementation="cp_compile" under CP, against "sdpa" on one process."""
 
+import contextlib
 import tempfile
 
 import pytest
@@ -102,7 +103,8 @@ def hf_parity(arch: str, runs: list):
         kwargs = {}
         if packing_kwargs:  # as DataCollatorWithFlattening(return_flash_attn_kwargs=True) emits them: global
             kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
-            plan.positions(SEQ)  # the kwargs alone say the batch is packed: forget the recorded documents
+        # without the kwargs, the model learns the documents from the block (the kwargs alone say it otherwise)
+        documents = plan.packed(cu) if packed and not packing_kwargs else contextlib.nullcontext()
         run = model
         if mode != "eager":
             if mode not in compiled:
@@ -110,7 +112,7 @@ def hf_parity(arch: str, runs: list):
                 compiled[mode] = torch.compile(model, backend=backends[-1], fullgraph=True)
             run = compiled[mode]
         model.zero_grad()
-        with plan:
+        with plan, documents:
             out = run(shard(ids), position_ids=local_positions, use_cache=False, **kwargs, **loss_kwargs(local_labels))
         logits, loss = out.logits, out.loss
         loss.backward()
@@ -191,7 +193,7 @@ def test_no_plan_behaves_like_sdpa(arch):
 def test_random_splits_compile_at_most_twice(ranks, arch, world_size, mode, packing_kwargs):
     """24 random packings of the same budget through one compiled model: at most two graphs (the first
     split's, then a dynamic one), every step's logits, loss and gradients as one process's. The documents
-    reach the attention as HF's kwargs (cu_seq_lens_q) or from plan.positions(cu_seqlens=...)."""
+    reach the attention as HF's kwargs (cu_seq_lens_q) or from ``with plan.packed(cu)``."""
     from test_dynamic import random_lengths
 
     gen = torch.Generator().manual_seed(12)
@@ -272,10 +274,29 @@ def test_what_cp_cannot_do_is_refused_inside_a_plan(fake_plan):
         model(ids, attention_mask=padding, position_ids=plan.positions(SEQ)[None], use_cache=False)
     with plan, pytest.raises(UnsupportedAttention, match="KV cache"):  # decoding: 1 new query, 24 cached keys
         cp_compile.hf.mask(batch_size=1, q_length=1, kv_length=25, q_offset=24, kv_offset=0)
-    plan.positions(cu_seqlens=torch.tensor([0, 13, 18, 19, 41, 48]))  # 30 slots per rank; the model gets 24
-    with plan, pytest.raises(ValueError, match="30 slots per rank"):  # stale documents: said, not used
+    other = plan.packed(torch.tensor([0, 13, 18, 19, 41, 48]))  # 30 slots per rank; the model gets 24
+    with plan, other, pytest.raises(ValueError, match="30 slots per rank"):  # another batch's documents: said
         cp_compile.hf.attention(model.model.layers[0].self_attn, *(torch.zeros(1, 4, 24, 16),) * 3, None)
     assert cp_compile.active_plan() is None
+
+
+def test_a_model_run_on_another_batch_than_its_shard_is_refused(fake_plan):
+    """A packed shard whose attention learnt no documents (neither ``cu_seq_lens_q`` nor ``plan.packed``) ran them
+    as one sequence; positions made for other documents are another batch's: both raise when the model returns."""
+    import cp_compile.hf  # noqa: F401
+    from cp_compile import UnsupportedAttention
+
+    plan = fake_plan
+    model = tiny_model("llama", "cp_compile")
+    ids, _, cu, _ = batch(LENGTHS)
+    other = batch(OTHER)[2]  # the same slots per rank
+    shard = plan.shard(ids, 1, cu_seqlens=cu)
+    with plan, pytest.raises(UnsupportedAttention, match="ran one sequence per row"):
+        model(shard, position_ids=plan.positions(cu_seqlens=cu)[None], use_cache=False)
+    with plan, plan.packed(cu), pytest.raises(UnsupportedAttention, match=r"position_ids were made for the packed"):
+        model(shard, position_ids=plan.positions(cu_seqlens=other)[None], use_cache=False)
+    with plan, plan.packed(cu):  # the same batch: no error (the fake group's values are not checked)
+        model(shard, position_ids=plan.positions(cu_seqlens=cu)[None], use_cache=False)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -292,13 +313,14 @@ def test_another_backend_inside_a_plan_raises_instead_of_attending_locally(fake_
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     shard = (lambda t: plan.shard(t, 1, cu_seqlens=cu)) if packed else (lambda t: plan.shard(t, 1))  # noqa: E731
     positions = (plan.positions(cu_seqlens=cu) if packed else plan.positions(SEQ))[None]
-    with plan, pytest.raises(LocalAttentionError, match="backend other than plan.backend()"):
+    documents = plan.packed(cu) if packed else contextlib.nullcontext()
+    with plan, documents, pytest.raises(LocalAttentionError, match="backend other than plan.backend()"):
         compiled(shard(ids), position_ids=positions, use_cache=False)
-    plan.positions(SEQ)  # forget the documents
 
 
-def checkpointed_eager(backward_inside: bool):
-    """Eager "cp_compile" with HF's gradient checkpointing: the layers recompute during backward."""
+def checkpointed_eager(backward: str):
+    """Eager "cp_compile" with HF's gradient checkpointing: the layers recompute during backward, run
+    ``"inside"`` the plan, ``"outside"`` it, or (packed documents) after leaving the ``"documents"`` block alone."""
     import torch.distributed as dist
 
     import cp_compile
@@ -309,15 +331,21 @@ def checkpointed_eager(backward_inside: bool):
     reference.load_state_dict(model.state_dict())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    ids, labels, _, _ = batch(None)
+    packed = backward == "documents"
+    ids, labels, cu, _ = batch(LENGTHS if packed else None)
     loss_of(reference(ids, use_cache=False).logits, labels).backward()
+    shard = (lambda t: plan.shard(t, 1, cu_seqlens=cu)) if packed else (lambda t: plan.shard(t, 1))  # noqa: E731
+    positions = (plan.positions(cu_seqlens=cu) if packed else plan.positions(SEQ))[None]
     try:
         with plan:
-            out = model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
-            loss = loss_of(out.logits, plan.shard(labels, 1))
-            if backward_inside:
+            with plan.packed(cu) if packed else contextlib.nullcontext():
+                out = model(shard(ids), position_ids=positions, use_cache=False)
+                loss = loss_of(out.logits, shard(labels))
+                if backward == "inside":
+                    loss.backward()
+            if packed:
                 loss.backward()
-        if not backward_inside:
+        if backward == "outside":
             loss.backward()
     except cp_compile.LocalAttentionError as e:
         return str(e)
@@ -330,8 +358,11 @@ def checkpointed_eager(backward_inside: bool):
 
 
 def test_checkpoint_recompute_outside_the_plan_raises(ranks):
-    """A checkpointed layer recomputes in backward: inside the plan it is CP again (exact); outside, it
-    raises on every rank instead of attending to the shard alone."""
-    for inside, outside in zip(ranks(2, checkpointed_eager, True), ranks(2, checkpointed_eager, False)):
+    """A checkpointed layer recomputes in backward: inside the plan it is CP again (exact); outside it, or outside
+    the packed documents' block, it raises on every rank instead of attending to the shard alone or across the
+    documents."""
+    runs = (ranks(2, checkpointed_eager, where) for where in ("inside", "outside", "documents"))
+    for inside, outside, documents in zip(*runs):
         assert inside < TOL
-        assert "recomputes its attention during backward" in outside and "inside `with plan:`" in outside
+        for message in (outside, documents):
+            assert "recomputes its attention during backward" in message and "with plan.packed(cu):" in message

@@ -11,6 +11,8 @@ where the family has no SDPA path) on one process:
 - DeepSeek-V3: multi-head latent attention (query/key head 24, value head 16), a latent KV cache.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -108,7 +110,7 @@ def train_parity(family: str, mode: str, packed: bool) -> dict:
     ref_logits = reference(x, position_ids=positions, use_cache=False).logits
     loss_of(ref_logits, labels).backward()
     forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
-    with plan:
+    with plan, plan.packed(cu) if packed else contextlib.nullcontext():
         if packed:
             local_x, local_labels = plan.shard(x[0], 0, cu_seqlens=cu)[None], plan.shard(labels[0], 0, cu_seqlens=cu)
             local_labels = torch.where(layout_real(plan, cu), local_labels, -100)[None]  # padding slots: no loss

@@ -84,7 +84,7 @@ def train_step(
     ref_loss = model_run._token_loss(ref_out.logits, labels) / items
     ref_loss.backward()
     forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
-    with plan:
+    with plan, contextlib.nullcontext() if cu is None else plan.packed(cu):
         if cu is None:
             local_ids, local_labels, local_positions = plan.shard(ids, 1), plan.shard(labels, 1), plan.positions(seq)
         else:
@@ -347,11 +347,7 @@ def blt_refusals() -> dict:
             "patch lengths": lambda: model(
                 shard, position_ids=positions, patch_lengths=torch.ones(1, 16), use_cache=False
             ),
-            "packed": lambda: model(
-                plan.shard(ids[0], 0, cu_seqlens=cu)[None],
-                position_ids=plan.positions(cu_seqlens=cu)[None],
-                use_cache=False,
-            ),
+            "packed": lambda: packed_call(model, plan, ids, cu),
         }.items():
             try:
                 call()
@@ -359,6 +355,12 @@ def blt_refusals() -> dict:
             except cp_compile.UnsupportedAttention as e:
                 messages[name] = str(e)
     return messages
+
+
+def packed_call(model, plan, ids, cu):
+    with plan.packed(cu):
+        shard, positions = plan.shard(ids[0], 0, cu_seqlens=cu)[None], plan.positions(cu_seqlens=cu)[None]
+        return model(shard, position_ids=positions, use_cache=False)
 
 
 def test_what_blt_cannot_be_given_is_refused_on_every_rank(ranks):

@@ -26,8 +26,7 @@ What the attention runs, on this rank's shard (``[B, H, S_local, D]``):
   packed-document (``varlen``) path with the documents' global
   ``cu_seqlens``, taken from the ``cu_seq_lens_q`` keyword argument (as
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits it,
-  global), else from the plan's latest ``positions(cu_seqlens=...)`` call
-  (``plan.documents``);
+  global), else from the enclosing ``with plan.packed(cu)`` (``plan.documents``);
 - a sliding window (Mistral, Qwen2's ``sliding_attention`` layers, PhiMoE)
   shorter than the sequence: the packed path as well, each row being one
   document of the zigzag layout (per-document zigzag of equal rows is exactly
@@ -81,7 +80,7 @@ from ..layout.packed import Packed
 from ..mixers.indexed import indexed_attention
 from ..plan import ContextParallel
 from ..schedules import softmax_scale
-from .forward import check_outside_plan, count_call
+from .forward import check_outside_plan, count_call, ran_batch
 from .masks import MaskSpec, describe, model_name
 from .mixers import MIXER_LAYER_TYPES, _sharding, attention_as_one_process, in_gathered_module
 
@@ -178,7 +177,8 @@ def mask(*args, **kwargs):
 
 def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpec) -> Optional[Tensor]:
     """Global cu_seqlens of packed documents, or None for one sequence per row: ``cu_seq_lens_q`` (which flash
-    attention keeps apart on one process), else the plan's documents where the model's mask keeps them apart."""
+    attention keeps apart on one process), else those of ``with plan.packed(cu)`` where the model's mask keeps them
+    apart."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
@@ -186,8 +186,10 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
             raise UnsupportedAttention(
                 "cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over the same documents"
             )
+        ran_batch(cu)
         return cu
     cu = plan.documents
+    ran_batch(cu)
     if cu is None:
         return None
     # Compiled, the slot count is left unread: comparing the traced length with a Python int would
@@ -195,9 +197,9 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
     if not _compiling() and query.shape[2] != plan.document_slots:
         local = plan.document_slots
         raise ValueError(
-            f"the plan's documents (from its latest positions(cu_seqlens=...) call) give {local} slots per rank, "
-            f"but the model got {query.shape[2]} tokens; call plan.positions(seq_len) for one sequence per row, "
-            "or plan.positions(cu_seqlens=cu) for the batch being run"
+            f"the packed documents in force (`with plan.packed(cu)`) give {local} slots per rank, but the model got "
+            f"{query.shape[2]} tokens; call the model inside `with plan.packed(cu)` for the batch being run, or "
+            "outside every such block for one sequence per row"
         )
     if not _compiling() and not spec.documents and cu.shape[0] > 2 and _restart_here(plan, cu):
         error = UnsupportedAttention(
@@ -343,19 +345,22 @@ def _indexed(
 
 
 def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
-    """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan that ran
-    the forward, it would attend to the shard alone. Each module remembers whether its latest forward
-    ran under a plan; a recompute (a forward inside backward) without one raises."""
+    """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan or the packed
+    documents (``plan.packed``) that the forward ran, it would attend to the shard alone or across the documents.
+    Each module remembers what its latest forward ran under; a recompute (a forward inside backward) under
+    anything else raises."""
     recomputing = torch._C._current_autograd_node() is not None
-    under_plan = module.__dict__.get("_cp_compile_under_plan", False)
-    if recomputing and plan is None and under_plan:
+    # ids, not the objects: a module that holds no plan deep-copies (a plan holds its process group)
+    now = None if plan is None else (id(plan), id(plan.documents))
+    ran = module.__dict__.get("_cp_compile_ran")
+    if recomputing and ran is not None and now != ran:
         raise LocalAttentionError(
             f"{type(module).__name__} recomputes its attention during backward (activation checkpointing) "
-            "outside `with plan:`, while its forward ran inside the plan: the recompute would attend to this "
-            "rank's shard of the sequence alone. Call loss.backward() inside `with plan:` as well."
+            "outside the `with plan:` (and `with plan.packed(cu):`) its forward ran in: the recompute would attend "
+            "to this rank's shard alone, or across the packed documents. Call loss.backward() inside them as well."
         )
-    if not recomputing and under_plan != (plan is not None):  # set on a change only: nn.Module.__setattr__ is slow
-        module._cp_compile_under_plan = plan is not None
+    if not recomputing:
+        module.__dict__["_cp_compile_ran"] = now  # not through nn.Module.__setattr__, which is slow
 
 
 def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:

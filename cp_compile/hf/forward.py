@@ -11,7 +11,11 @@ once the model's forward returned and before its output is used:
   (transformers numbers the tokens of the shard from 0 when none are given, and RoPE then sees local
   positions), that ``labels`` came with ``shift_labels`` (transformers' causal-LM loss shifts labels
   inside the shard, pairing each shard's last token with the wrong label) and ``shift_labels`` with
-  ``num_items_in_batch`` (else the loss is a mean over this rank's tokens).
+  ``num_items_in_batch`` (else the loss is a mean over this rank's tokens);
+- that every attention, convolution and scan ran the batch the shard and the positions were made for
+  (``plan.shard(x, cu_seqlens=cu)``: those packed documents; else one sequence per row): the documents
+  reach them from ``cu_seq_lens_q`` or from ``with plan.packed(cu)``, and one that got neither ran the
+  documents as one sequence.
 
 Outside every plan, the attention function refuses positions a plan made (``check_outside_plan``):
 the model was fed a plan's shard.
@@ -28,13 +32,15 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import PreTrainedModel
 
-from ..active import active_plan, made_by
+from ..active import Made, active_plan, made_by
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..layout import LOAD_BALANCERS
 from ..torch_compat import hooks_taken_out
@@ -42,9 +48,10 @@ from ..torch_compat import hooks_taken_out
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
 # The models in flight inside a plan: [model, calls of the attention and mask functions, convolutions and scans
-# run under CP] for the outermost transformers model of each eager forward.
+# run under CP, the packed batches they ran (global cu_seqlens, or None: one sequence per row)] for the outermost
+# transformers model of each eager forward.
 _FORWARDS: list[list] = []
-CONV, SCAN = 2, 3  # where an entry counts them
+CONV, SCAN, BATCHES = 2, 3, 4  # where an entry counts them, and keeps the batches
 
 
 def count_call(mixer: int = 0) -> None:
@@ -55,6 +62,15 @@ def count_call(mixer: int = 0) -> None:
         _FORWARDS[-1][1] += 1
         if mixer:
             _FORWARDS[-1][mixer] += 1
+
+
+def ran_batch(cu_seqlens: Optional[Tensor]) -> None:
+    """Called by the attention and the mixer wrappers with the documents they run (None: one sequence per row),
+    checked against the shard's when the model returns."""
+    if not torch.compiler.is_compiling() and _FORWARDS:
+        batches = _FORWARDS[-1][BATCHES]
+        if not any(cu_seqlens is seen for seen in batches):
+            batches.append(cu_seqlens)
 
 
 def _transformers_model(module):
@@ -94,7 +110,7 @@ def start_model_call(module, args: tuple) -> None:
     if model is not None:
         _check_layout(model, active_plan())
         prepare(model)
-        _FORWARDS.append([module, 0, 0, 0])
+        _FORWARDS.append([module, 0, 0, 0, []])
 
 
 def _check_layout(model, plan) -> None:
@@ -113,9 +129,9 @@ def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
     returned. When the forward raised, torch calls it with ``(args, None)``: nothing more to say then."""
     if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1][0] is not module:
         return
-    _, calls, convs, scans = _FORWARDS.pop()
+    _, calls, convs, scans, batches = _FORWARDS.pop()
     if len(kwargs_and_output) == 2 and kwargs_and_output[1] is not None:
-        _check_call_under_plan(module, args, kwargs_and_output[0], calls, convs, scans)
+        _check_call_under_plan(module, args, kwargs_and_output[0], calls, convs, scans, batches)
 
 
 _HOOKS: list = []  # the two global hooks' handles, once installed
@@ -157,7 +173,7 @@ def one_model_call_followed(model) -> Iterator[None]:
     calls take torch's fast path): that attention ran through ``"cp_compile"``, and the convolutions and scans under
     CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
     arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
-    entry = [model, 0, 0, 0]
+    entry = [model, 0, 0, 0, []]
     prepare(model)
     with hooks_taken_out(_HOOKS):
         _FORWARDS.append(entry)
@@ -189,12 +205,17 @@ def _check_attention_reached(model, module, calls: int) -> None:
         )
 
 
+def _mixer_layers(model) -> tuple[int, int]:
+    """How many convolution and scan layers ``model``'s config declares."""
+    types = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
+    scans = sum(t in ("linear_attention", "hybrid") for t in types)
+    return scans + types.count("conv"), scans
+
+
 def _check_mixers(model, module, convs: int, scans: int) -> None:
     """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
     after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
-    layer_types = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
-    mixing = sum(t in ("linear_attention", "conv", "hybrid") for t in layer_types)
-    scanning = sum(t in ("linear_attention", "hybrid") for t in layer_types)
+    mixing, scanning = _mixer_layers(model)
     if (convs < mixing or scans < scanning) and not _has_compiled_part(module):
         raise LocalAttentionError(
             f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
@@ -208,7 +229,9 @@ def _inputs(args: tuple, kwargs: dict):
     return inputs if inputs is not None else kwargs.get("inputs_embeds")
 
 
-def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs: int, scans: int) -> None:
+def _check_call_under_plan(
+    module, args: tuple, kwargs: dict, calls: int, convs: int, scans: int, batches: list
+) -> None:
     plan, model = active_plan(), _transformers_model(module)
     if plan is None:
         return
@@ -216,13 +239,41 @@ def _check_call_under_plan(module, args: tuple, kwargs: dict, calls: int, convs:
         _check_other_attention(model, module, plan, args, kwargs)
         return
     _check_attention_reached(model, module, calls)
-    inputs = _inputs(args, kwargs)
-    made = made_by(inputs)
-    if made is None or made[0] is not plan or made[1] != "shard":
+    shard = made_by(_inputs(args, kwargs))
+    if shard is None or shard.plan is not plan or shard.what != "shard":
         return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
-    _check_positions(model, plan, kwargs.get("position_ids"))
+    if _has_compiled_part(module):  # not counted: what the graphs read while traced, and read again when run
+        given = kwargs.get("cu_seq_lens_q")
+        batches = [plan.documents if given is None else given] + [plan.documents] * (_mixer_layers(model)[0] > 0)
+    _check_batch(model, shard, kwargs.get("position_ids"), batches)
+    _check_positions(model, plan, shard, kwargs.get("position_ids"))
     _check_labels(model, kwargs)
     _check_mixers(model, module, convs, scans)
+
+
+def _describe(documents: Optional[tuple[int, ...]]) -> str:
+    return "one sequence per row" if documents is None else f"the packed documents cu_seqlens={list(documents)}"
+
+
+def _check_batch(model, shard: Made, positions, batches: list) -> None:
+    """The attention, convolutions and scans ran the batch the shard was made for, and the positions are the
+    same batch's. Every rank made its shard with the same call, and so raises alike."""
+    where = f"{type(model).__name__} under context parallelism"
+    made = made_by(positions)
+    if made is not None and made.what == "positions" and made.documents != shard.documents:
+        raise UnsupportedAttention(
+            f"{where}: its input is a shard of {_describe(shard.documents)}, but its position_ids were made for "
+            f"{_describe(made.documents)}"
+        )
+    for cu in batches:
+        ran = None if cu is None else tuple(cu.tolist())
+        if ran != shard.documents:
+            raise UnsupportedAttention(
+                f"{where}: its input is a shard of {_describe(shard.documents)}, but its attention or token mixers "
+                f"ran {_describe(ran)}. Pass the documents as cu_seq_lens_q= and cu_seq_lens_k= or call the model "
+                "inside `with plan.packed(cu):` (convolutions and scans, which transformers hands no "
+                "cu_seq_lens_q, read the documents from there)"
+            )
 
 
 # transformers' attention implementations whose calls ``plan.backend()`` rewrites (torch's SDPA and FlexAttention)
@@ -237,7 +288,7 @@ def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> No
     if model.config._attn_implementation in _REWRITTEN_WHEN_COMPILED and _has_compiled_part(module):
         return
     given = (_inputs(args, kwargs), kwargs.get("position_ids"))
-    if not any(made is not None and made[0] is plan for made in map(made_by, given)):
+    if not any(made is not None and made.plan is plan for made in map(made_by, given)):
         return
     raise LocalAttentionError(
         f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
@@ -247,7 +298,7 @@ def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> No
     )
 
 
-def _check_positions(model, plan, positions) -> None:
+def _check_positions(model, plan, shard: Made, positions) -> None:
     where = f"{type(model).__name__} under context parallelism"
     if positions is None:
         raise UnsupportedAttention(
@@ -256,12 +307,12 @@ def _check_positions(model, plan, positions) -> None:
             "plan.positions(cu_seqlens=cu)[None])"
         )
     made = made_by(positions)
-    if (made is not None and made[0] is plan) or plan.world_size == 1:
+    if (made is not None and made.plan is plan) or plan.world_size == 1:
         return
     local = positions.shape[-1]
     if plan.layout.starts_on_rank_zero:  # rank 0's own positions are 0..L-1: compare with the layout's
         expected = plan.layout.positions(local * plan.world_size, plan.rank, plan.world_size, positions.device)
-        wrong = plan.documents is None and not bool((positions == expected).all())
+        wrong = shard.documents is None and not bool((positions == expected).all())
         verdict = torch.tensor([int(wrong)])
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=plan.group)
         wrong = bool(verdict.item())
@@ -297,6 +348,7 @@ __all__ = [
     "SCAN",
     "check_outside_plan",
     "count_call",
+    "ran_batch",
     "model_call_checks",
     "model_calls_unfollowed",
     "one_model_call_followed",

@@ -96,7 +96,7 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     """Run ``input_ids [1, n]`` (the same on every rank) once, sharded over ``plan``: each rank computes
     and caches its own tokens' K/V (and, for a hybrid's linear layers, every rank the whole state). The prompt
     is one packed document: the attention reads it from ``cu_seq_lens_q``, a model's convolutions and scans
-    from the plan's documents while it runs (``plan.documents_during``)."""
+    from the plan's documents while it runs (``plan.packed``)."""
     tokens = input_ids.shape[1]
     # each layer's attention is checked by the cache, and the convolutions and scans by the count of this one call
     # (the positions are the plan's, and no labels are given); the guard's mode stays on for this one call, and
@@ -105,7 +105,8 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     positions = _slot_positions(plan, cu)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
-    with cache.sharded_prefill(positions, tokens), plan.documents_during(documents) as local_positions:
+    local_positions = plan.positions(cu_seqlens=documents, device=documents.device)
+    with cache.sharded_prefill(positions, tokens), plan.packed(documents):
         with torch.no_grad(), one_model_call_followed(model):
             model(
                 input_ids=local_ids,
@@ -253,7 +254,8 @@ class _EveryStepSharded:
                 )
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=input_ids.device)
         step = contextlib.ExitStack()
-        positions = step.enter_context(self.plan.documents_during(cu))
+        step.enter_context(self.plan.packed(cu))
+        positions = self.plan.positions(cu_seqlens=cu, device=cu.device)
         step.enter_context(one_model_call_followed(self.model))
         self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
         local = self.plan.shard(input_ids, 1, cu_seqlens=cu)

@@ -28,7 +28,8 @@ family's such layers stay refused by name; a mixer that escapes the wrappers (a 
 plan wrapped it) and runs its torch body meets the plan's guard on ``torch.conv1d``.
 
 Packed documents: the tokens are exchanged in the layout the plan sharded them with (``cu_seq_lens_q`` or
-the plan's ``positions(cu_seqlens=...)``), and the mixers restart at documents exactly where the
+``with plan.packed(cu)``; a model whose shard was packed and whose mixers got neither is refused when it returns,
+``hf.forward``), and the mixers restart at documents exactly where the
 one-process call does: a gated delta rule given ``cu_seqlens`` and a convolution or Mamba2 scan given
 ``seq_idx`` (what TRL's padding-free collator passes) restart there, as the fused kernels do (transformers'
 torch bodies refuse them); without, they read across the boundary, as one process does.
@@ -57,7 +58,7 @@ from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
 from ..mixers.scan import gated_delta_rule, mamba2_scan, selective_scan
 from ..plan import ContextParallel
-from .forward import CONV, SCAN, count_call
+from .forward import CONV, SCAN, count_call, ran_batch
 
 FAMILIES = (
     "bailing_hybrid",
@@ -359,6 +360,7 @@ def same_tokens_on_every_rank(same: bool = True):
 
 def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:
     documents = cu_seqlens if cu_seqlens is not None else plan.documents
+    ran_batch(documents)
     return Sharding(plan.group_name, plan.world_size, plan.load_balance, documents)
 
 
@@ -369,9 +371,8 @@ def _restarts_at_documents(name: str, kwargs: dict, sharding: Sharding) -> bool:
         return False
     if sharding.cu_seqlens is None:
         raise UnsupportedAttention(
-            f"{name} under context parallelism with seq_idx but no documents: pass the packed row's cu_seq_lens_q "
-            "(or position_ids restarting at each document to plan.positions / plan.shard) so that every rank knows "
-            "where the documents start"
+            f"{name} under context parallelism with seq_idx but no documents: call the model inside "
+            "`with plan.packed(cu):` so that every rank knows where the documents start"
         )
     return True
 

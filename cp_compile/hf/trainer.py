@@ -17,7 +17,8 @@ only, no packed documents). What the mixin changes:
   batches (the replica's), and replicas read different ones, as the processes of a run without CP would;
 - **inputs**: each rank gets its shard of every batch, packed rows (TRL's ``position_ids`` /
   ``cu_seq_lens_q``, ``DataCollatorWithFlattening``) split per document, with global positions, labels
-  shifted on the global sequence (``shift_labels``), and the model runs inside ``with plan:``;
+  shifted on the global sequence (``shift_labels``), and the model runs inside ``with plan:`` (and
+  ``with plan.packed(cu):`` for a packed row);
 - **loss**: ``Trainer`` counts the labels of the whole batch (``num_items_in_batch``); ``get_cp_size``
   tells it that C ranks counted the same batch. Each rank's loss is then its share of the global token
   mean, and the gradient all-reduce that ``Trainer`` already makes over every process sums the shares;
@@ -31,6 +32,7 @@ Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Optional
 
@@ -84,7 +86,8 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
 
     One row is split per document (packed rows; one document when nothing says otherwise), several rows
     each as one sequence. ``labels`` become this rank's slice of the globally shifted labels (also given as
-    ``shift_labels``); ``position_ids`` the global positions of this rank's slots."""
+    ``shift_labels``); ``position_ids`` the global positions of this rank's slots. A packed row's model call
+    (and its backward) runs inside ``with plan.packed(documents(batch)):``."""
     input_ids = batch["input_ids"]
     rows, total = input_ids.shape
     mask = batch.get("attention_mask")
@@ -234,10 +237,20 @@ class ContextParallelMixin:
         return loader
 
     # -- the step --------------------------------------------------------------------------------------
-    def training_step(self, *args, **kwargs):
+    def _under_plan(self, inputs: dict[str, Any]) -> contextlib.ExitStack:
+        """``with plan:``, and ``with plan.packed(cu):`` for a packed row (its convolutions and scans read the
+        documents there)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.plan)
+        cu = documents(inputs)
+        if cu is not None:
+            stack.enter_context(self.plan.packed(cu))
+        return stack
+
+    def training_step(self, model, inputs, *args, **kwargs):
         # backward inside the plan too: activation checkpointing (SFTConfig's default) recomputes attention there
-        with self.plan:
-            return super().training_step(*args, **kwargs)
+        with self._under_plan(inputs):
+            return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is None:
@@ -251,7 +264,7 @@ class ContextParallelMixin:
         # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.forward)
         local["num_items_in_batch"] = num_items_in_batch
         counted = getattr(self, "_total_train_tokens", None) if model.training else None
-        with self.plan:
+        with self._under_plan(inputs):
             result = super().compute_loss(
                 model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
@@ -282,7 +295,7 @@ class ContextParallelMixin:
         inputs = self._prepare_inputs(inputs)
         local = shard_batch(self.plan, inputs)
         local["num_items_in_batch"] = count_targets(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager(), self.plan:
+        with torch.no_grad(), self.compute_loss_context_manager(), self._under_plan(inputs):
             # the model's own loss: compute_loss would scale it for the gradient all-reduce
             share = model(**local).loss.detach()
         dist.all_reduce(share, group=self.plan.group)
