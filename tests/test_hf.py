@@ -320,7 +320,8 @@ def test_another_backend_inside_a_plan_raises_instead_of_attending_locally(fake_
 
 def checkpointed_eager(backward: str):
     """Eager "cp_compile" with HF's gradient checkpointing: the layers recompute during backward, run
-    ``"inside"`` the plan, ``"outside"`` it, or (packed documents) after leaving the ``"documents"`` block alone."""
+    ``"inside"`` the plan, ``"outside"`` it, or (packed documents) after leaving the ``"documents"`` block alone,
+    or inside the same documents' block entered ``"again"``."""
     import torch.distributed as dist
 
     import cp_compile
@@ -331,20 +332,22 @@ def checkpointed_eager(backward: str):
     reference.load_state_dict(model.state_dict())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    packed = backward == "documents"
-    ids, labels, cu, _ = batch(LENGTHS if packed else None)
-    loss_of(reference(ids, use_cache=False).logits, labels).backward()
+    packed = backward in ("documents", "again")
+    ids, labels, cu, whole_positions = batch(LENGTHS if packed else None)
+    loss_of(reference(ids, position_ids=whole_positions, use_cache=False).logits, labels).backward()
     shard = (lambda t: plan.shard(t, 1, cu_seqlens=cu)) if packed else (lambda t: plan.shard(t, 1))  # noqa: E731
     positions = (plan.positions(cu_seqlens=cu) if packed else plan.positions(SEQ))[None]
+    local_labels = shard(labels + 100) - 100  # padding slots: -100
     try:
         with plan:
             with plan.packed(cu) if packed else contextlib.nullcontext():
                 out = model(shard(ids), position_ids=positions, use_cache=False)
-                loss = loss_of(out.logits, shard(labels))
+                loss = loss_of(out.logits, local_labels)
                 if backward == "inside":
                     loss.backward()
-            if packed:
-                loss.backward()
+            with plan.packed(cu) if backward == "again" else contextlib.nullcontext():
+                if packed:
+                    loss.backward()
         if backward == "outside":
             loss.backward()
     except cp_compile.LocalAttentionError as e:
@@ -360,9 +363,9 @@ def checkpointed_eager(backward: str):
 def test_checkpoint_recompute_outside_the_plan_raises(ranks):
     """A checkpointed layer recomputes in backward: inside the plan it is CP again (exact); outside it, or outside
     the packed documents' block, it raises on every rank instead of attending to the shard alone or across the
-    documents."""
-    runs = (ranks(2, checkpointed_eager, where) for where in ("inside", "outside", "documents"))
-    for inside, outside, documents in zip(*runs):
-        assert inside < TOL
+    documents; inside the same documents' block entered again, it is exact."""
+    runs = (ranks(2, checkpointed_eager, where) for where in ("inside", "outside", "documents", "again"))
+    for inside, outside, documents, again in zip(*runs):
+        assert inside < TOL and again < TOL, (inside, again)
         for message in (outside, documents):
             assert "recomputes its attention during backward" in message and "with plan.packed(cu):" in message

@@ -350,10 +350,10 @@ def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
     Each module remembers what its latest forward ran under; a recompute (a forward inside backward) under
     anything else raises."""
     recomputing = torch._C._current_autograd_node() is not None
-    # ids, not the objects: a module that holds no plan deep-copies (a plan holds its process group)
-    now = None if plan is None else (id(plan), id(plan.documents))
+    # the plan's id, not the plan: a module that holds no plan deep-copies (a plan holds its process group)
+    now = None if plan is None else (id(plan), plan.documents)
     ran = module.__dict__.get("_cp_compile_ran")
-    if recomputing and ran is not None and now != ran:
+    if recomputing and ran is not None and not _same_run(now, ran):
         raise LocalAttentionError(
             f"{type(module).__name__} recomputes its attention during backward (activation checkpointing) "
             "outside the `with plan:` (and `with plan.packed(cu):`) its forward ran in: the recompute would attend "
@@ -361,6 +361,16 @@ def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
         )
     if not recomputing:
         module.__dict__["_cp_compile_ran"] = now  # not through nn.Module.__setattr__, which is slow
+
+
+def _same_run(now, ran) -> bool:
+    """The same plan and the same packed documents (by value: a block entered again for the backward makes a
+    tensor of its own)."""
+    if now is None or now[0] != ran[0]:
+        return False
+    if now[1] is None or ran[1] is None:
+        return now[1] is ran[1]
+    return now[1] is ran[1] or torch.equal(now[1], ran[1])
 
 
 def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
