@@ -53,7 +53,7 @@ def start_script(script: str, port: int) -> None:
         dist.destroy_process_group()
     torch._dynamo.reset()
     os.environ["MASTER_PORT"] = str(port)
-    shutil.rmtree(Path(tempfile.gettempdir()) / f"cp_compile_docs_{os.getpid()}", ignore_errors=True)
+    shutil.rmtree(_page_files(), ignore_errors=True)
     _scripts.clear()
     _scripts[script] = {"__name__": "__main__"}
 
@@ -62,10 +62,15 @@ def run_block(script: str, source: str, path: str) -> None:
     exec(compile(source, _as_python(path, source), "exec"), _scripts[script])
 
 
+def _page_files() -> Path:
+    """Where this rank writes the pages it runs as Python files (``_as_python``)."""
+    return Path(tempfile.gettempdir()) / f"cp_compile_docs_{os.getpid()}"
+
+
 def _as_python(path: str, source: str) -> str:
     """A Python file that holds the page's blocks so far at their lines in the page: tools that read a
     function's source from its file (inspect, Dynamo's logs, depyf) must not meet the page's Markdown."""
-    target = Path(tempfile.gettempdir()) / f"cp_compile_docs_{os.getpid()}" / (Path(path).name + ".py")
+    target = _page_files() / (Path(path).name + ".py")
     lines = target.read_text().splitlines(keepends=True) if target.exists() else []
     block = source.splitlines(keepends=True)
     lines += ["\n"] * (len(block) - len(lines))
@@ -81,6 +86,7 @@ def end_script(script: str) -> None:
     import torch.distributed as dist
 
     _scripts.pop(script, None)
+    shutil.rmtree(_page_files(), ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -90,12 +96,14 @@ def end_script(script: str) -> None:
 # ----------------------------------------------------------------------------
 
 _pools: dict[int, RankPool] = {}
+_caches: list[str] = []  # the pools' Inductor cache directories, removed with the pools
 _ids = itertools.count()
 
 
 def _pool(ranks: int) -> RankPool:
     if ranks not in _pools:
         cache = tempfile.mkdtemp(prefix="cp_compile_docs_inductor_")
+        _caches.append(cache)
         _pools[ranks] = RankPool(ranks, init_group=False, env={"TORCHINDUCTOR_CACHE_DIR": cache})
     return _pools[ranks]
 
@@ -160,3 +168,6 @@ def pytest_sessionfinish(session):
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+    for cache in _caches:
+        shutil.rmtree(cache, ignore_errors=True)
+    _caches.clear()

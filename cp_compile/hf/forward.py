@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -47,28 +48,39 @@ from ..torch_compat import hooks_taken_out
 
 _COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
-# The models in flight inside a plan: [model, calls of the attention and mask functions, convolutions and scans
-# run under CP, the packed batches they ran (global cu_seqlens, or None: one sequence per row)] for the outermost
-# transformers model of each eager forward.
-_FORWARDS: list[list] = []
-CONV, SCAN, BATCHES = 2, 3, 4  # where an entry counts them, and keeps the batches
+
+@dataclass
+class _ModelCall:
+    """The outermost transformers model of an eager forward inside a plan, and what the forward ran: calls of the
+    attention and mask functions, convolutions and scans run under CP, and the packed batches they ran (global
+    cu_seqlens, or None: one sequence per row)."""
+
+    model: torch.nn.Module
+    calls: int = 0
+    convs: int = 0
+    scans: int = 0
+    batches: list = field(default_factory=list)
 
 
-def count_call(mixer: int = 0) -> None:
+_FORWARDS: list[_ModelCall] = []  # the model calls in flight, innermost last
+
+
+def count_call(convs: int = 0, scans: int = 0) -> None:
     """Called by the attention and mask functions of ``"cp_compile"`` under a plan, and by the mixer wrappers
-    (``mixer``: ``CONV`` or ``SCAN``)."""
+    with the convolutions and scans they run."""
     # while Dynamo traces, the state below must stay unread: it holds the model being traced
     if not torch.compiler.is_compiling() and _FORWARDS:
-        _FORWARDS[-1][1] += 1
-        if mixer:
-            _FORWARDS[-1][mixer] += 1
+        forward = _FORWARDS[-1]
+        forward.calls += 1
+        forward.convs += convs
+        forward.scans += scans
 
 
 def ran_batch(cu_seqlens: Optional[Tensor]) -> None:
     """Called by the attention and the mixer wrappers with the documents they run (None: one sequence per row),
     checked against the shard's when the model returns."""
     if not torch.compiler.is_compiling() and _FORWARDS:
-        batches = _FORWARDS[-1][BATCHES]
+        batches = _FORWARDS[-1].batches
         if not any(cu_seqlens is seen for seen in batches):
             batches.append(cu_seqlens)
 
@@ -110,7 +122,7 @@ def start_model_call(module, args: tuple) -> None:
     if model is not None:
         _check_layout(model, active_plan())
         prepare(model)
-        _FORWARDS.append([module, 0, 0, 0, []])
+        _FORWARDS.append(_ModelCall(module))
 
 
 def _check_layout(model, plan) -> None:
@@ -127,11 +139,11 @@ def _check_layout(model, plan) -> None:
 def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
     """Global forward hook (with kwargs, always called): the checks of the module docstring, once the forward
     returned. When the forward raised, torch calls it with ``(args, None)``: nothing more to say then."""
-    if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1][0] is not module:
+    if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1].model is not module:
         return
-    _, calls, convs, scans, batches = _FORWARDS.pop()
+    forward = _FORWARDS.pop()
     if len(kwargs_and_output) == 2 and kwargs_and_output[1] is not None:
-        _check_call_under_plan(module, args, kwargs_and_output[0], calls, convs, scans, batches)
+        _check_call_under_plan(forward, args, kwargs_and_output[0])
 
 
 _HOOKS: list = []  # the two global hooks' handles, once installed
@@ -173,16 +185,16 @@ def one_model_call_followed(model) -> Iterator[None]:
     calls take torch's fast path): that attention ran through ``"cp_compile"``, and the convolutions and scans under
     CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
     arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
-    entry = [model, 0, 0, 0, []]
+    forward = _ModelCall(model)
     prepare(model)
     with hooks_taken_out(_HOOKS):
-        _FORWARDS.append(entry)
+        _FORWARDS.append(forward)
         try:
             yield
         finally:
-            _FORWARDS.remove(entry)
-    _check_attention_reached(model, model, entry[1])
-    _check_mixers(model, model, entry[CONV], entry[SCAN])
+            _FORWARDS.remove(forward)
+    _check_attention_reached(model, model, forward.calls)
+    _check_mixers(model, forward)
 
 
 def check_outside_plan(module, position_ids) -> None:
@@ -212,11 +224,12 @@ def _mixer_layers(model) -> tuple[int, int]:
     return scans + types.count("conv"), scans
 
 
-def _check_mixers(model, module, convs: int, scans: int) -> None:
+def _check_mixers(model, forward: _ModelCall) -> None:
     """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
     after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
     mixing, scanning = _mixer_layers(model)
-    if (convs < mixing or scans < scanning) and not _has_compiled_part(module):
+    convs, scans = forward.convs, forward.scans
+    if (convs < mixing or scans < scanning) and not _has_compiled_part(forward.model):
         raise LocalAttentionError(
             f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
             f"convolutions and {scans} scans ran under CP in this forward: the others mixed this rank's shard alone "
@@ -229,16 +242,15 @@ def _inputs(args: tuple, kwargs: dict):
     return inputs if inputs is not None else kwargs.get("inputs_embeds")
 
 
-def _check_call_under_plan(
-    module, args: tuple, kwargs: dict, calls: int, convs: int, scans: int, batches: list
-) -> None:
+def _check_call_under_plan(forward: _ModelCall, args: tuple, kwargs: dict) -> None:
+    module, batches = forward.model, forward.batches
     plan, model = active_plan(), _transformers_model(module)
     if plan is None:
         return
     if model.config._attn_implementation != "cp_compile":
         _check_other_attention(model, module, plan, args, kwargs)
         return
-    _check_attention_reached(model, module, calls)
+    _check_attention_reached(model, module, forward.calls)
     shard = made_by(_inputs(args, kwargs))
     if shard is None or shard.plan is not plan or shard.what != "shard":
         return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
@@ -248,7 +260,7 @@ def _check_call_under_plan(
     _check_batch(model, shard, kwargs.get("position_ids"), batches)
     _check_positions(model, plan, shard, kwargs.get("position_ids"))
     _check_labels(model, kwargs)
-    _check_mixers(model, module, convs, scans)
+    _check_mixers(model, forward)
 
 
 def _describe(documents: Optional[tuple[int, ...]]) -> str:
@@ -344,8 +356,6 @@ def _check_labels(model, kwargs: dict) -> None:
 
 
 __all__ = [
-    "CONV",
-    "SCAN",
     "check_outside_plan",
     "count_call",
     "ran_batch",

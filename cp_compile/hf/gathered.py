@@ -48,7 +48,7 @@ from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
-from .forward import CONV, SCAN, count_call, prepare_models_with
+from .forward import count_call, prepare_models_with
 from .masks import MaskSpec
 from .mixers import (
     GATHERED_MODULES,
@@ -125,8 +125,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
             "ones, which the padding slots kept after the tokens while compiled would be; run it eagerly"
         )
     mask_spec = kwargs.get(call.mask) if call.mask is not None else None
-    count_call(CONV)  # the module stands for the layer's convolution and scan both
-    count_call(SCAN)
+    count_call(convs=1, scans=1)  # the module stands for the layer's convolution and scan both
     # the module's own convolutions run on the whole sequence, on purpose: the guard would take them for a shard's
     guard = contextlib.ExitStack()
     guard.enter_context(mixers_over_the_whole_sequence())

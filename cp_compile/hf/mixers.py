@@ -58,7 +58,7 @@ from ..mixers import Sharding
 from ..mixers.conv import causal_conv1d
 from ..mixers.scan import gated_delta_rule, mamba2_scan, selective_scan
 from ..plan import ContextParallel
-from .forward import CONV, SCAN, count_call, ran_batch
+from .forward import count_call, ran_batch
 
 FAMILIES = (
     "bailing_hybrid",
@@ -387,7 +387,7 @@ def _conv(original):
         # restarting at documents, the halo holds zeros before each document's first token: the convolution of
         # the extended shard needs no seq_idx of its own (each chunk of the shard lies within one document)
         reset = _restarts_at_documents("causal_conv1d_fn", kwargs, sharding)
-        count_call(CONV)
+        count_call(convs=1)
         with set_aside():  # the torch body's conv1d runs on the extended shard, on purpose
             return causal_conv1d(hidden_states, weight, bias, activation, sharding, conv=original, reset=reset)
 
@@ -413,7 +413,7 @@ def _delta_rule(original):
             kwargs["chunk_size"], *args = args
         if args:
             raise TypeError("pass the gated delta rule's options after chunk_size by name")
-        count_call(SCAN)
+        count_call(scans=1)
         # fla's kernels restart at cu_seqlens alone; seq_idx, which some families pass on, is not theirs to read
         kwargs.pop("seq_idx", None)
         sharding = _sharding(plan, kwargs.get("cu_seqlens"))
@@ -437,7 +437,7 @@ def _mamba2(original):
             return original(hidden_states, dt, A, B, C, chunk_size, *args, **kwargs)
         if args:
             raise TypeError("pass mamba2_chunk_scan's options after chunk_size by name")
-        count_call(SCAN)
+        count_call(scans=1)
         sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
         _restarts_at_documents("mamba2_chunk_scan", kwargs, sharding)
         b, local_len, heads, p = hidden_states.shape
@@ -460,7 +460,7 @@ def _selective(original):
             return original(hidden_states, dt, A, B, C, *args, **kwargs)
         if args:
             raise TypeError("pass the selective scan's options after C by name")
-        count_call(SCAN)
+        count_call(scans=1)
         sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
         return selective_scan(original, hidden_states, dt, A, B, C, sharding, **kwargs)
 
