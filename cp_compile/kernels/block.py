@@ -47,12 +47,6 @@ def result_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
 
 
-def _empty_result(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    return out, lse
-
-
 # ----------------------------------------------------------------------------
 # Kernels: one dense tile, causal (top-left) or not.
 # ----------------------------------------------------------------------------
@@ -71,12 +65,12 @@ def _cuda_use_flash(q: Tensor, k: Tensor) -> bool:
     )
 
 
-def _repeat_kv(q: Tensor, t: Tensor) -> Tensor:
+def repeat_kv(q: Tensor, t: Tensor) -> Tensor:
     groups = q.shape[1] // t.shape[1]
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
+def sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
     b, hq, length, d = grad.shape
     if hq == kv_heads:
         return grad
@@ -166,7 +160,7 @@ def tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tup
         if _cuda_use_flash(q, k):
             res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1]
-        kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
         res = aten._scaled_dot_product_efficient_attention(q, kr, vr, None, True, 0.0, causal, scale=scale)
         return res[0], res[1][..., : q.shape[2]].to(acc_dtype(q.dtype))
     return math_attn_impl(q, k, v, _causal(q, k, causal), scale)
@@ -188,9 +182,8 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
         )
     if q.device.type == "cuda":
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout
         if _cuda_use_flash(q, k):
-            lq, lk = q.shape[2], k.shape[2]
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout
             # cumulative lengths: undefined (None), as the dense forward returns them; a defined
             # tensor would mean packed sequences to the kernel
             return aten._scaled_dot_product_flash_attention_backward(
@@ -202,16 +195,15 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
                 lse.float(),
                 None,
                 None,
-                lq,
-                lk,
+                q.shape[2],
+                k.shape[2],
                 0.0,
                 causal,
                 seed,
                 seed,
                 scale=scale,
             )
-        kr, vr = _repeat_kv(q, k), _repeat_kv(q, v)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        kr, vr = repeat_kv(q, k), repeat_kv(q, v)
         # the layout the efficient forward returns (and its backward reads): rows padded to 32
         lse32 = torch.nn.functional.pad(lse.float(), (0, -lse.shape[-1] % 32)).contiguous()
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
@@ -229,7 +221,7 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             causal,
             scale=scale,
         )
-        return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
+        return dq, sum_kv_groups(dk, k.shape[1]), sum_kv_groups(dv, v.shape[1])
     return math_attn_backward_impl(dout, q, k, v, out, lse, _causal(q, k, causal), scale)
 
 
@@ -285,7 +277,8 @@ def block_attn_impl(q: Tensor, k: Tensor, v: Tensor, mask: str, scale: float) ->
     if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[2]):
         _, cols, causal = tiles[0]
         return tile_fwd(q, k[:, :, cols], v[:, :, cols], causal, scale)
-    out, lse = _empty_result(q, v)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for rows, cols, causal in tiles:
         part_out, part_lse = tile_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
         _merge_into(out, lse, part_out, part_lse, rows)

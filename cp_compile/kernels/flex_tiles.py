@@ -25,6 +25,7 @@ from ..counters import record_blocks
 from ..layout import layout_named
 from ..layout.blockmask import HEADER, MAGIC, Mods, table_length
 from ..torch_compat import flex_index_helpers
+from .block import repeat_kv, sum_kv_groups
 from .merge import acc_dtype, pivot
 
 
@@ -65,31 +66,21 @@ def resolve_mask_call(
     return MaskCall(mods, list(buffers), perm, local, chunk, mask_b, mask_h, scale)
 
 
-def _bhqk(b: int, h: int, q: Tensor, k: Tensor) -> tuple[Tensor, ...]:
-    dev = q.device
-    return (
-        torch.arange(b, device=dev).view(-1, 1, 1, 1),
-        torch.arange(h, device=dev).view(1, -1, 1, 1),
-        q.view(1, 1, -1, 1),
-        k.view(1, 1, 1, -1),
-    )
-
-
 def _evaluate(fn: Callable, prefix: tuple, b: int, h: int, q: Tensor, k: Tensor) -> Tensor:
     """A mod over every (b, h, q, k): elementwise on broadcast index tensors when it allows that,
     else vmapped as FlexAttention does. (Broadcasting first: vmap cannot run inside an op that a
     dispatch mode is watching, as on a compiled graph's first run.)"""
     shape = (b, h, q.numel(), k.numel())
+    batches, heads = torch.arange(b, device=q.device), torch.arange(h, device=q.device)
     try:
-        out = fn(*prefix, *_bhqk(b, h, q, k))
+        out = fn(*prefix, batches.view(-1, 1, 1, 1), heads.view(1, -1, 1, 1), q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))
         if out.dim() == 4:
             return out.expand(shape)
     except (RuntimeError, IndexError, TypeError):
         pass
-    idx = (torch.arange(b, device=q.device), torch.arange(h, device=q.device), q, k)
     index_transform, vmap_for_bhqkv = flex_index_helpers()
     with index_transform():
-        return vmap_for_bhqkv(fn, prefix=(0,) * len(prefix))(*prefix, *idx)
+        return vmap_for_bhqkv(fn, prefix=(0,) * len(prefix))(*prefix, batches, heads, q, k)
 
 
 def _dense_mask(call: MaskCall, rows: Tensor, cols: Tensor) -> Tensor:
@@ -106,9 +97,7 @@ def _scores(call: MaskCall, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, ma
     """Masked scores [B, Hq, Lq, Lk] in the accumulator dtype; with ``vjp``, also the score_mod's
     vector-Jacobian product (a function of the score gradient), or None without a score_mod."""
     dt = acc_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    kk = k.to(dt).repeat_interleave(groups, dim=1) if groups > 1 else k.to(dt)
-    raw = torch.matmul(q.to(dt), kk.transpose(-1, -2)) * call.scale
+    raw = torch.matmul(q.to(dt), repeat_kv(q, k.to(dt)).transpose(-1, -2)) * call.scale
     pullback = None
     if call.mods.score is not None:
         bufs = call.buffers[call.mods.n_mask_buffers :]
@@ -132,13 +121,6 @@ def _scores(call: MaskCall, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, ma
     return raw.masked_fill(~mask, float("-inf")), pullback
 
 
-def _chunk_pairs(call: MaskCall, mask: Tensor, n_rows: int, n_cols: int) -> Tensor:
-    """[query chunks, key chunks]: which pairs have a visible pair."""
-    c = call.chunk
-    any_bh = mask.flatten(0, 1).any(0)
-    return any_bh.view(n_rows // c, c, n_cols // c, c).any(3).any(1)
-
-
 def _probs(s: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(s - pivot(lse).unsqueeze(-1))
 
@@ -146,9 +128,10 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
 def _pieces(call: MaskCall, q_len: int, rows: Tensor, cols: Tensor, direction: str):
     """(row slice, key token indices, mask) per query chunk that sees anything."""
     mask = _dense_mask(call, rows, cols)
-    pairs = _chunk_pairs(call, mask, rows.numel(), cols.numel())
-    record_blocks(direction, int(pairs.sum()), pairs.numel() - int(pairs.sum()))
     c = call.chunk
+    # [query chunks, key chunks]: which pairs have a visible pair
+    pairs = mask.flatten(0, 1).any(0).view(rows.numel() // c, c, cols.numel() // c, c).any(3).any(1)
+    record_blocks(direction, int(pairs.sum()), pairs.numel() - int(pairs.sum()))
     for a in range(pairs.shape[0]):
         visible = pairs[a].nonzero().flatten()
         if visible.numel() == 0:
@@ -163,13 +146,10 @@ def tile_forward(call: MaskCall, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, 
     b, hq, lq, _ = q.shape
     out = torch.zeros(b, hq, lq, v.shape[-1], dtype=dt, device=q.device)
     lse = torch.full((b, hq, lq), float("-inf"), dtype=dt, device=q.device)
-    groups = hq // k.shape[1]
     for r, keys, mask in _pieces(call, lq, rows, cols, "forward"):
         s, _ = _scores(call, q[:, :, r], k[:, :, keys], rows[r], cols[keys], mask)
         part_lse = torch.logsumexp(s, dim=-1)
-        vv = v[:, :, keys].to(dt)
-        vv = vv.repeat_interleave(groups, dim=1) if groups > 1 else vv
-        out[:, :, r] = torch.matmul(_probs(s, part_lse), vv)
+        out[:, :, r] = torch.matmul(_probs(s, part_lse), repeat_kv(q, v[:, :, keys].to(dt)))
         lse[:, :, r] = part_lse
     return out.to(q.dtype), lse
 
@@ -177,17 +157,12 @@ def tile_forward(call: MaskCall, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, 
 def tile_backward(call: MaskCall, dout, q, k, v, out, lse, dlse, rows: Tensor, cols: Tensor):
     """(dq, dk, dv) of one tile given the final out/lse, in the accumulator dtype."""
     dt = acc_dtype(q.dtype)
-    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dt, device=q.device)
-    dv = torch.zeros(v.shape, dtype=dt, device=q.device)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=q.device) for t in (q, k, v))
     for r, keys, mask in _pieces(call, q.shape[2], rows, cols, "backward"):
         s, pullback = _scores(call, q[:, :, r], k[:, :, keys], rows[r], cols[keys], mask, vjp=True)
         p = _probs(s, lse[:, :, r].to(dt))
         do = dout[:, :, r].to(dt)
-        kk, vv = k[:, :, keys].to(dt), v[:, :, keys].to(dt)
-        if groups > 1:
-            kk, vv = kk.repeat_interleave(groups, dim=1), vv.repeat_interleave(groups, dim=1)
+        kk, vv = (repeat_kv(q, t[:, :, keys].to(dt)) for t in (k, v))
         delta = (do * out[:, :, r].to(dt)).sum(-1, keepdim=True)
         ds = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta)
         if dlse is not None:
@@ -196,11 +171,6 @@ def tile_backward(call: MaskCall, dout, q, k, v, out, lse, dlse, rows: Tensor, c
             (ds,) = pullback(ds.masked_fill(~mask, 0.0))
         ds = ds * call.scale
         dq[:, :, r] = torch.matmul(ds, kk)
-        dk_part = torch.matmul(ds.transpose(-1, -2), q[:, :, r].to(dt))
-        dv_part = torch.matmul(p.transpose(-1, -2), do)
-        if groups > 1:
-            dk_part = dk_part.unflatten(1, (hkv, groups)).sum(2)
-            dv_part = dv_part.unflatten(1, (hkv, groups)).sum(2)
-        dk[:, :, keys] += dk_part
-        dv[:, :, keys] += dv_part
+        dk[:, :, keys] += sum_kv_groups(torch.matmul(ds.transpose(-1, -2), q[:, :, r].to(dt)), k.shape[1])
+        dv[:, :, keys] += sum_kv_groups(torch.matmul(p.transpose(-1, -2), do), k.shape[1])
     return dq, dk, dv

@@ -94,8 +94,7 @@ def visible_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float)
     b, hq, lq, _ = q.shape
     dt = acc_dtype(q.dtype)
     scores = torch.matmul(_fold_groups(q.to(dt), k.shape[1]), k.to(dt).transpose(-1, -2)) * scale
-    folded = visible.repeat(hq // k.shape[1], 1)
-    lse = torch.logsumexp(scores.masked_fill(~folded, float("-inf")), dim=-1)
+    lse = torch.logsumexp(scores.masked_fill(~visible.repeat(hq // k.shape[1], 1), float("-inf")), dim=-1)
     return out, lse.reshape(b, hq, lq)
 
 
@@ -138,8 +137,7 @@ def fused_masked_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: f
     """(out, lse) of a block where ``visible [Lq, Lk]``, as one call of CPU's fused kernel (``fused_masked_ready``);
     every row must see a key. For short blocks whose tiles would each cost a call and a merge."""
     b, hq, lq, _ = q.shape
-    groups = hq // k.shape[1]
-    out, lse = _fused_masked(_fold_groups(q, k.shape[1]), k, v, visible.repeat(groups, 1), scale)
+    out, lse = _fused_masked(_fold_groups(q, k.shape[1]), k, v, visible.repeat(hq // k.shape[1], 1), scale)
     return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
 
 
@@ -148,7 +146,6 @@ def fused_masked_attn_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``fused_masked_attn``'s block, given the final ``out`` and ``lse``."""
     hkv = k.shape[1]
-    bias = _bias(visible.repeat(q.shape[1] // hkv, 1), q.dtype)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _fold_groups(dout, hkv).contiguous(),
         _fold_groups(q, hkv),
@@ -158,7 +155,7 @@ def fused_masked_attn_backward(
         lse.reshape(lse.shape[0], hkv, -1),
         0.0,
         False,
-        attn_mask=bias,
+        attn_mask=_bias(visible.repeat(q.shape[1] // hkv, 1), q.dtype),
         scale=scale,
     )
     return dq.reshape(q.shape), dk, dv

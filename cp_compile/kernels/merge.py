@@ -58,13 +58,11 @@ def merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> tuple[T
 
 @merge.register_fake
 def _(acc_out, acc_lse, out, lse):
-    dt = acc_lse.dtype
-    return acc_out.new_empty(acc_out.shape, dtype=dt), acc_lse.new_empty(acc_lse.shape)
+    return acc_out.new_empty(acc_out.shape, dtype=acc_lse.dtype), acc_lse.new_empty(acc_lse.shape)
 
 
 def _merge_setup(ctx, inputs, output):
-    acc_out, acc_lse, out, lse = inputs
-    ctx.save_for_backward(acc_out, acc_lse, out, lse, *output)
+    ctx.save_for_backward(*inputs, *output)
     ctx.dtypes = [t.dtype for t in inputs]
 
 
