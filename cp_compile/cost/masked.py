@@ -190,42 +190,6 @@ def flex_facts(tiles: Optional[tuple], has_mask: bool, local_len: int, world_siz
 # ----------------------------------------------------------------------------
 
 
-def masked_workload(
-    kind: str,
-    q_shape,
-    k_shape,
-    v_shape,
-    dtype: torch.dtype,
-    world_size: int,
-    facts: MaskFacts,
-    *,
-    causal: bool,
-    backward: bool,
-    mesh: tuple = (),
-) -> Workload:
-    """Packed shapes are [T, H, D], flex shapes [B, H, S, D] (local)."""
-    if kind == "packed":
-        batch, (local, q_heads, head_dim), kv_heads, v_dim = 1, q_shape, k_shape[1], v_shape[-1]
-    else:
-        (batch, q_heads, local, head_dim), kv_heads, v_dim = q_shape, k_shape[1], v_shape[-1]
-    return Workload(
-        batch,
-        q_heads,
-        kv_heads,
-        local,
-        head_dim,
-        v_dim,
-        dtype,
-        world_size,
-        facts.visible,
-        causal,
-        backward,
-        tuple(mesh),
-        tiles=facts.tiles,
-        head_halves=kind == "packed",
-    )
-
-
 def choose_masked(
     kind: str,
     q_shape,
@@ -242,9 +206,27 @@ def choose_masked(
     schedule: str = "auto",
     where: str = "",
 ) -> tuple[str, str, list[Estimate]]:
-    """(schedule, reason, estimates) of a call of attention kind ``"packed"`` or ``"flex"``."""
-    w = masked_workload(
-        kind, q_shape, k_shape, v_shape, dtype, world_size, facts, causal=causal, backward=backward, mesh=mesh
+    """(schedule, reason, estimates) of a call of attention kind ``"packed"`` (shapes [T, H, D]) or ``"flex"``
+    (shapes [B, H, S, D]), local shapes."""
+    if kind == "packed":
+        batch, (local, q_heads, head_dim), kv_heads, v_dim = 1, q_shape, k_shape[1], v_shape[-1]
+    else:
+        (batch, q_heads, local, head_dim), kv_heads, v_dim = q_shape, k_shape[1], v_shape[-1]
+    w = Workload(
+        batch,
+        q_heads,
+        kv_heads,
+        local,
+        head_dim,
+        v_dim,
+        dtype,
+        world_size,
+        facts.visible,
+        causal,
+        backward,
+        tuple(mesh),
+        tiles=facts.tiles,
+        head_halves=kind == "packed",
     )
     return decide(w, machine, schedule, None, where, facts.describe())
 
@@ -261,9 +243,15 @@ def choose_packed(
     Every layer of a model's forward asks the same question (the same documents and shapes): answered once."""
     cu = None if cu_seqlens is None else tuple(check_cu_seqlens(cu_seqlens))
     machine = machine or default_machine(q.device.type)
-    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
     schedule, reason, estimates = _choose_packed(
-        cu, shapes, q.dtype, world_size, tuple(window), _needs_grad(q, k, v), machine, tuple(mesh)
+        cu,
+        (tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+        q.dtype,
+        world_size,
+        tuple(window),
+        _needs_grad(q, k, v),
+        machine,
+        tuple(mesh),
     )
     return schedule, reason, [replace(e, notes=list(e.notes)) for e in estimates]  # the caller's own
 
@@ -273,9 +261,16 @@ def _choose_packed(
     cu, shapes: tuple, dtype: torch.dtype, world_size: int, window: tuple, backward: bool, machine: Machine, mesh: tuple
 ) -> tuple[str, str, tuple[Estimate, ...]]:
     facts = packed_facts(cu, shapes[0][0], world_size, window)
-    causal = window[1] == 0
     schedule, reason, estimates = choose_masked(
-        "packed", *shapes, dtype, world_size, facts, causal=causal, backward=backward, machine=machine, mesh=mesh
+        "packed",
+        *shapes,
+        dtype,
+        world_size,
+        facts,
+        causal=window[1] == 0,
+        backward=backward,
+        machine=machine,
+        mesh=mesh,
     )
     return schedule, reason, tuple(estimates)
 

@@ -287,8 +287,7 @@ def estimate_allgather(w: Workload, m: Machine) -> Estimate:
         fwd = w.row_work() * w.tile_flops() / m.flops_for(w.dtype) + m.kernel_overhead
         bwd = 2.5 * fwd if w.backward else 0.0
     kv_all = c * w.kv_bytes()
-    t, sent = _exchange(m, kv_all, c)
-    exposed = t
+    exposed, sent = _exchange(m, kv_all, c)
     if w.backward:
         t2, s2 = _exchange(m, kv_all, c)  # K/V gathered again
         t3, s3 = _exchange(m, c * w.kv_bytes(itemsize=w.acc_itemsize), c)  # dK/dV reduce-scattered
@@ -445,9 +444,8 @@ def decide(
         offered = available is None or schedule in available
         if forced is not None and offered and not forced.feasible:
             raise ValueError(f"schedule={schedule!r} cannot run the attention at {where}: {forced.reason}")
-        why = "chosen by the plan (schedule=...)"
         notes = f"; {'; '.join(forced.notes)}" if forced is not None and forced.notes else ""
-        return schedule, why + notes + tail, estimates
+        return schedule, "chosen by the plan (schedule=...)" + notes + tail, estimates
     best = pick(estimates)
     others = [e for e in estimates if e.feasible and e is not best]
     runner = min(others, key=lambda e: e.time_s) if others else None
