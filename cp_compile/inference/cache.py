@@ -253,8 +253,14 @@ class CacheShard:
         payload = torch.cat([kv.flatten().view(torch.uint8), held.view(torch.uint8)])
         everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
         kv_bytes = kv.numel() * kv.element_size()
-        gathered = everyone[:, :kv_bytes].contiguous().view(kv.dtype).view(self.world_size, *kv.shape)
-        gathered = gathered.movedim(0, 2).flatten(2, 3)
+        gathered = (
+            everyone[:, :kv_bytes]
+            .contiguous()
+            .view(kv.dtype)
+            .view(self.world_size, *kv.shape)
+            .movedim(0, 2)
+            .flatten(2, 3)
+        )
         gathered_positions = everyone[:, kv_bytes:].contiguous().view(torch.int64).flatten()
         turn = gathered_positions - first
         mine = (gathered_positions != EMPTY_POSITION) & (turn % self.world_size == self._rank)
@@ -390,8 +396,9 @@ class CacheShard:
         elif written and left < 0 and self.world_size == 1:
             # several tokens after every stored one on a rank that holds them all, slot i at position i: each sees
             # the slots up to its own, the causal mask anchored at the last slot (a prompt run as one step)
-            keys, values = step.keys[:, :, :written], step.values[:, :, :written]
-            out, lse = block_attn_impl(q, keys, values, "causal_bottom_right", scale)
+            out, lse = block_attn_impl(
+                q, step.keys[:, :, :written], step.values[:, :, :written], "causal_bottom_right", scale
+            )
             return out.to(q.dtype), lse
         else:
             attention = torch.ops.cp.cached_attention if compiling else cached_attention

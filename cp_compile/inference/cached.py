@@ -54,8 +54,7 @@ def cached_attention(
     that then cost no collective of their own (``inference.cache.Agreement``). Collective: every rank of
     ``group_name`` calls it with the same ``q``."""
     settings = CachedSettings.decode(options)
-    chunk, softcap = settings.chunk, settings.softcap
-    out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=chunk, softcap=softcap)
+    out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=settings.chunk, softcap=settings.softcap)
     return merge_over_ranks(q, out, lse, group_name, tag)
 
 

@@ -234,14 +234,13 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
         self.prefilled_states.add(state_idx)
         if self.states_whole:
             return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
-        tokens = self.pending_conv
         if not self.is_conv_states_initialized[state_idx]:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
-        plan = self.plan
-        prompt = torch.tensor([0, tokens])
-        sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, prompt)
-        width = self.conv_kernel_size[state_idx]
-        self.conv_states[state_idx].copy_(sequence_tail(conv_states, conv_states.dim() - 1, width, sharding))
+        prompt = torch.tensor([0, self.pending_conv])
+        sharding = Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, prompt)
+        self.conv_states[state_idx].copy_(
+            sequence_tail(conv_states, conv_states.dim() - 1, self.conv_kernel_size[state_idx], sharding)
+        )
         self.has_previous_state[state_idx] = True
         return conv_states
 
@@ -369,10 +368,11 @@ class ShardedCache(Cache):
             decoding_window = None
             if window is not None and getattr(text, "model_type", None) in WINDOW_AT_DECODING_ONLY:
                 window, decoding_window = None, window
-            if layer_type in _HYBRID:
-                layers.append(ShardedHybridLayer(plan, max_cache_len, window, states))
-            else:
-                layers.append(ShardedLayer(plan, max_cache_len, window))
+            layers.append(
+                ShardedHybridLayer(plan, max_cache_len, window, states)
+                if layer_type in _HYBRID
+                else ShardedLayer(plan, max_cache_len, window)
+            )
             layers[-1].decoding_window = decoding_window
             layers[-1].shares_keys = sharing[index] == "store"
         # whether the ranks decode the same tokens rides on the first layer's gather (inference.cache.Agreement)
