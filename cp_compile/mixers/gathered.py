@@ -23,7 +23,7 @@ from torch import Tensor
 from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..comm.groups import resolve_group
 from . import Sharding
-from .heads import _in_global_order, _in_rank_order, rank_slice
+from .heads import _in_global_order, _in_rank_order, _setup, rank_slice
 
 
 @torch.library.custom_op("cp::gather_sequence", mutates_args=())
@@ -37,8 +37,7 @@ def gather_sequence_op(x: Tensor, group_name: str, layout: str, cu_seqlens: Opti
 def gather_sequence_backward(grad: Tensor, group_name: str, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
     """Every rank's gradient of the gathered sequence, summed, for this rank's slots."""
     rank_major = _in_rank_order(grad.movedim(1, 0), group_name, layout, cu_seqlens)
-    c = resolve_group(group_name).size()
-    return reduce_scatter_dim0(rank_major, group_name, c).movedim(0, 1).contiguous()
+    return reduce_scatter_dim0(rank_major, group_name, resolve_group(group_name).size()).movedim(0, 1).contiguous()
 
 
 @gather_sequence_op.register_fake
@@ -49,11 +48,6 @@ def _(x, group_name, layout, cu_seqlens):
 @gather_sequence_backward.register_fake
 def _(grad, group_name, layout, cu_seqlens):
     return grad.new_empty(grad.shape[0], grad.shape[1] // resolve_group(group_name).size(), *grad.shape[2:])
-
-
-def _setup(ctx, inputs, output):
-    ctx.settings = inputs[1:]
-    ctx.set_materialize_grads(False)
 
 
 gather_sequence_op.register_autograd(
@@ -84,6 +78,8 @@ to_rank_major.register_autograd(
 
 
 def _real(local_len: int, sharding: Sharding) -> int:
+    """How many of the whole sequence's ``C * local_len`` slots hold tokens (the padding slots of packed documents
+    come after them)."""
     if sharding.cu_seqlens is None:
         return local_len * sharding.world_size
     return int(sharding.cu_seqlens[-1])

@@ -90,8 +90,7 @@ def halo_tables(layout: str, local_len: int, world_size: int, width: int, cu_seq
 
 def _tables_for(local_len: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool):
     group = resolve_group(group_name)
-    c = group.size()
-    return group.rank(), c, halo_tables(layout, local_len, c, width, cu_seqlens, reset)
+    return group.rank(), group.size(), halo_tables(layout, local_len, group.size(), width, cu_seqlens, reset)
 
 
 def _gather_exports(seq: Tensor, tails: Tensor, group_name: str, world_size: int) -> Tensor:
@@ -108,33 +107,29 @@ def sequence_tail(x: Tensor, dim: int, count: int, sharding: Sharding) -> Tensor
     ``x`` (tokens along ``dim``): a convolution's state after a sharded prefill. Not differentiable."""
     group_name, world_size = sharding.group_name, sharding.world_size
     rank = resolve_group(group_name).rank()
-    key = _key(sharding.cu_seqlens)
-    per_rank, tails, exported = _exports(sharding.layout, x.shape[dim], world_size, count, key)
+    per_rank, tails, exported = _exports(sharding.layout, x.shape[dim], world_size, count, _key(sharding.cu_seqlens))
     # the real tokens fill positions [0, total) (an empty chunk can start past them, in the layout's padding)
     total = sum(c.real for rank_chunks in per_rank for c in rank_chunks)
     zero = world_size * tails.shape[1]
     rows = torch.tensor([exported.get(p, zero) if p >= 0 else zero for p in range(total - count, total)])
-    seq = x.detach().movedim(dim, 0)
-    gathered = _gather_exports(seq, tails[rank].to(x.device), group_name, world_size)
+    gathered = _gather_exports(x.detach().movedim(dim, 0), tails[rank].to(x.device), group_name, world_size)
     return gathered.index_select(0, rows.to(x.device)).movedim(0, dim).contiguous()
 
 
 def _halo(x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool) -> Tensor:
     rank, c, tables = _tables_for(x.shape[dim], width, group_name, layout, cu_seqlens, reset)
-    device = x.device
-    gathered = _gather_exports(x.movedim(dim, 0), tables.tails[rank].to(device), group_name, c)
-    return gathered.index_select(0, tables.sources[rank].to(device)).movedim(0, dim).contiguous()
+    gathered = _gather_exports(x.movedim(dim, 0), tables.tails[rank].to(x.device), group_name, c)
+    return gathered.index_select(0, tables.sources[rank].to(x.device)).movedim(0, dim).contiguous()
 
 
 def _halo_backward(grad: Tensor, local_len: int, dim: int, width: int, group_name: str, layout: str, cu, reset):
     rank, c, tables = _tables_for(local_len, width, group_name, layout, cu, reset)
-    device = grad.device
     halo = grad.movedim(dim, 0)
     exports = halo.new_zeros(c * tables.tails.shape[1] + 1, *halo.shape[1:])
-    exports.index_add_(0, tables.sources[rank].to(device), halo)
+    exports.index_add_(0, tables.sources[rank].to(grad.device), halo)
     exports = exports[:-1].reshape(c, -1, *halo.shape[1:])
     mine = reduce_scatter_dim0(exports, group_name, c).reshape(-1, *halo.shape[1:]) if c > 1 else exports[0]
-    tails = tables.tails[rank].to(device)
+    tails = tables.tails[rank].to(grad.device)
     mine = mine * (tails >= 0).view(-1, *[1] * (halo.dim() - 1)).to(mine)
     local = halo.new_zeros(local_len, *halo.shape[1:]).index_add_(0, tails.clamp(min=0), mine)
     return local.movedim(0, dim).contiguous()

@@ -76,8 +76,7 @@ def _from_groups(y: Tensor, group_name: str, layout: str, cu_seqlens) -> Tensor:
     rank_major = _in_rank_order(y.movedim(1, 0), group_name, layout, cu_seqlens)  # back to every rank's slots
     parts = rank_major.reshape(c, local_len, *rank_major.shape[1:])  # [C (destination), L, B, G/C, W]
     received = _all_to_all(parts, group_name, c) if c > 1 else parts  # [C (source group), L, B, G/C, W]
-    out = received.permute(2, 1, 0, *range(3, received.dim())).reshape(b, local_len, c * gc, *y.shape[3:])
-    return out.contiguous()
+    return received.permute(2, 1, 0, *range(3, received.dim())).reshape(b, local_len, c * gc, *y.shape[3:]).contiguous()
 
 
 @torch.library.custom_op("cp::to_head_groups", mutates_args=())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import Sharding, SideBySide
+from .gathered import _real
 from .heads import from_head_groups, gather_groups, rank_slice, to_head_groups
 from .state import gated_delta_rule_states, mamba2_scan_states
 
@@ -51,12 +52,6 @@ def _padded(groups: int, sharding: Sharding) -> int:
 def _mine(x: Tensor, padded: int, sharding: Sharding) -> Tensor:
     """This rank's groups of a tensor every rank holds (groups along dim 0)."""
     return rank_slice(_pad_groups(x, padded, 0), sharding.group_name)
-
-
-def _real_tokens(sharding: Sharding, total: int) -> int:
-    """How many of the exchanged stream's ``total`` rows hold tokens (the padding slots of packed documents come
-    after them)."""
-    return total if sharding.cu_seqlens is None else int(sharding.cu_seqlens[-1])
 
 
 def _sequence_cu(cu_seqlens: Optional[Tensor], total: int) -> Optional[Tensor]:
@@ -184,7 +179,7 @@ def mamba2_scan_heads(
     per_group = [hidden_states.reshape(b, local_len, groups, per * p), dt.reshape(b, local_len, groups, per), B, C]
     x, dtm, bm, cm = _exchange(per_group, padded, sharding, to_groups=True)
     total, mine = x.shape[1], x.shape[2]
-    real = _real_tokens(sharding, total)
+    real = _real(local_len, sharding)
     if return_final_states and real < total:  # the padding slots after the last token would decay the state
         x, dtm, bm, cm = (t[:, :real] for t in (x, dtm, bm, cm))
 
@@ -265,7 +260,7 @@ def selective_scan(
     x, dtm, *zm = (t[..., 0].transpose(1, 2) for t in moved)  # [B, D / C, S]
     bm, cm = both[:, :, 0].transpose(1, 2).split(B.shape[1], 1)  # [B, N, S]
     total = x.shape[-1]
-    real = _real_tokens(sharding, total)
+    real = _real(local_len, sharding)
     if return_last_state and real < total:  # the padding slots after the last token would decay the state
         x, dtm, bm, cm, *zm = (t[..., :real] for t in (x, dtm, bm, cm, *zm))
 

@@ -127,6 +127,15 @@ def _entering(
     return mine, state
 
 
+# a chain restarting at documents (the scan was given ``given``) needs the tokens sharded as documents, and starts
+# each document from zero
+def _check_restart(restart: bool, given: str, sharding: Sharding, initial: Optional[Tensor]) -> None:
+    if restart and sharding.cu_seqlens is None:
+        raise ValueError(f"state passing: {given} given to the scan, but the tokens are not sharded as documents")
+    if restart and initial is not None:
+        raise ValueError("state passing: an initial state with documents restarting the scan")
+
+
 def gated_delta_rule_states(
     scan: Callable,
     query: Tensor,
@@ -144,10 +153,7 @@ def gated_delta_rule_states(
     """``scan.gated_delta_rule``'s call and result, by state passing (see the module docstring). ``cu_seqlens``
     (the documents of ``sharding``): the scan restarts at each."""
     restart = cu_seqlens is not None and cu_seqlens.shape[0] > 2
-    if restart and sharding.cu_seqlens is None:
-        raise ValueError("state passing: cu_seqlens given to the scan, but the tokens are not sharded as documents")
-    if restart and initial_state is not None:
-        raise ValueError("state passing: an initial state with documents restarting the scan")
+    _check_restart(restart, "cu_seqlens", sharding, initial_state)
     b, local_len, hk, dk = key.shape
     hv, dv = value.shape[-2:]
     pieces = _Pieces(sharding, local_len, b)
@@ -194,10 +200,7 @@ def mamba2_scan_states(
     """``scan.mamba2_scan``'s call and result, by state passing (see the module docstring). ``seq_idx`` given
     (a kernel restarting at documents), the chain restarts at each document of ``sharding``."""
     restart = kwargs.pop("seq_idx", None) is not None
-    if restart and sharding.cu_seqlens is None:
-        raise ValueError("state passing: seq_idx given to the scan, but the tokens are not sharded as documents")
-    if restart and initial_states is not None:
-        raise ValueError("state passing: an initial state with documents restarting the scan")
+    _check_restart(restart, "seq_idx", sharding, initial_states)
     b, local_len, heads, p = hidden_states.shape
     pieces = _Pieces(sharding, local_len, b)
     # a zero token adds nothing to the state, and in front of a chunk's tokens the state is zero: what it decays
@@ -233,8 +236,7 @@ def mamba2_scan_states(
         lambda t, s: t[..., None, None] * s,
         restart,
     )
-    groups = B.shape[2]
-    c_heads = pieces.split(C).to(acc).repeat_interleave(heads // groups, dim=2)
+    c_heads = pieces.split(C).to(acc).repeat_interleave(heads // B.shape[2], dim=2)
     c_heads = c_heads.reshape(b, pieces.count, -1, heads, c_heads.shape[-1])
     correction = torch.einsum("bfhpn,bfthn->bfthp", entering, c_heads) * decay.exp()[..., None]
     out = out.reshape(b, pieces.count, -1, heads, p) + correction.to(out.dtype)
