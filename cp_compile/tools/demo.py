@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .generate import add_size_arguments
 from .launch import RankPool, launched_by_torchrun, torchrun_group, torchrun_runner
 from .memory import PeakMemory
 
@@ -197,8 +198,7 @@ def _train_table(rows, ref_losses, ref_times, args) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["train", "attention"], default="train")
     p.add_argument("--world-size", "-C", type=int, default=2, help="local ranks to start (ignored under torchrun)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
+    add_size_arguments(p, batch=1, heads=8)
     p.add_argument("--kv-heads", type=int, default=None, help="fewer for GQA (default: heads/2 in train, heads)")
     p.add_argument("--seq-len", type=int, default=None, help="global sequence length (default 1024 train, 4096)")
     p.add_argument("--head-dim", type=int, default=64, help="attention mode")

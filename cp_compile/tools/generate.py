@@ -55,7 +55,8 @@ def config_sizes(args, max_positions: int) -> dict:
 
 
 def add_size_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """The command-line model's sizes, as ``config_sizes`` reads them: ``--hidden --layers ...`` with ``defaults``."""
+    """Integer options ``--name`` with their defaults, in order: the command-line model's sizes as ``config_sizes``
+    reads them (``--hidden --layers ...``), and the shapes of the attention commands."""
     for name, default in defaults.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
 
@@ -111,8 +112,7 @@ def _generate_timed(args, model, ids: torch.Tensor, prefill, cache, generate=Non
         store = prefill(ids[:, :-1], store)
     middle = time.perf_counter()
     result = generate(ids, cache=store, **kwargs)
-    end = time.perf_counter()
-    return result, middle - start, (end - middle) / args.new
+    return result, middle - start, (time.perf_counter() - middle) / args.new
 
 
 def _decode_costs(args, model, ids: torch.Tensor, prefill, cache, generate=None) -> dict:
@@ -312,16 +312,16 @@ def _table(rows: list[dict]) -> str:
             f"{r['decode_in_step_floor_ms']:>9.1f} {r['decode_ms'] / r['decode_in_step_floor_ms']:>9.2f} "
             f"{r['cache_MiB_per_rank']:>9.2f} {r['ref_cache_MiB']:>9.2f}"
         )
-    lines.append(
-        "floor: one process + one all-gather per layer timed back to back; in-step (it): one process's model "
-        "run on each rank with that all-gather after each attention layer, timed in turn with CP"
-    )
-    lines.append("decode step (per token, from a profile of the slowest rank):")
     lines += [
-        f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
-        f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
-        f"all-gather {r['allgather_ms']:.3f} ms"
-        for r in rows
+        "floor: one process + one all-gather per layer timed back to back; in-step (it): one process's model "
+        "run on each rank with that all-gather after each attention layer, timed in turn with CP",
+        "decode step (per token, from a profile of the slowest rank):",
+        *(
+            f"  C={r['C']} prompt {r['prompt']}: CP {format_breakdown(r['costs'])}; in-step floor "
+            f"{format_breakdown(r['floor_costs'])}; one process {format_breakdown(r['ref_costs'])}; "
+            f"all-gather {r['allgather_ms']:.3f} ms"
+            for r in rows
+        ),
     ]
     return "\n".join(lines)
 
@@ -337,6 +337,16 @@ def crossover(lengths: list[int], cp: list[float], one: list[float]) -> float | 
             x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
             return math.exp(x0 + (x1 - x0) * a / (a - b))
     return lengths[0] if cp and cp[0] <= one[0] else None
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: the commands write PNGs, with or without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def mark_crossover(ax, lengths: list[int], cp: list[float], one: list[float], color, height: float) -> None:
@@ -358,10 +368,7 @@ def mark_crossover(ax, lengths: list[int], cp: list[float], one: list[float], co
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     prompts = sorted({r["prompt"] for r in rows})
@@ -383,8 +390,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         mark_crossover(right, lengths, cp_ms, [r["ref_decode_ms"] for r in mine], line.get_color(), 0.02)
     for ax, what in ((left, "prefill tokens/s"), (right, "decode ms/token")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(what)
+        ax.set(xlabel="prompt tokens", ylabel=what)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)

@@ -39,8 +39,10 @@ class RankError(RuntimeError):
 
     def __init__(self, errors: dict[int, tuple[str, str, str]]):
         self.errors = errors
-        details = "\n".join(f"--- rank {r} ---\n{tb}" for r, (_, _, tb) in sorted(errors.items()))
-        super().__init__(f"ranks {sorted(errors)} raised:\n{details}")
+        super().__init__(
+            f"ranks {sorted(errors)} raised:\n"
+            + "\n".join(f"--- rank {r} ---\n{tb}" for r, (_, _, tb) in sorted(errors.items()))
+        )
 
 
 def free_port() -> int:

@@ -33,10 +33,9 @@ def _each_document_alone(body, marks_name: str, dim: int):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("seq_idx", "cu_seqlens")}
         if marks is None:
             return body(*args, **kwargs)
-        if marks_name == "cu_seqlens":
-            lengths = marks.diff()
-        else:
-            lengths = torch.unique_consecutive(marks[0], return_counts=True)[1]
+        lengths = (
+            marks.diff() if marks_name == "cu_seqlens" else torch.unique_consecutive(marks[0], return_counts=True)[1]
+        )
         total = args[0].shape[dim]
 
         def split(t):
@@ -44,8 +43,10 @@ def _each_document_alone(body, marks_name: str, dim: int):
             return t.split(lengths.tolist(), dim) if per_token else [t] * len(lengths)
 
         names = list(kwargs)
-        calls = zip(*(split(a) for a in args), *(split(kwargs[k]) for k in names))
-        outs = [body(*c[: len(args)], **dict(zip(names, c[len(args) :]))) for c in calls]
+        outs = [
+            body(*c[: len(args)], **dict(zip(names, c[len(args) :])))
+            for c in zip(*(split(a) for a in args), *(split(kwargs[k]) for k in names))
+        ]
         if isinstance(outs[0], torch.Tensor):
             return torch.cat(outs, dim)
         finals = [o[1] for o in outs]  # (output, final state per document or None)

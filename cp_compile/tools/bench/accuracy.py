@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..generate import add_size_arguments, pyplot
 from ..launch import RankPool
 
 SCHEDULES = ("ring", "allgather", "ulysses")
@@ -132,10 +133,7 @@ def errors_rank(args) -> dict:
 
 
 def plot(rows: list[dict], args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_ratio, ax_fp64) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     sizes = [r["C"] for r in rows]
@@ -170,8 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-sizes", "-C", default="1,2,3,4", help="comma list (default 1,2,3,4)")
     p.add_argument("--seq", "-S", type=int, default=1536, help="global tokens; must split into 2C chunks for each C")
     p.add_argument("--heads", type=int, default=12, help="query heads (Ulysses needs them to divide by C)")
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
+    add_size_arguments(p, kv_heads=4, head_dim=64)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..generate import add_size_arguments, pyplot
 from ..launch import LocalPools, launched_by_torchrun, torchrun_group, torchrun_runner
 from .core import TINY, BenchOptions, run_benchmark
 from .variants import DTYPES, OURS, SINGLE, TORCH_A2A, TORCH_AG, VARIANTS, Problem, load_plugins
@@ -61,10 +62,7 @@ _SPAN_STYLE = {
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     configs = results["configs"]
     causal_values = sorted({c["config"]["causal"] for c in configs}, reverse=True)
@@ -79,12 +77,15 @@ def plot(results: dict, path: Path) -> None:
         ax_t, ax_m = fig.add_subplot(grid[0, col]), fig.add_subplot(grid[1, col])
         for name in results["variants"]:
             for si, s in enumerate(seq_lens):
-                pts = [
-                    (c["config"]["world_size"], c["variants"][name])
-                    for c in configs
-                    if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]
-                ]
-                pts = [(w, e) for w, e in sorted(pts, key=lambda t: t[0]) if e.get("time_s") is not None]
+                pts = sorted(
+                    (
+                        (c["config"]["world_size"], c["variants"][name])
+                        for c in configs
+                        if c["config"]["causal"] == causal and c["config"]["seq_len"] == s and name in c["variants"]
+                        if c["variants"][name].get("time_s") is not None
+                    ),
+                    key=lambda t: t[0],
+                )
                 if not pts:
                     continue
                 style = dict(
@@ -150,9 +151,8 @@ def _plot_timeline(ax, results: dict) -> None:
         for e in events:
             if e["class"] == "wait" and e.get("id", -1) in issued:
                 ends[e["id"]] = max(ends.get(e["id"], 0.0), e["t1"] - origin)
-        spans = [(issued[i], end - issued[i]) for i, end in ends.items()]
         ax.broken_barh(
-            spans,
+            [(issued[i], end - issued[i]) for i, end in ends.items()],
             (y + 0.2, 0.15),
             color="tab:orange",
             alpha=0.6,
@@ -186,9 +186,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seq-lens", "-S", type=_ints, default=d.seq_lens, help="global tokens, comma list (default 2048,4096,8192)"
     )
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    add_size_arguments(p, batch=d.batch, heads=d.heads, head_dim=d.head_dim)
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
     p.add_argument("--mask", choices=list(_MASKS), default="both")
     p.add_argument("--repeats", type=int, default=d.repeats)
@@ -254,10 +252,7 @@ def options_from_args(args: argparse.Namespace, device: str = "cpu") -> BenchOpt
 
 def plot_timeline(results: dict, path: Path) -> None:
     """The per-rank timeline alone (one ring of "ours eager"), when one was recorded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(12, 2.6), constrained_layout=True)
     _plot_timeline(ax, results)
@@ -293,8 +288,7 @@ def _main_virtual(args: argparse.Namespace) -> int:
         cfg.update({a: val for a, val in virtual.CUDA_DEFAULTS.items() if a not in given})
     if args.tiny:
         cfg.update(world_sizes=(2,), seq_lens=(256,), heads=2, head_dim=32)
-    rows = virtual.run(device, causal=_MASKS[args.mask], repeats=args.repeats, out=args.out, **cfg)
-    print(virtual.table(rows))
+    print(virtual.table(virtual.run(device, causal=_MASKS[args.mask], repeats=args.repeats, out=args.out, **cfg)))
     print(f"wrote {args.out}")
     return 0
 

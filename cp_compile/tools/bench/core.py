@@ -218,8 +218,7 @@ def bench_rank(
         del got
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)  # every rank reaches the same verdict
     for i, v in enumerate(variants):
-        ok = bool(errs[i] <= _tolerance(p.dtype))
-        result["variants"][v.name].update(max_rel_err=float(errs[i]), valid=ok)
+        result["variants"][v.name].update(max_rel_err=float(errs[i]), valid=bool(errs[i] <= _tolerance(p.dtype)))
     valid = [v for v in variants if result["variants"][v.name]["valid"]]
     del reference, local_ref
 
@@ -234,8 +233,9 @@ def bench_rank(
         with contextlib.ExitStack() as stack:
             for v in stubbed:
                 stack.enter_context(v.stub())
-            host_n = _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
-            host = _interleaved_samples(stubbed, steps, mine, device, repeats, host_n)
+            host = _interleaved_samples(
+                stubbed, steps, mine, device, repeats, _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
+            )
         for v in stubbed:
             result["variants"][v.name]["host_s_per_step"] = statistics.median(host[v.name]) / (2 * world)
     # -- peak memory of one step, after warm-up
@@ -300,8 +300,8 @@ def summarise(p: Problem, variants: list[Variant], rows: list[dict]) -> dict:
         }
         ranks_with_times = [r for r in per_rank if r.get("times_s")]
         if first["valid"] and ranks_with_times:
-            n = min(len(r["times_s"]) for r in ranks_with_times)
-            per_repeat = [max(r["times_s"][i] for r in ranks_with_times) for i in range(n)]
+            # the slowest rank in each repeat (as many repeats as every rank has)
+            per_repeat = [max(repeat) for repeat in zip(*(r["times_s"] for r in ranks_with_times))]
             entry.update(
                 time_s=_median(per_repeat),
                 times_s=per_repeat,
@@ -414,8 +414,7 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
     for p in problems:
         if p.seq_len % (2 * p.world_size):
             raise ValueError(f"S={p.seq_len} does not split into 2C={2 * p.world_size} zigzag chunks")
-    causal_problems = [p for p in problems if p.causal] or problems
-    timeline_problem = max(causal_problems, key=lambda p: (p.world_size, p.seq_len))
+    timeline_problem = max([p for p in problems if p.causal] or problems, key=lambda p: (p.world_size, p.seq_len))
     log(
         f"benchmarking {len(problems)} configurations x {len(variants)} variants "
         f"({', '.join(v.name for v in variants)}); B={opts.batch} H={opts.heads} D={opts.head_dim} "
@@ -424,7 +423,6 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
     configs = []
     start = time.perf_counter()
     for i, p in enumerate(problems, 1):
-        keep = (OURS,) if p == timeline_problem else ()
         rows = runner(
             p.world_size,
             bench_rank,
@@ -433,7 +431,7 @@ def run_benchmark(opts: BenchOptions, runner: Runner, log: Callable[[str], None]
             opts.repeats,
             opts.device,
             opts.trace,
-            keep,
+            (OURS,) if p == timeline_problem else (),  # the variant whose timeline is kept
             opts.trace_repeats,
             opts.min_sample_ms / 1e3,
         )

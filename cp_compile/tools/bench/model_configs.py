@@ -333,13 +333,9 @@ def _shrunk(default) -> dict[str, Any]:
     stored = default.to_dict()
     for key, value in SIZES.items():
         have = stored.get(key)
-        if isinstance(have, bool) or not isinstance(have, int):
-            continue
-        if key == "num_nextn_predict_layers" or have > value:
+        if isinstance(have, int) and not isinstance(have, bool) and (key == "num_nextn_predict_layers" or have > value):
             kwargs[key] = value
-    for key, value in WHEN_NONE.items():
-        if key in stored and stored[key] is None:
-            kwargs[key] = value
+    kwargs.update({key: value for key, value in WHEN_NONE.items() if key in stored and stored[key] is None})
     if stored.get("use_sliding_window") is False:  # Qwen2-style: windows only with use_sliding_window=True,
         kwargs["use_sliding_window"] = True  # on the layers from max_window_layers on: layer 0 full, layer 1 not
         if "max_window_layers" in stored:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..breakdown import collectives_issued, wall_time
-from ..generate import add_size_arguments, comma_ints, config_sizes, mark_crossover, report
+from ..generate import add_size_arguments, comma_ints, config_sizes, mark_crossover, pyplot, report
 from ..launch import RankPool
 
 
@@ -42,8 +42,7 @@ def _model(args, attn: str):
 
 def _batch(args, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, args.vocab, (1, length), generator=torch.Generator().manual_seed(length))
-    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted on the whole sequence
-    return ids, labels
+    return ids, torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # labels: shifted on the whole sequence
 
 
 def _steps_for(args, length: int) -> int:
@@ -99,8 +98,12 @@ def one_process(args) -> dict:
         step = step_on(ids, labels)
         ms, costs = _timed(args, step, length)
         share = length // args.world_size  # the floor's compute: this process's step on one rank's share
-        share_ms = _median_ms(args, step_on(ids[:, :share], labels[:, :share]), length)
-        runs[length] = dict(ms=ms, costs=costs, loss=step().item(), share_ms=share_ms)
+        runs[length] = dict(
+            ms=ms,
+            costs=costs,
+            share_ms=_median_ms(args, step_on(ids[:, :share], labels[:, :share]), length),
+            loss=step().item(),
+        )
     return runs
 
 
@@ -224,26 +227,25 @@ def _table(rows: list[dict]) -> str:
         )
     for schedule, sites in dict.fromkeys((r["schedule"], tuple(r["sites"])) for r in rows):
         lines += [f"{schedule}: {site}" for site in sites]
-    lines.append("floor = one process on 1/C of the tokens + the CP step's collectives back to back:")
     lines += [
-        f"  {r['schedule']} {r['length']}: {r['share_ms']:.2f} + {r['collectives_ms']:.2f} ms"
-        for r in rows
-        if r["floor_ms"] is not None
-    ]
-    lines.append("per step, from a profile (CP: the slowest rank):")
-    lines += [
-        f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
-        f"{format_breakdown(r['one_costs'])}"
-        for r in rows
+        "floor = one process on 1/C of the tokens + the CP step's collectives back to back:",
+        *(
+            f"  {r['schedule']} {r['length']}: {r['share_ms']:.2f} + {r['collectives_ms']:.2f} ms"
+            for r in rows
+            if r["floor_ms"] is not None
+        ),
+        "per step, from a profile (CP: the slowest rank):",
+        *(
+            f"  {r['schedule']} {r['length']}: CP {format_breakdown(r['costs'])}; one process "
+            f"{format_breakdown(r['one_costs'])}"
+            for r in rows
+        ),
     ]
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     lengths = sorted({r["length"] for r in rows})

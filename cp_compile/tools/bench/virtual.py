@@ -50,6 +50,7 @@ from ...schedules.ring import ring_pass_backward, ring_pass_forward
 from ..breakdown import wall_time
 from ..memory import PeakMemory
 from .builtin import _stub_our_kernels
+from .core import _sync
 from .variants import DTYPES, Problem
 
 CUDA_DEFAULTS = dict(
@@ -185,19 +186,16 @@ def _host_time(step: Callable[[], None], device: torch.device, repeats: int) -> 
     """Host wall time to issue ``step`` (the device is drained first, not after)."""
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         times.append(wall_time(step))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return statistics.median(times)
 
 
 def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2) -> dict:
     g = torch.Generator().manual_seed(0)
     shape = (p.batch, p.heads, p.seq_len, p.head_dim)
-    dtype = DTYPES[p.dtype]
-    q, k, v, do = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(shape, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4))
     scale = 1.0 / math.sqrt(p.head_dim)
     single_s = _median_time(single_step(q, k, v, do, p.causal), device, repeats, warmup)
 
