@@ -79,10 +79,8 @@ def breakdown(prepare: Callable[[], Callable[[], None]], steps: int) -> dict[str
     events = prof.events()
     step_threads = {e.thread for e in events if e.name == _STEPS or e.name.startswith(_AUTOGRAD_PREFIX)}
     collective_us, compute_us, issued = 0.0, 0.0, 0
-    for event in events:
+    for event in [e for e in events if e.thread in step_threads]:
         name = event.name
-        if event.thread not in step_threads:
-            continue
         if _is_collective(name) and not _inside_collective(event):
             collective_us += event.cpu_time_total  # the outermost event holds the backend's own
             issued += _issues(name)

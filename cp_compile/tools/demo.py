@@ -241,7 +241,6 @@ def main(args: argparse.Namespace) -> int:
         ref_losses, ref_times = train_reference(args)
         table, worst = _train_table(rows, ref_losses, ref_times, args)
     else:
-        device = "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu"
         rows = _run_on_ranks(
             args,
             demo_rank,
@@ -253,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
             args.dtype,
             args.causal,
             args.steps,
-            device,
+            "cuda" if launched_by_torchrun() and torch.cuda.is_available() else "cpu",
         )
         if rows is None:
             return 0

@@ -176,14 +176,13 @@ def _floor_model(args, plan):
 
     model = build_model(args, "sdpa")
 
-    def gather_after(payload):
-        def hook(module, inputs, output):
-            gather_dim0(payload, plan.group_name, plan.world_size)
-
-        return hook
+    def gather_after(module, inputs, output, payload):
+        gather_dim0(payload, plan.group_name, plan.world_size)
 
     for index, layer in enumerate(model.model.layers):
-        layer.self_attn.register_forward_hook(gather_after(_layer_payload(args, TAG_NUMEL if index == 0 else 0)))
+        layer.self_attn.register_forward_hook(
+            functools.partial(gather_after, payload=_layer_payload(args, TAG_NUMEL if index == 0 else 0))
+        )
     return model
 
 

@@ -46,8 +46,7 @@ def _inputs(args, dtype: torch.dtype):
         (1, args.heads, args.seq, dv),
     ]
     tensors = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
-    sinks = torch.randn(args.heads, generator=g, dtype=torch.float64).to(dtype)
-    return tensors, sinks
+    return tensors, torch.randn(args.heads, generator=g, dtype=torch.float64).to(dtype)  # and the sinks
 
 
 def _visible(args) -> torch.Tensor:
@@ -92,12 +91,10 @@ def _cp(plan, args, q, k, v, do, sinks) -> list[torch.Tensor]:
         out = plan.attention(*local, is_causal=args.causal, enable_gqa=q.shape[1] != k.shape[1])
     else:  # one row as one document of the packed kind, which takes windows, chunks and caps
         rows = [t[0].transpose(0, 1) for t in local]
-        cu = torch.tensor([0, args.seq], dtype=torch.int32)
-        window = (args.window - 1 if args.variant == "window" else -1, 0 if args.causal else -1)
         out, lse = cp_compile.varlen_attention(
             *rows,
-            cu,
-            window_size=window,
+            torch.tensor([0, args.seq], dtype=torch.int32),
+            window_size=(args.window - 1 if args.variant == "window" else -1, 0 if args.causal else -1),
             enable_gqa=True,
             schedule=plan.schedule,
             chunk=args.chunk if args.variant == "chunk" else 0,
@@ -146,13 +143,17 @@ def plot(rows: list[dict], args, path: Path) -> None:
         xlabel="C (ranks)",
         ylabel="ratio (max over out, dq, dk, dv)",
         ylim=(0, 2.5),
+        xticks=sizes,
     )
     ax_fp64.axhline(1e-10, color="0.5", linestyle="--", label="gate: 1e-10")
     ax_fp64.set(
-        title="fp64: CP against one device (0 drawn at 1e-18)", xlabel="C (ranks)", ylabel="max abs error", yscale="log"
+        title="fp64: CP against one device (0 drawn at 1e-18)",
+        xlabel="C (ranks)",
+        ylabel="max abs error",
+        yscale="log",
+        xticks=sizes,
     )
     for ax in (ax_ratio, ax_fp64):
-        ax.set_xticks(sizes)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(

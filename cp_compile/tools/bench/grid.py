@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ..breakdown import wall_time
 
 
 def add_arguments(p: argparse.ArgumentParser, defaults: dict) -> None:
@@ -23,12 +24,7 @@ def lengths_and_sizes(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """The median of ``repeats`` runs of ``fn()``, after one run that warms up."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median([wall_time(fn) for _ in range(repeats + 1)][1:])
 
 
 def on_rank_pools(
@@ -39,12 +35,9 @@ def on_rank_pools(
     from ..launch import RankPool
 
     for c in sizes:
-        pool = RankPool(c)
-        try:
+        with RankPool(c) as pool:
             for n in lengths:
                 yield c, n, pool.run(per_rank, n, repeats, timeout=timeout)
-        finally:
-            pool.close()
 
 
 __all__ = ["add_arguments", "lengths_and_sizes", "median_seconds", "on_rank_pools"]

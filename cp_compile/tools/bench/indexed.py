@@ -76,15 +76,16 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
 
     plan = cp_compile.ContextParallel()
     sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance)
-    whole = _inputs(total)
-    local = {n: plan.shard(t, 2 if n in ("q", "k", "v") else 1) for n, t in whole.items()}
+    local = {n: plan.shard(t, 2 if n in ("q", "k", "v") else 1) for n, t in _inputs(total).items()}
     places = sequence_slots(local["index_q"], *sharding.op_args)
     keys = torch.arange(total)
 
     def indexer():
-        every = gather_index_keys(local["index_k"], sharding)
         return top_k(
-            local["index_q"], local["index_w"], every, lambda r: _sees(places[r, None], keys[None], None)[None]
+            local["index_q"],
+            local["index_w"],
+            gather_index_keys(local["index_k"], sharding),
+            lambda r: _sees(places[r, None], keys[None], None)[None],
         )
 
     picks = indexer()
@@ -135,8 +136,7 @@ def main(args: argparse.Namespace) -> int:
     one = {n: one_process_times(n, args.repeats) for n in lengths}
     rows = []
     for c, n, per_rank in grid.on_rank_pools(sizes, lengths, rank_times, args.repeats, timeout=1800):
-        moved = received_bytes(n, c)
-        for part in ("indexer", "attention"):
+        for part, moved in received_bytes(n, c).items():
             rows.append(
                 {
                     "part": part,
@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
                     "length": n,
                     "ms": 1e3 * max(r[part] for r in per_rank),
                     "one_process_ms": 1e3 * one[n][part],
-                    "bytes": moved[part],
+                    "bytes": moved,
                 }
             )
     print(f"{'part':<10} {'C':>2} {'length':>7} {'ms/rank':>9} {'one proc':>9} {'receives/rank':>14}")

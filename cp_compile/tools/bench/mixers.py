@@ -110,7 +110,6 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
 
     plan = cp_compile.ContextParallel()
     sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance)
-    whole = _inputs(total)
     local = {
         key: tuple(
             (plan.shard(t.detach(), 2 if key == "conv" and i == 0 else 1) if t.dim() > 2 else t.detach())
@@ -118,7 +117,7 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
             .requires_grad_()
             for i, t in enumerate(tensors)
         )
-        for key, tensors in whole.items()
+        for key, tensors in _inputs(total).items()
     }
     return {name: grid.median_seconds(_step(fn, local[_group(name)]), repeats) for name, fn in _calls(sharding).items()}
 
@@ -199,11 +198,10 @@ def main(args: argparse.Namespace) -> int:
             )
     print(f"{'mixer':<14} {'C':>2} {'length':>7} {'ms/rank':>9} {'one proc':>9} {'moves/rank':>11}  cost model")
     for r in rows:
+        pick = ""
         if r["pick"]:
             cpu, cuda = r["crossover"]["cpu"], r["crossover"]["cuda"]
             pick = f"picks {r['pick']}; states from {cpu or 'never'} tokens/rank (cpu), {cuda or 'never'} (cuda)"
-        else:
-            pick = ""
         print(
             f"{r['mixer']:<14} {r['C']:>2} {r['length']:>7} {r['ms']:>9.2f} {r['one_process_ms']:>9.2f} "
             f"{fmt_bytes(r['bytes']):>11}  {pick}"

@@ -184,13 +184,10 @@ def _train(model, reference, group) -> dict:
     # gradient that is zero analytically (a key projection's bias: softmax ignores a per-query constant) is
     # rounding noise on both sides, and noise relative to noise says nothing.
     floor = GRAD_FLOOR * max(g.abs().max().item() for g in ref_grads.values())
-    worst, worst_name, offset = 0.0, None, 1
-    for name, p in params:
-        summed = total[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
-        err = _rel(summed, ref_grads[name], floor)
-        if err > worst or worst_name is None:
-            worst, worst_name = err, name
+    summed = total[1:].split([p.numel() for _, p in params])
+    errors = {name: _rel(g.view_as(p), ref_grads[name], floor) for (name, p), g in zip(params, summed)}
+    worst_name = max(errors, key=errors.get, default=None)  # the first of the largest
+    worst = errors.get(worst_name, 0.0)
     metrics = {
         "loss": _rel(total[0], ref_loss.detach()),
         "logits": _rel(out.logits, plan.shard(ref_out.logits, 1)),
@@ -298,9 +295,11 @@ def _family(name: str, groups) -> dict:
                 f"looks its attention classes up by name ({detail}); cp_compile never runs"
             )
         return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
-    row["parameters"] = sum(p.numel() for p in model.parameters())
-    row["route"] = route_of(model)
-    row["takes_position_ids"] = "position_ids" in inspect.signature(type(model).forward).parameters
+    row.update(
+        parameters=sum(p.numel() for p in model.parameters()),
+        route=route_of(model),
+        takes_position_ids="position_ids" in inspect.signature(type(model).forward).parameters,
+    )
     for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):
         row[phase] = run(model, reference, group)
         _between_phases(group)

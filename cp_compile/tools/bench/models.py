@@ -251,13 +251,10 @@ def main(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     print(summary(rows))
     print(f"{seconds:.0f} s")
-    command = (
-        "python -m cp_compile models"
-        + (f" -C {args.world_size}" if args.world_size != 2 else "")
-        + (f" --families {args.families}" if args.families else "")
-    )
     meta = {
-        "command": command,
+        "command": "python -m cp_compile models"
+        + (f" -C {args.world_size}" if args.world_size != 2 else "")
+        + (f" --families {args.families}" if args.families else ""),
         "date": datetime.date.today().isoformat(),
         "transformers": transformers.__version__,
         "torch": torch.__version__,

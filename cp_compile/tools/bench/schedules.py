@@ -73,14 +73,12 @@ def _calibrated():
 
 def auto_choice(p: Problem, res: dict, runner) -> dict:
     """The cost model's pick for ``p`` and how its measured time compares with the best measured schedule."""
-    from ...cost.model import Workload, estimate_all, pick
+    from ...cost.model import Workload, default_machine, estimate_all, pick
 
     machine = _machines.get(p.world_size)
     if machine is None and p.world_size > 1:
         machine = _machines[p.world_size] = runner(p.world_size, _calibrated)[0]
     if machine is None:
-        from ...cost.model import default_machine
-
         machine = default_machine("cpu")
     w = Workload(
         p.batch,
@@ -104,14 +102,6 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
     best = min(measured, key=measured.get)
     ratio = measured[chosen] / measured[best] if chosen in measured else None
     estimated = {e.schedule: e.time_s for e in estimates if e.feasible}
-    line = (
-        f"auto picks {chosen}; best measured {best}"
-        + (f"; auto's time / best = {ratio:.2f}" if ratio is not None else "")
-        + "; estimated "
-        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in estimated.items())
-        + "; measured "
-        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in measured.items())
-    )
     return {
         "chosen": chosen,
         "best_measured": best,
@@ -119,7 +109,12 @@ def auto_choice(p: Problem, res: dict, runner) -> dict:
         "estimated_s": estimated,
         "measured_s": measured,
         "machine": str(machine),
-        "line": line,
+        "line": f"auto picks {chosen}; best measured {best}"
+        + (f"; auto's time / best = {ratio:.2f}" if ratio is not None else "")
+        + "; estimated "
+        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in estimated.items())
+        + "; measured "
+        + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in measured.items()),
     }
 
 

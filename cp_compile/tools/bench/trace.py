@@ -75,8 +75,7 @@ class OpTracer(TorchDispatchMode):
         span_class = op_class(name)
         t0 = time.perf_counter()
         result = func(*args, **(kwargs or {}))
-        t1 = time.perf_counter()
-        event = {"class": span_class, "op": name, "t0": t0, "t1": t1}
+        event = {"class": span_class, "op": name, "t0": t0, "t1": time.perf_counter()}
         if span_class == "comm":
             event["id"], event["bytes"] = self._next_id, _nbytes(args[0] if args else None)
             for key in _storage_keys(result):

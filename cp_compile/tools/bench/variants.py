@@ -116,8 +116,9 @@ def make_inputs(p: Problem, rank: int, world_size: int, device: torch.device, se
     from ...layout import Zigzag
 
     g = torch.Generator().manual_seed(seed)
-    shape = (p.batch, p.heads, p.seq_len, p.head_dim)
-    full = [torch.randn(shape, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4)]
+    full = [
+        torch.randn(p.batch, p.heads, p.seq_len, p.head_dim, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4)
+    ]
     local = [Zigzag().shard(t, 2, rank, world_size) for t in full]
     return Inputs(*full, *local, rank=rank, world_size=world_size, device=device)
 
