@@ -238,8 +238,7 @@ def main(args: argparse.Namespace) -> int:
         if rows is None:
             return 0
         print("training the same model in one process...", flush=True)
-        ref_losses, ref_times = train_reference(args)
-        table, worst = _train_table(rows, ref_losses, ref_times, args)
+        table, worst = _train_table(rows, *train_reference(args), args)
     else:
         rows = _run_on_ranks(
             args,

@@ -89,12 +89,14 @@ def plot(results: dict, path: Path) -> None:
                 if not pts:
                     continue
                 style = dict(
-                    color=colors[name], marker=markers[si % len(markers)], linestyle="--" if name == SINGLE else "-"
+                    color=colors[name],
+                    marker=markers[si % len(markers)],
+                    linestyle="--" if name == SINGLE else "-",
+                    label=f"{name}, S={s}",
                 )
-                label = f"{name}, S={s}"
-                ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], label=label, **style)
+                ax_t.plot([w for w, _ in pts], [e["time_s"] for _, e in pts], **style)
                 if name != SINGLE:
-                    ax_m.plot([w for w, _ in pts], [e["peak_q_units"] for _, e in pts], label=label, **style)
+                    ax_m.plot([w for w, _ in pts], [e["peak_q_units"] for _, e in pts], **style)
         mask = "causal" if causal else "non-causal"
         ax_t.set(title=f"fwd+bwd time, {mask}", xlabel="C (ranks)", ylabel="seconds (median)", yscale="log")
         ax_m.set(title=f"peak memory growth, {mask}", xlabel="C (ranks)", ylabel="local q units")

@@ -108,8 +108,7 @@ def _tolerance(dtype: str) -> float:
 
 
 def _rel_err(got: Tensor, want: Tensor) -> float:
-    scale = max(want.abs().max().item(), 1e-6)
-    return (got.double() - want.double()).abs().max().item() / scale
+    return (got.double() - want.double()).abs().max().item() / max(want.abs().max().item(), 1e-6)
 
 
 def _sync(device: torch.device) -> None:
@@ -254,9 +253,7 @@ def bench_rank(
         )
     # -- instrumented re-runs: exposed vs standalone communication
     if trace and device.type == "cpu":
-        for v in valid:
-            if v.traced_setup is None or v.single_rank:
-                continue
+        for v in [v for v in valid if v.traced_setup is not None and not v.single_rank]:
             runs: dict[bool, list[OpTracer]] = {False: [], True: []}
             steps_traced = {stub: v.traced_setup(p, x, stub) for stub in (False, True)}
             for _ in range(max(1, trace_repeats)):

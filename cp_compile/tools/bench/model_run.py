@@ -267,6 +267,8 @@ def _destroy(group) -> None:
 
 
 def _family(name: str, groups) -> dict:
+    import torch.distributed as dist
+
     from ...hf.mixers import route_of
 
     row: dict[str, Any] = {"family": name}
@@ -302,15 +304,9 @@ def _family(name: str, groups) -> dict:
     )
     for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):
         row[phase] = run(model, reference, group)
-        _between_phases(group)
+        # every rank waits here for the others to finish the phase (on the default group, whose timeout outlasts a
+        # phase group's): a rank that raised early must not start the next phase's collectives while another still
+        # waits out a collective of this one
+        dist.barrier()
+        _destroy(group)
     return row
-
-
-def _between_phases(group) -> None:
-    """Every rank waits here for the others to finish the phase (on the default group, whose timeout outlasts a
-    phase group's): a rank that raised early must not start the next phase's collectives while another still
-    waits out a collective of this one."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    _destroy(group)

@@ -66,10 +66,13 @@ def _merge_phase(per_rank: list[dict]) -> dict:
     statuses = [r["status"] for r in per_rank]
     worst = min(statuses, key=SEVERITY.index)
     if len(set(statuses)) > 1:  # ranks disagree: say what each saw
-        detail = "; ".join(
-            f"rank {i} {r['status']}: {r.get('detail') or describe_phase(r)}" for i, r in enumerate(per_rank)
-        )
-        return {"status": worst, "detail": detail, "ranks": per_rank}
+        return {
+            "status": worst,
+            "detail": "; ".join(
+                f"rank {i} {r['status']}: {r.get('detail') or describe_phase(r)}" for i, r in enumerate(per_rank)
+            ),
+            "ranks": per_rank,
+        }
     merged = dict(per_rank[0])
     for key in ("loss", "logits", "grads"):  # the largest difference over the ranks
         values = [r[key] for r in per_rank if key in r]
@@ -181,8 +184,7 @@ def summary(rows: list[dict]) -> str:
 
 def _route(row: dict) -> str:
     """The route that ran the family under the plan, where it ran."""
-    ran = any(_status(row, phase) == "exact" for phase in ("train", "generate"))
-    return row.get("route", "") if ran else ""
+    return row.get("route", "") if any(_status(row, phase) == "exact" for phase in ("train", "generate")) else ""
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

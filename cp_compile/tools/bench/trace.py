@@ -78,8 +78,7 @@ class OpTracer(TorchDispatchMode):
         event = {"class": span_class, "op": name, "t0": t0, "t1": time.perf_counter()}
         if span_class == "comm":
             event["id"], event["bytes"] = self._next_id, _nbytes(args[0] if args else None)
-            for key in _storage_keys(result):
-                self._inflight[key] = self._next_id
+            self._inflight.update(dict.fromkeys(_storage_keys(result), self._next_id))
             self._next_id += 1
         elif span_class == "wait":
             keys = _storage_keys(args[0] if args else None)
