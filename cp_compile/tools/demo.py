@@ -238,7 +238,8 @@ def main(args: argparse.Namespace) -> int:
         if rows is None:
             return 0
         print("training the same model in one process...", flush=True)
-        table, worst = _train_table(rows, *train_reference(args), args)
+        ref_losses, ref_times = train_reference(args)
+        table, worst = _train_table(rows, ref_losses, ref_times, args)
     else:
         rows = _run_on_ranks(
             args,

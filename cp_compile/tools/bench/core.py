@@ -232,9 +232,8 @@ def bench_rank(
         with contextlib.ExitStack() as stack:
             for v in stubbed:
                 stack.enter_context(v.stub())
-            host = _interleaved_samples(
-                stubbed, steps, mine, device, repeats, _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
-            )
+            host_n = _steps_per_sample(stubbed, steps, mine, device, min_sample_s)
+            host = _interleaved_samples(stubbed, steps, mine, device, repeats, host_n)
         for v in stubbed:
             result["variants"][v.name]["host_s_per_step"] = statistics.median(host[v.name]) / (2 * world)
     # -- peak memory of one step, after warm-up
