@@ -91,10 +91,6 @@ NAME = "cp_compile"
 __all__ = ["NAME", "attention", "mask"]
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 # the token mixers cp_compile runs under CP, as transformers' ``config.layer_types`` names them; "moe"
 # and "mlp" layers mix nothing along the sequence
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
@@ -115,7 +111,7 @@ def check_layer_types(config) -> None:
     CP for its family (``inference.hf_cache.runs_mixers_under_cp``): it would run on this rank's shard of
     the sequence as if the shard were the whole sequence."""
     layer_types = tuple(getattr(config, "layer_types", None) or ())
-    other = (_other_layer_types if _compiling() else _other_layer_types_cached)(layer_types)
+    other = (_other_layer_types if torch.compiler.is_compiling() else _other_layer_types_cached)(layer_types)
     if other and runs_mixers_under_cp(config):  # its convolutions and scans run under CP (mixers.py)
         other = [t for t in other if t not in MIXER_LAYER_TYPES]
     if other and runs_indexers_under_cp(config):  # its sparse-attention indexers run under CP (indexed.py)
@@ -155,10 +151,13 @@ def mask(*args, **kwargs):
             f"cp_compile.hf.generate(model, input_ids, ...) (or pass cache=cp_compile.hf.ShardedCache(...)), "
             "or call the model with use_cache=False"
         )
-    padding = kwargs.get("attention_mask")
-    if isinstance(padding, MaskSpec):  # prepared by generate for the model's builders: this function decides
-        padding = None
-    if padding is not None and not _compiling() and not bool(padding.all()):
+    padding = kwargs.get("attention_mask")  # a MaskSpec: prepared by generate for the model's builders (this decides)
+    if (
+        padding is not None
+        and not isinstance(padding, MaskSpec)
+        and not torch.compiler.is_compiling()
+        and not bool(padding.all())
+    ):
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: a padding attention_mask is not supported; "
             "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
@@ -182,7 +181,12 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and cu_k is not cu and not _compiling() and not torch.equal(cu_k.cpu(), cu.cpu()):
+        if (
+            cu_k is not None
+            and cu_k is not cu
+            and not torch.compiler.is_compiling()
+            and not torch.equal(cu_k.cpu(), cu.cpu())
+        ):
             raise UnsupportedAttention(
                 "cu_seq_lens_k differs from cu_seq_lens_q: CP needs self-attention over the same documents"
             )
@@ -194,14 +198,13 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
         return None
     # Compiled, the slot count is left unread: comparing the traced length with a Python int would
     # specialise the graph to this batch's length. The packed kind checks it at run time instead.
-    if not _compiling() and query.shape[2] != plan.document_slots:
-        local = plan.document_slots
+    if not torch.compiler.is_compiling() and query.shape[2] != plan.document_slots:
         raise ValueError(
-            f"the packed documents in force (`with plan.packed(cu)`) give {local} slots per rank, but the model got "
-            f"{query.shape[2]} tokens; call the model inside `with plan.packed(cu)` for the batch being run, or "
-            "outside every such block for one sequence per row"
+            f"the packed documents in force (`with plan.packed(cu)`) give {plan.document_slots} slots per rank, but "
+            f"the model got {query.shape[2]} tokens; call the model inside `with plan.packed(cu)` for the batch being "
+            "run, or outside every such block for one sequence per row"
         )
-    if not _compiling() and not spec.documents and cu.shape[0] > 2 and _restart_here(plan, cu):
+    if not torch.compiler.is_compiling() and not spec.documents and cu.shape[0] > 2 and _restart_here(plan, cu):
         error = UnsupportedAttention(
             f"{spec.model or 'the model'} builds its attention mask without the packed documents' positions, so one "
             "process attends across the documents where CP would keep them apart; pass the packed row's "
@@ -301,8 +304,7 @@ def _cached(
     The keys and values are the attention's own arguments: this rank's cache slots as the model made
     them from what ``ShardedCache.update`` returned, slot for slot (a model caching a compressed
     latent, as DeepSeek-V3's multi-head latent attention does, expands it after the update)."""
-    layer, appended = step
-    appended = appended._replace(keys=key, values=value)
+    layer, appended = step[0], step[1]._replace(keys=key, values=value)
     if not variant.spec.causal:
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r}: a KV cache under context parallelism needs causal attention"
@@ -313,7 +315,7 @@ def _cached(
         # sees every key; later tokens see the window
         left = -1 if layer.prompt_tail else layer.decoding_window - 1
         layer.prompt_tail = False
-    elif not _compiling() and variant.spec.window != layer.window:
+    elif not torch.compiler.is_compiling() and variant.spec.window != layer.window:
         raise UnsupportedAttention(
             f"{type(module).__name__} attends with a window of {variant.spec.window}, but "
             f"its ShardedCache layer was made for {layer.window} (from the model's config)"
@@ -396,7 +398,7 @@ def attention(
 ):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
     plan = active_plan()
-    if not _compiling():
+    if not torch.compiler.is_compiling():
         _check_recompute(module, plan)
     if plan is not None and attention_as_one_process(module):
         # a module over the gathered sequence (``hf.gathered``, given that sequence's mask) or over each token's own
@@ -417,7 +419,7 @@ def attention(
             )
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if plan is None:
-        if not _compiling():
+        if not torch.compiler.is_compiling():
             check_outside_plan(module, kwargs.get("position_ids"))
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -428,11 +430,11 @@ def attention(
     if step is None:
         step = step_handed_with(key)  # an update called without the attention kwargs
     shared = False
-    if step is None and not _compiling():
+    if step is None and not torch.compiler.is_compiling():
         step = step_of_shared_keys(key)  # the K/V another layer's update returned (Gemma 3n's KV sharing)
         shared = step is not None
     query, key, value = _autocast(query, key, value)
-    if step is not None and not _compiling():
+    if step is not None and not torch.compiler.is_compiling():
         step[0].unattended = False  # what ShardedCache.check_attended asks
     if step is None and kwargs.get("use_cache") and not torch.is_grad_enabled():
         raise UnsupportedAttention(
@@ -455,12 +457,9 @@ def attention(
     cu = _documents(plan, query, kwargs, variant.spec)
     whole = window is None or window >= local * plan.world_size  # the window sees everything
     if cu is None and whole and not variant.needs_kind:
-        if _compiling():  # rewritten by plan.backend()
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa
-            )
-        else:
-            out = plan.attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
+        # compiled, torch's attention call, which plan.backend() rewrites
+        attend = torch.nn.functional.scaled_dot_product_attention if torch.compiler.is_compiling() else plan.attention
+        out = attend(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     if (window is not None or variant.spec.chunk) and not causal:
         raise UnsupportedAttention(
@@ -481,7 +480,7 @@ def attention(
     left = -1 if window is None or whole else int(window) - 1  # transformers: key visible when q - k < window
     window_size = (left, 0 if causal else -1)
     q, k, v = (t.transpose(1, 2).reshape(batch * local, t.shape[1], t.shape[3]) for t in (query, key, value))
-    if variant.needs_kind or not _compiling():
+    if variant.needs_kind or not torch.compiler.is_compiling():
         from ..eager import varlen_attention
 
         group = (plan.group_name, *plan.mesh_groups) if plan.mesh_groups else plan.group_name

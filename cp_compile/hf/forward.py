@@ -46,8 +46,6 @@ from ..errors import LocalAttentionError, UnsupportedAttention
 from ..layout import LOAD_BALANCERS
 from ..torch_compat import hooks_taken_out
 
-_COMPILED_WITH_HOOKS = r"Using `torch.compile\(module\)` when there are global hooks on modules"
-
 
 @dataclass
 class _ModelCall:
@@ -163,7 +161,9 @@ def model_call_checks():
         )
         # torch warns at every call of a compiled module while global hooks exist that they fire for its
         # wrapper too: these two check a compiled model from its wrapper's call on purpose
-        warnings.filterwarnings("ignore", message=_COMPILED_WITH_HOOKS)
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks on modules"
+        )
     try:
         yield
     finally:
@@ -200,8 +200,7 @@ def one_model_call_followed(model) -> Iterator[None]:
 def check_outside_plan(module, position_ids) -> None:
     """Outside every plan, the attention function of ``"cp_compile"`` refuses positions a plan made: the model
     was fed a plan's shard and is attending within it."""
-    made = made_by(position_ids)
-    if made is not None:
+    if made_by(position_ids) is not None:
         raise UnsupportedAttention(
             f"{type(module).__name__} was called outside `with plan:` with position_ids that a ContextParallel plan "
             "made: it would attend within this rank's shard alone. Call the model inside `with plan:`"
@@ -300,14 +299,13 @@ def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> No
     if model.config._attn_implementation in _REWRITTEN_WHEN_COMPILED and _has_compiled_part(module):
         return
     given = (_inputs(args, kwargs), kwargs.get("position_ids"))
-    if not any(made is not None and made.plan is plan for made in map(made_by, given)):
-        return
-    raise LocalAttentionError(
-        f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
-        f"attn_implementation={model.config._attn_implementation!r}, which attends within this rank's shard "
-        'alone. Load the model with attn_implementation="cp_compile" (import cp_compile.hf first), or call '
-        'model.set_attn_implementation("cp_compile"), or compile it with plan.backend()'
-    )
+    if any(made is not None and made.plan is plan for made in map(made_by, given)):
+        raise LocalAttentionError(
+            f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
+            f"attn_implementation={model.config._attn_implementation!r}, which attends within this rank's shard "
+            'alone. Load the model with attn_implementation="cp_compile" (import cp_compile.hf first), or call '
+            'model.set_attn_implementation("cp_compile"), or compile it with plan.backend()'
+        )
 
 
 def _check_positions(model, plan, shard: Made, positions) -> None:

@@ -133,11 +133,15 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
     _IN_FLIGHT.setdefault(id(module), []).append((local_len, prefix, sharding, guard))
-    for name in call.sequence:
-        value = kwargs.get(name)
-        if value is not None:  # else an optional argument the call leaves out
-            gather = functools.partial(_gathered, sharding=sharding, dim=call.dim, padding_last=padding_last)
-            kwargs[name] = _after_the_prefix(value, call.dim, prefix, gather)
+    gather = functools.partial(_gathered, sharding=sharding, dim=call.dim, padding_last=padding_last)
+    # the sequence arguments given (an optional one the call leaves out stays None)
+    kwargs.update(
+        {
+            name: _after_the_prefix(kwargs[name], call.dim, prefix, gather)
+            for name in call.sequence
+            if kwargs.get(name) is not None
+        }
+    )
     # documents' marks a padding-free collator passes on, per token, for the module's own kernels to restart at
     for name in _PER_TOKEN_KWARGS:
         if kwargs.get(name) is not None and name not in call.sequence:
@@ -147,8 +151,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     whole = _first_given(call, kwargs)
     if call.mask is not None:
         kwargs[call.mask] = whole_sequence_mask(mask_spec, whole, sharding)
-    for name, build in call.rebuilt:
-        kwargs[name] = build(module, model, whole, whole.shape[call.dim])
+    kwargs.update({name: build(module, model, whole, whole.shape[call.dim]) for name, build in call.rebuilt})
     _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
 
@@ -249,17 +252,14 @@ def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, fir
             "not a causal one, with or without a window, as cp_compile's mask function describes it"
         )
     keys = torch.arange(first_key, first_key + total, device=places.device)
-    if first_key:
-        visible = keys[None, :] <= places[:, None]
-    else:
-        visible = visible_keys(places, total, cu_seqlens)
+    visible = keys[None, :] <= places[:, None] if first_key else visible_keys(places, total, cu_seqlens)
     if spec.window is not None:
         visible &= keys[None, :] > places[:, None] - spec.window
-    if spec.as_bool:
-        mask = ~visible
-    else:
-        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
-        mask = mask.masked_fill(~visible, torch.finfo(like.dtype).min)
+    mask = ~visible
+    if not spec.as_bool:
+        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill(
+            mask, torch.finfo(like.dtype).min
+        )
     return mask.expand(like.shape[0], 1, *visible.shape)
 
 
@@ -268,9 +268,8 @@ def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
     the documents of ``sharding`` where the mask function keeps documents apart, as it does when the model passes it
     the positions."""
     total = whole.shape[1]
-    places = torch.arange(total, device=whole.device)
     documents = sharding.cu_seqlens if _documents_apart(spec, sharding, whole.device) else None
-    return _mask_tensor(spec, places, total, documents, whole)
+    return _mask_tensor(spec, torch.arange(total, device=whole.device), total, documents, whole)
 
 
 def _documents_apart(spec, sharding, device) -> bool:
@@ -279,8 +278,7 @@ def _documents_apart(spec, sharding, device) -> bool:
     holds positions 1 to 8) sees none whatever the model passes, so the ranks agree (one small all-gather); compiled,
     the spec's own answer stands (transformers keeps them apart wherever the model passes positions while tracing)."""
     seen = getattr(spec, "documents", False)
-    cu = sharding.cu_seqlens
-    if cu is None or cu.shape[0] <= 2:
+    if sharding.cu_seqlens is None or sharding.cu_seqlens.shape[0] <= 2:
         return False
     if seen is None:
         raise UnsupportedAttention(
@@ -317,8 +315,8 @@ def _mask_of_the_step(model, module, args: tuple, kwargs: dict):
         keys, first_key = layer.get_mask_sizes(n)
     places = torch.arange(before, before + n, device=hidden.device)
     kwargs[call.mask] = _mask_tensor(spec, places, keys, None, hidden, first_key)
-    for name, build in call.rebuilt:  # the model built it for the keys its mask sizes say: this step's alone
-        kwargs[name] = build(module, model, hidden, before + n)
+    # the model built them for the keys its mask sizes say: this step's alone
+    kwargs.update({name: build(module, model, hidden, before + n) for name, build in call.rebuilt})
     return (), kwargs
 
 
@@ -523,9 +521,8 @@ class WholeKVIndexedLayer(DynamicIndexedLayer):
     @indexer_position_ids.setter
     def indexer_position_ids(self, positions: Optional[Tensor]) -> None:
         if positions is not None and self.prompt_tokens is not None:
-            plan = self.plan
             prompt = torch.tensor([0, self.prompt_tokens], device=positions.device)
-            sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, prompt)
+            sharding = Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, prompt)
             positions = gather_sequence(positions, positions.dim() - 1, sharding)
         self._positions = positions
 

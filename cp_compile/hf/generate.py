@@ -102,11 +102,10 @@ def sharded_prefill(model, plan: ContextParallel, cache: ShardedCache, input_ids
     # (the positions are the plan's, and no labels are given); the guard's mode stays on for this one call, and
     # catches a token mixer that runs on the shard alone in code no wrapper covers
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    positions = _slot_positions(plan, cu)
     local_ids = plan.shard(input_ids, 1, cu_seqlens=cu)
     documents = cu.to(input_ids.device)
     local_positions = plan.positions(cu_seqlens=documents, device=documents.device)
-    with cache.sharded_prefill(positions, tokens), plan.packed(documents):
+    with cache.sharded_prefill(_slot_positions(plan, cu), tokens), plan.packed(documents):
         with torch.no_grad(), one_model_call_followed(model):
             model(
                 input_ids=local_ids,
@@ -126,14 +125,6 @@ def _same_on_every_rank(plan: ContextParallel, ids: Tensor) -> bool:
     weights = torch.arange(1, ids.numel() + 1, device=ids.device) % 1_000_003
     mine = torch.stack([torch.tensor(ids.numel(), device=ids.device), (ids * weights).sum()])
     return bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all())
-
-
-def _check_same_prompt(plan: ContextParallel, input_ids: Tensor) -> None:
-    if not _same_on_every_rank(plan, input_ids):
-        raise ValueError(
-            "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
-            "prompt, the same on every rank"
-        )
 
 
 class _SeesWholeSequence:
@@ -258,8 +249,7 @@ class _EveryStepSharded:
         positions = self.plan.positions(cu_seqlens=cu, device=cu.device)
         step.enter_context(one_model_call_followed(self.model))
         self.calls.append((step, Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, cu)))
-        local = self.plan.shard(input_ids, 1, cu_seqlens=cu)
-        kwargs.update(input_ids=local, use_cache=self.cache is not None)
+        kwargs.update(input_ids=self.plan.shard(input_ids, 1, cu_seqlens=cu), use_cache=self.cache is not None)
         if self.cache is not None:
             step.enter_context(self.cache.sharded_prefill(_slot_positions(self.plan, cu), tokens))
             # decoding sets the guard aside and runs every module as on one process: this call runs on the shards
@@ -366,7 +356,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     config = _generation_config(model, generate_kwargs)
     _check(model, input_ids, generate_kwargs, config)
     # the first collective: what follows may raise on the prompt's length, which a rank's other prompt would change
-    _check_same_prompt(plan, input_ids)
+    if not _same_on_every_rank(plan, input_ids):
+        raise ValueError(
+            "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
+            "prompt, the same on every rank"
+        )
     why_whole = GENERATED_WHOLE.get(type(model).__module__)
     if why_whole is not None:
         if cache is not None:

@@ -86,8 +86,7 @@ class MaskSpec:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        spec = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, MaskSpec))
-        spec.refuse()
+        next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, MaskSpec)).refuse()
 
     def __getattr__(self, name: str):
         if name in _TENSOR_API:
@@ -102,10 +101,6 @@ def _cells(fn: Callable) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
-def _probe() -> Callable:
-    return _mu.causal_mask_function
-
-
 _ZERO = torch.zeros(1, dtype=torch.long)
 # the code of each piece transformers composes masks from
 _CAUSAL = _mu.causal_mask_function.__code__
@@ -114,9 +109,9 @@ _WINDOW = _mu.sliding_window_overlay(1).__code__
 _CHUNK = _mu.chunked_overlay(1, _ZERO).__code__
 _PADDING = _mu.padding_mask_function(_ZERO).__code__
 _PACKED = _mu.packed_sequence_mask_function(_ZERO).__code__
-_REMAP = _mu.remap_positions_for_packed_sequence(_probe(), _ZERO).__code__
-_OFFSETS = _mu.add_offsets_to_mask_function(_probe(), 0, 0).__code__
-_AND = _mu.and_masks(_probe()).__code__
+_REMAP = _mu.remap_positions_for_packed_sequence(_mu.causal_mask_function, _ZERO).__code__
+_OFFSETS = _mu.add_offsets_to_mask_function(_mu.causal_mask_function, 0, 0).__code__
+_AND = _mu.and_masks(_mu.causal_mask_function).__code__
 
 
 def _unsupported(fn: Callable, model: str, what: str = "") -> UnsupportedAttention:
@@ -181,8 +176,13 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
             raise UnsupportedAttention(
                 f"{model}: a bidirectional window or chunk is not supported under context parallelism"
             )
-        spec = MaskSpec(facts.get("causal", False), facts.get("window"), facts.get("chunk"), model)
-        return dataclasses.replace(spec, documents=facts.get("documents", False))
+        return MaskSpec(
+            facts.get("causal", False),
+            facts.get("window"),
+            facts.get("chunk"),
+            model,
+            documents=facts.get("documents", False),
+        )
     code = getattr(mask_function, "__code__", None)
     if use_vmap or code not in (_CAUSAL, _BIDIRECTIONAL, _AND, _REMAP):
         raise _unsupported(
@@ -193,12 +193,11 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
     # while tracing, transformers keeps packed documents apart wherever the model passes it positions (its check for
     # one document is data-dependent) by ANDing a function to a full layer's causal one; a window's or a chunk's is an
     # AND already, and its closures cannot be read while Dynamo traces: unknown
-    documents = code in (_AND, _REMAP) if local_size is None else None
     if local_size is None:
-        return MaskSpec(model=model, documents=documents)
+        return MaskSpec(model=model, documents=code in (_AND, _REMAP))
     if local_size == getattr(config, "attention_chunk_size", None):
-        return MaskSpec(chunk=int(local_size), model=model, documents=documents)
-    return MaskSpec(window=int(local_size), model=model, documents=documents)
+        return MaskSpec(chunk=int(local_size), model=model, documents=None)
+    return MaskSpec(window=int(local_size), model=model, documents=None)
 
 
 __all__ = ["MaskSpec", "describe", "model_name"]

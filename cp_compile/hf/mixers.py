@@ -514,8 +514,11 @@ def route_of(model) -> str:
     if module in GATHERED_MODULES:
         calls = GATHERED_MODULES[module]
         route = f"attention schedules; {', '.join(calls)} over the gathered sequence (C times its compute)"
-        inside = [name for call in calls.values() for name, _ in call.sharded_inside]
-        route += "".join(f", its {name} over this rank's share by the schedules" for name in inside)
+        route += "".join(
+            f", its {name} over this rank's share by the schedules"
+            for call in calls.values()
+            for name, _ in call.sharded_inside
+        )
         if module in GENERATED_WHOLE:
             route += "; generation: the whole model on every rank (C times its compute)"
         return route

@@ -108,20 +108,16 @@ def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
             )
     cu = documents(batch)
     if cu is not None:
-        shard = lambda t: plan.shard(t, 1, cu_seqlens=cu)  # noqa: E731
         positions = plan.positions(cu_seqlens=cu, device=input_ids.device)[None]
     else:
-        shard = lambda t: plan.shard(t, 1)  # noqa: E731
         positions = plan.positions(total, device=input_ids.device)[None].expand(rows, -1)
     local = {key: value for key, value in batch.items() if key in _WHOLE}
-    for key in _PER_TOKEN:
-        if key in batch:
-            local[key] = shard(batch[key])
+    local.update({key: plan.shard(batch[key], 1, cu_seqlens=cu) for key in _PER_TOKEN if key in batch})
     local["position_ids"] = positions
     targets = _targets(batch)
     if targets is not None:
         # padding slots of a shard are 0: offset the labels so that those slots come out as -100
-        local["labels"] = local["shift_labels"] = shard(targets - IGNORE_INDEX) + IGNORE_INDEX
+        local["labels"] = local["shift_labels"] = plan.shard(targets - IGNORE_INDEX, 1, cu_seqlens=cu) + IGNORE_INDEX
     # the slot count and the document count change with almost every packed batch: dynamic from the first
     # compile on, for every tensor that carries them (a view or a new tensor does not inherit the mark)
     for value in local.values():
@@ -166,10 +162,8 @@ class ContextParallelMixin:
                 "ContextParallelMixin needs torch.distributed initialised: launch with torchrun or "
                 "accelerate launch (TrainingArguments initialises the process group)"
             )
-        if plan is None:
-            plan = ContextParallel(dist.new_group(list(range(dist.get_world_size()))))
-        self.plan = plan
-        self._replica, self._replicas = _replica_of(plan)
+        self.plan = plan if plan is not None else ContextParallel(dist.new_group(list(range(dist.get_world_size()))))
+        self._replica, self._replicas = _replica_of(self.plan)
         self._compile_backend = None
         if trainer_args.torch_compile:
             if trainer_args.torch_compile_mode is not None:
@@ -276,10 +270,11 @@ class ContextParallelMixin:
         """TRL's SFTTrainer logs ``num_tokens``, the tokens trained on so far, from the inputs its compute_loss
         sees: under CP each rank's shard, whose padding slots it would count too. Counted again here as TRL
         counts the whole batch without CP (real tokens summed over data-parallel replicas)."""
-        if "attention_mask" in inputs:
-            mine = inputs["attention_mask"].sum()
-        else:
-            mine = torch.tensor(inputs["position_ids"].size(1))
+        mine = (
+            inputs["attention_mask"].sum()
+            if "attention_mask" in inputs
+            else torch.tensor(inputs["position_ids"].size(1))
+        )
         tokens = mine.to(device=self.accelerator.device, dtype=torch.int64)
         dist.all_reduce(tokens)  # every rank of a replica holds the same batch
         self._total_train_tokens = counted + int(tokens) // self.plan.world_size // getattr(self, "_tp_size", 1)
@@ -303,8 +298,7 @@ class ContextParallelMixin:
 
     # evaluation gathers each rank's loss from every process; a replica's ranks hold the same value
     def _gather_replicas(self, tensor):
-        gathered = self.accelerator.gather(tensor)
-        per_rank = gathered.reshape(dist.get_world_size(), -1)
+        per_rank = self.accelerator.gather(tensor).reshape(dist.get_world_size(), -1)
         first = per_rank[:: self.plan.world_size].reshape(-1, *tensor.shape[1:])
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
