@@ -304,7 +304,8 @@ def _cached(
     The keys and values are the attention's own arguments: this rank's cache slots as the model made
     them from what ``ShardedCache.update`` returned, slot for slot (a model caching a compressed
     latent, as DeepSeek-V3's multi-head latent attention does, expands it after the update)."""
-    layer, appended = step[0], step[1]._replace(keys=key, values=value)
+    layer, appended = step
+    appended = appended._replace(keys=key, values=value)
     if not variant.spec.causal:
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r}: a KV cache under context parallelism needs causal attention"

@@ -255,11 +255,11 @@ def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, fir
     visible = keys[None, :] <= places[:, None] if first_key else visible_keys(places, total, cu_seqlens)
     if spec.window is not None:
         visible &= keys[None, :] > places[:, None] - spec.window
-    mask = ~visible
-    if not spec.as_bool:
-        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill(
-            mask, torch.finfo(like.dtype).min
-        )
+    if spec.as_bool:
+        mask = ~visible
+    else:
+        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
+        mask = mask.masked_fill(~visible, torch.finfo(like.dtype).min)
     return mask.expand(like.shape[0], 1, *visible.shape)
 
 
