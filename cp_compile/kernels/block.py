@@ -56,13 +56,18 @@ def _use_math(q: Tensor) -> bool:
     return q.device.type not in ("cpu", "cuda")
 
 
-def _cuda_use_flash(q: Tensor, k: Tensor) -> bool:
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] <= 256
-        and q.shape[-1] % 8 == 0
-        and q.shape[1] == k.shape[1]
-    )
+def _cuda_use_flash(q: Tensor) -> bool:
+    """Flash attention takes fp16/bf16 and head dims up to 256 in multiples of 8; it groups the query heads over
+    fewer key/value heads itself (forward and backward), so GQA never repeats K/V on that path."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+
+def _rows_by_heads(t: Tensor) -> Tensor:
+    """``t`` [B, H, L, D] stored as [B, L, H, D]: the layout the efficient kernel writes its output in, and the one
+    its backward assumes when it reads ``out`` (it is given out's batch and head strides, and takes the row
+    stride to be H * D). A [B, H, L, D]-contiguous out read that way gives a wrong delta = rowsum(dout * out),
+    hence wrong dq and dk, wherever the kernel computes delta itself (fp16/bf16, H > 1)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def repeat_kv(q: Tensor, t: Tensor) -> Tensor:
@@ -157,7 +162,7 @@ def tile_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tup
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
     if q.device.type == "cuda":
-        if _cuda_use_flash(q, k):
+        if _cuda_use_flash(q):
             res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1]
         kr, vr = repeat_kv(q, k), repeat_kv(q, v)
@@ -183,7 +188,7 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
         )
     if q.device.type == "cuda":
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout
-        if _cuda_use_flash(q, k):
+        if _cuda_use_flash(q):
             # cumulative lengths: undefined (None), as the dense forward returns them; a defined
             # tensor would mean packed sequences to the kernel
             return aten._scaled_dot_product_flash_attention_backward(
@@ -212,7 +217,7 @@ def _tile_bwd(dout, q, k, v, out, lse, causal, scale):
             kr,
             vr,
             None,
-            out,
+            _rows_by_heads(out),
             lse32,
             seed,
             seed,
