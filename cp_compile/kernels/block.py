@@ -18,8 +18,9 @@ block's, so each tile's gradients are exactly its share of the true gradient.
 It also takes an optional gradient for lse (used when a caller returns lse).
 
 Tensors are ``[B, H, L, D]``. GQA (fewer key/value heads than query heads,
-``Hq % Hkv == 0``) is passed straight to kernels that accept it, so repeated
-K/V is never materialised on CPU.
+``Hq % Hkv == 0``) is passed straight to kernels that accept it (CPU flash,
+CUDA flash), so repeated K/V is materialised only for CUDA's memory-efficient
+kernel (fp32, head dims flash does not take).
 """
 
 from __future__ import annotations
