@@ -1,10 +1,10 @@
 """Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step``, ``models`` and
-``mixers`` and ``indexed``."""
+``mixers``, ``indexed`` and ``gpu-check``."""
 
 import argparse
 import sys
 
-from .tools import bench, demo, generate
+from .tools import bench, demo, generate, gpu_check
 from .tools.bench import accuracy, indexed, mixers, models, step
 
 # command -> (its module, its help); each module gives add_arguments(parser) and main(args)
@@ -37,6 +37,11 @@ COMMANDS = {
     "indexed": (
         indexed,
         "an indexed sparse-attention layer's (DSA) indexer and attention under CP vs one process: ms, bytes",
+    ),
+    "gpu-check": (
+        gpu_check,
+        "on a machine with one GPU: the CUDA tier and the GPU benchmark under one time cap, one JSON report "
+        "(--dry-run: the same on the CPU)",
     ),
 }
 

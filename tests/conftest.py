@@ -21,10 +21,30 @@ QUICK_MODULES = {
 }
 
 
+# ``pytest -m core tests``, what CI runs on the oldest torch it supports (2.11, the torch of the GPU images seen so
+# far): the quick tier, the compiled paths (plain models, Hugging Face models) and the GPU tier with its check's dry
+# run on the CPU.
+CORE_MODULES = QUICK_MODULES | {"test_compile.py", "test_hf.py", "test_cuda.py", "test_gpu_check.py"}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
+        if item.path.name in CORE_MODULES:
+            item.add_marker(pytest.mark.core)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """The errors a test measured against the error rule go with its report (``user_properties``)."""
+    from helpers import MEASURED_ERRORS
+
+    MEASURED_ERRORS.clear()
+    try:
+        return (yield)
+    finally:
+        item.user_properties.extend(("error", measured) for measured in MEASURED_ERRORS)
 
 
 @pytest.fixture(scope="session")

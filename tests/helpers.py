@@ -10,6 +10,31 @@ import torch.nn.functional as F
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# (what, CP error, single-device error) of each check of the error rule in the running test, in order: the GPU
+# check (python -m cp_compile gpu-check) reports them with the test's outcome (tests/conftest.py)
+MEASURED_ERRORS: list[tuple[str, float, float]] = []
+
+
+def within_error_rule(checks) -> None:
+    """The error rule (DESIGN.md) for each (what, CP error, single-device error) of ``checks``: against fp64, a
+    CP result's error is at most twice single-device SDPA's in the same dtype. Every check is recorded before
+    the first that fails raises."""
+    checks = list(checks)
+    MEASURED_ERRORS.extend(checks)
+    broken = [
+        f"{what}: CP error {err:.3g}, single-device {single:.3g}" for what, err, single in checks if err > 2 * single
+    ]
+    assert not broken, f"over twice single-device SDPA's error against fp64: {'; '.join(broken)}"
+
+
+def varlen_gqa() -> dict:
+    """The keyword that tells torch's ``varlen_attn`` its key/value heads are fewer: ``enable_gqa`` since torch 2.13;
+    2.11's takes none (its op is traced only here, and the CP rewrite reads GQA off the head counts)."""
+    from cp_compile.torch_compat import varlen_takes_gqa
+
+    return {"enable_gqa": True} if varlen_takes_gqa() else {}
+
+
 def make_qkv(b, hq, hkv, s, d, dtype=torch.float64, seed=0, dv=None):
     """Seeded global q, k, v and an output gradient, identical on every rank."""
     g = torch.Generator().manual_seed(seed)

@@ -160,6 +160,24 @@ def test_virtual_ranks_decomposition(tmp_path):
     assert len(virtual.table(rows).splitlines()) == 2 + len(rows)
 
 
+def test_virtual_ranks_leave_out_what_the_deadline_cannot_hold():
+    """Past its deadline the decomposition measures nothing more and says so per configuration; a longer
+    sequence is expected to take the square of the length ratio times the longest shorter one."""
+    import time
+
+    from cp_compile.tools.bench import virtual
+
+    args = dict(world_sizes=(2,), seq_lens=(64, 128), causal=(True,), batch=1, heads=2, head_dim=16)
+    rows = virtual.run(
+        torch.device("cpu"), **args, dtype="float32", repeats=1, out=None, log=lambda s: None, deadline=time.monotonic()
+    )
+    assert [r["skipped"].startswith("not run") for r in rows] == [True, True]
+    assert "not run" in virtual.table(rows)
+    assert virtual._expected_seconds(256, {64: 1.0, 128: 2.0}) == 8.0
+    assert virtual._expected_seconds(128, {64: 1.0, 128: 3.0}) == 3.0
+    assert virtual._expected_seconds(64, {}) == 0.0
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_virtual_rank_computes_its_share(world_size, causal):

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -192,12 +193,17 @@ def _host_time(step: Callable[[], None], device: torch.device, repeats: int) -> 
     return statistics.median(times)
 
 
-def measure(p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2) -> dict:
+def measure(
+    p: Problem, device: torch.device, repeats: int = 5, warmup: int = 2, single_s: Optional[float] = None
+) -> dict:
+    """One configuration's row; ``single_s``: the single-device time of this sequence and mask, when another C
+    already measured it (it does not depend on C)."""
     g = torch.Generator().manual_seed(0)
     shape = (p.batch, p.heads, p.seq_len, p.head_dim)
     q, k, v, do = (torch.randn(shape, generator=g).to(device, DTYPES[p.dtype]) for _ in range(4))
     scale = 1.0 / math.sqrt(p.head_dim)
-    single_s = _median_time(single_step(q, k, v, do, p.causal), device, repeats, warmup)
+    if single_s is None:
+        single_s = _median_time(single_step(q, k, v, do, p.causal), device, repeats, warmup)
 
     shard = lambda t, r: Zigzag().shard(t, 2, r, p.world_size)  # noqa: E731
     kv = [(shard(k, r), shard(v, r)) for r in range(p.world_size)]
@@ -238,6 +244,9 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         p = Problem(**r["config"])
+        if "skipped" in r:
+            lines.append(f"{p.label():<24} {r['skipped']}")
+            continue
         lines.append(
             f"{p.label():<24} {r['single_s'] / p.world_size * 1e3:11.2f} {r['rank_time_s'] * 1e3:9.2f} "
             f"{r['efficiency']:5.2f} {r['tflops_per_rank']:9.1f} {r['single_tflops']:11.1f} {r['peak_gib']:8.2f} "
@@ -256,11 +265,15 @@ def run(
     head_dim: int,
     dtype: str,
     repeats: int,
-    out: Path,
+    out: Optional[Path],
     log: Callable[[str], None] = print,
+    warmup: int = 2,
+    deadline: Optional[float] = None,
 ) -> list[dict]:
+    """A row per configuration, shortest sequences first; with a ``deadline`` (``time.monotonic()``), a
+    configuration its predecessors say would end after it is left out (rows with ``skipped``: the reason)."""
     rows = []
-    problems = [Problem(batch, heads, head_dim, s, c, m, dtype) for m in causal for c in world_sizes for s in seq_lens]
+    problems = [Problem(batch, heads, head_dim, s, c, m, dtype) for m in causal for s in seq_lens for c in world_sizes]
     bad = [p.label() for p in problems if p.seq_len % (2 * p.world_size)]
     if bad:
         raise ValueError(f"S must split into 2C zigzag chunks: {bad}")
@@ -268,8 +281,21 @@ def run(
         f"ring decomposition on one {device.type} device: {len(problems)} configurations, B={batch} H={heads} "
         f"D={head_dim} {dtype}, {repeats} repeats (median)"
     )
+    single_times: dict[tuple, float] = {}
+    took: dict[int, float] = {}  # sequence length -> seconds of its latest configuration
     for i, p in enumerate(problems, 1):
-        row = measure(p, device, repeats)
+        if deadline is not None:
+            left, expected = deadline - time.monotonic(), _expected_seconds(p.seq_len, took)
+            if expected > left:
+                reason = f"not run: about {expected:.0f} s expected, {max(left, 0):.0f} s left"
+                rows.append({"config": asdict(p), "skipped": reason})
+                log(f"[{i}/{len(problems)}] {p.label():<22} {reason}")
+                continue
+        start = time.monotonic()
+        single_key = (p.seq_len, p.causal)
+        row = measure(p, device, repeats, warmup, single_times.get(single_key))
+        single_times[single_key] = row["single_s"]
+        took[p.seq_len] = time.monotonic() - start
         rows.append(row)
         log(
             f"[{i}/{len(problems)}] {p.label():<22} efficiency {row['efficiency']:.2f}, "
@@ -278,10 +304,20 @@ def run(
         )
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "configs": rows}, indent=1))
+    if out is not None:
+        meta = {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "configs": rows}, indent=1))
     return rows
+
+
+def _expected_seconds(seq_len: int, took: dict[int, float]) -> float:
+    """A configuration's time from the latest one measured at this length or, for a longer sequence, from the
+    longest shorter one, scaled by the square of the lengths (attention's work); 0 before any."""
+    if seq_len in took:
+        return took[seq_len]
+    shorter = [s for s in took if s < seq_len]
+    return took[max(shorter)] * (seq_len / max(shorter)) ** 2 if shorter else 0.0
