@@ -61,7 +61,7 @@ class LocalAttentionGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mixer = _MIXERS.get(func)
-        if mixer is not None and not _Whole.sequence:
+        if mixer is not None and not _WHOLE.sequence:
             raise LocalAttentionError(mixer_message(mixer))
         if func is _UNFLATTEN and torch.compiler.is_compiling():
             return args[0].unflatten(*args[1:], **kwargs)
@@ -74,7 +74,14 @@ class LocalAttentionGuard(TorchFunctionMode):
 
 
 class _Whole:
-    sequence = False
+    """Whether the mixers run over the whole sequence now: an instance's attribute, not a class's, since torch
+    2.11's Dynamo cannot trace setting a class attribute."""
+
+    def __init__(self):
+        self.sequence = False
+
+
+_WHOLE = _Whole()
 
 
 @contextlib.contextmanager
@@ -82,11 +89,11 @@ def mixers_over_the_whole_sequence() -> Iterator[None]:
     """Inside, the sequence mixers the guard watches run over every rank's tokens (a module over the gathered
     sequence: RecurrentGemma's recurrent block and its convolution), and pass. A flag the guard reads, so that it
     holds while Dynamo traces too (the mode stack, ``set_aside``, is left as it is there)."""
-    before, _Whole.sequence = _Whole.sequence, True
+    before, _WHOLE.sequence = _WHOLE.sequence, True
     try:
         yield
     finally:
-        _Whole.sequence = before
+        _WHOLE.sequence = before
 
 
 @contextlib.contextmanager

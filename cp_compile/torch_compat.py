@@ -1,10 +1,11 @@
 """The private torch APIs cp_compile depends on, in one place.
 
-Tested with torch 2.13 and 2.15 (``pyproject.toml`` admits ``>=2.13,<2.16``;
-CI runs the suite on both). Everything here is something torch does not promise
-to keep. When a release moves or changes one, this is the file to change, and
-``missing()`` makes the failure name the API and the torch version instead of
-surfacing as an AttributeError deep inside a compile.
+Tested with torch 2.11, 2.13 and 2.15 (``pyproject.toml`` admits ``>=2.11,<2.16``;
+CI runs the suite on 2.13 and 2.15, and its core on 2.11, the torch of many GPU
+images). Everything here is something torch does not promise to keep. When a
+release moves or changes one, this is the file to change, and ``missing()``
+makes the failure name the API and the torch version instead of surfacing as an
+AttributeError deep inside a compile.
 
 Imports that pull in Inductor or functorch are made on first use, so that
 ``import cp_compile`` stays as cheap as ``import torch``.
@@ -26,8 +27,9 @@ import torch
 # tearing down, which aborts the process ("terminate called without an active exception"). Importing it
 # with cp_compile, before the group exists, binds None instead.
 import torch.distributed.nn.functional  # noqa: F401
+from torch import distributed as dist
 
-TESTED_TORCH = ("2.13", "2.15")
+TESTED_TORCH = ("2.11", "2.13", "2.15")
 
 # c10d: a Python-side Work, registered on tensors, is what lets the functional
 # ``wait_tensor`` complete our own asynchronous transfers.
@@ -39,6 +41,11 @@ from torch._C._distributed_c10d import _register_work as register_work  # noqa: 
 from torch._library.opaque_object import get_opaque_type_name, register_opaque_type  # noqa: E402
 from torch._opaque_base import OpaqueBase  # noqa: E402, F401  (re-exported)
 from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: E402
+
+# The single-tensor collectives under their 2.13 names; 2.11 and 2.12 know them only as all_gather_into_tensor
+# and reduce_scatter_tensor, names 2.13 deprecates (a FutureWarning at every call).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def resolve_process_group(group_name: str) -> torch.distributed.ProcessGroup:
@@ -113,7 +120,6 @@ _PARTITIONER_API = (
     "min_cut_rematerialization_partition",
     "default_partition",
     "is_sym_node",
-    "is_opaque_node",
     "classify_nodes",
     "_extract_fwd_bwd_modules",
     "reordering_to_mimic_autograd_engine",
@@ -129,6 +135,57 @@ def partitioners():
     if absent:
         raise missing(f"torch._functorch.partitioners.{{{', '.join(absent)}}}")
     return module
+
+
+def extract_forward_backward(joint, saved: list, *, num_fwd_outputs: int, static_lifetime_input_nodes):
+    """The forward and backward graphs of ``joint`` with the forward saving ``saved`` (tensors, symbolic sizes and
+    opaque objects): ``partitioners._extract_fwd_bwd_modules``, whose 2.13 form takes each kind in a list of its own
+    and whose 2.11 form sorts the opaque objects out of the tensors itself."""
+    P = partitioners()
+    sym = [n for n in saved if P.is_sym_node(n)]
+    values = [n for n in saved if not P.is_sym_node(n)]
+    opaque_kw = {}
+    if hasattr(P, "is_opaque_node"):
+        opaque_kw["saved_opaque_nodes"] = [n for n in values if P.is_opaque_node(n)]
+        values = [n for n in values if not P.is_opaque_node(n)]
+    return P._extract_fwd_bwd_modules(
+        joint,
+        values,
+        saved_sym_nodes=sym,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=static_lifetime_input_nodes,
+        **opaque_kw,
+    )
+
+
+def release() -> tuple[int, int]:
+    """torch's (major, minor) release."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def inductor_lowers_opaque_objects() -> bool:
+    """Whether Inductor lowers a custom op whose argument is an opaque object (the flex kind's mods): 2.13 does;
+    2.11 takes the object for a tensor when it lowers the op ("'Mods' object has no attribute 'stride'")."""
+    return release() >= (2, 13)
+
+
+@functools.cache
+def varlen_takes_gqa() -> bool:
+    """Whether torch's ``varlen_attn`` takes ``enable_gqa`` (2.13); 2.11's takes no such argument."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def size_hint(size) -> int:
+    """A size as an int: a symbolic one as the value it had in the example inputs (its hint)."""
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None)  # 2.13; 2.11 and 2.12: hint_int
+    return int(hint(size) if hint is not None else symbolic_shapes.hint_int(size))
 
 
 def node_argument(node, name: str):

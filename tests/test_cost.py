@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import varlen_gqa
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -213,11 +214,11 @@ def capture_sites(fn, args, plan):
     sites = []
 
     def backend(gm, example_inputs):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from cp_compile.torch_compat import size_hint
 
         outputs = [n.meta["example_value"] for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
         sites.extend(rewrite_attention(gm, plan, example_inputs))
-        shapes = [[int(optimization_hint(d)) for d in o.shape] for o in outputs]  # packed sizes are dynamic
+        shapes = [[size_hint(d) for d in o.shape] for o in outputs]  # packed sizes are dynamic
         return lambda *a: tuple(torch.zeros(shape, dtype=o.dtype) for shape, o in zip(shapes, outputs))
 
     torch._dynamo.reset()
@@ -239,8 +240,10 @@ def test_explain_shows_masked_estimates(fake_group):
     q, k = torch.randn(256, 8, 16), torch.randn(256, 2, 16)
     local = [plan.shard(t, 0, cu_seqlens=cu) for t in (q, k, k)]
 
+    gqa = varlen_gqa()
+
     def packed(q, k, v, cu):
-        return varlen_attn(q, k, v, cu, cu, 159, 159, window_size=(16, 0), enable_gqa=True)
+        return varlen_attn(q, k, v, cu, cu, 159, 159, window_size=(16, 0), **gqa)
 
     (site,) = capture_sites(packed, [*local, cu], plan)
     text = str(site_report(site, c))

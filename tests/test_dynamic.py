@@ -7,7 +7,7 @@ The Hugging Face and torchtitan integrations have the same check in their own te
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_err
+from helpers import max_err, varlen_gqa
 from test_varlen import per_document_reference
 
 BUDGET = 48  # tokens per step, packed into random documents
@@ -33,8 +33,10 @@ def packed_splits(inner: str, steps: int, window: tuple[int, int]):
     plan = cp_compile.ContextParallel()
     backend = plan.backend(inner)
 
+    gqa = varlen_gqa()
+
     def model(q, k, v, cu):
-        return varlen_attn(q.sin(), k, v, cu, cu, BUDGET, BUDGET, window_size=window, enable_gqa=True)
+        return varlen_attn(q.sin(), k, v, cu, cu, BUDGET, BUDGET, window_size=window, **gqa)
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     gen = torch.Generator().manual_seed(5)

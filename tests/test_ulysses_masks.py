@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import make_qkv, max_err
+from helpers import make_qkv, max_err, varlen_gqa
 from test_flex import mask_case, run_flex_eager
 from test_flex import reference as flex_reference
 from test_varlen import LENGTHS, WINDOWS, packed_inputs, per_document_reference, per_document_reference_out
@@ -289,8 +289,10 @@ def compiled_ulysses_varlen(mesh=None):
     q, k, v, do, cu = packed_inputs(LENGTHS, 4, 2, 8)
     max_len = max(LENGTHS)
 
+    gqa = varlen_gqa()
+
     def model(q, k, v, cu):
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), **gqa)
 
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out = per_document_reference_out(*ref_inputs, cu, (2, 0))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import max_err
+from helpers import max_err, varlen_gqa
 
 from cp_compile.layout import packed
 
@@ -297,10 +297,12 @@ def compiled_varlen(inner: str):
     q, k, v, do, cu = packed_inputs(lengths, 4, 1, 8)
     max_len = max(lengths)
 
+    gqa = varlen_gqa()
+
     def model(q, k, v, cu):
         kk = k.repeat_interleave(4, 1)
         a, lse = varlen_attn(
-            q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), enable_gqa=True, return_aux=AuxRequest(lse=True)
+            q, k, v, cu, cu, max_len, max_len, window_size=(2, 0), **gqa, return_aux=AuxRequest(lse=True)
         )
         b = varlen_attn(q, kk, v.repeat_interleave(4, 1), cu, cu, max_len, max_len, window_size=(-1, 0))
         return a * b, lse.detach()
@@ -415,9 +417,10 @@ def checkpointed_varlen(mode: str, compiled: bool):
     block(lambda q, k, v: per_document_reference_out(q, k, v, cu, (-1, 0)), *ref).backward(do)
     local = [plan.shard(t, 0, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     if compiled:
+        gqa = varlen_gqa()
 
         def single_device(q, k, v):
-            return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **gqa)
 
         out = torch.compile(lambda *a: run(single_device, *a), backend=plan.backend("aot_eager"), fullgraph=True)(
             *local

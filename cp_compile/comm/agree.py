@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..layout.packed import check_cu_seqlens
+from ..torch_compat import all_gather_single
 from .groups import resolve_group
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -104,7 +105,7 @@ def every_rank(values: list[int], group, device: torch.device) -> list[list[int]
         device = torch.device("cpu")
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = torch.empty(group.size() * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_single(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     return everyone.view(group.size(), len(values)).tolist()
 
 

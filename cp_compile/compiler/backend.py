@@ -20,9 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..errors import UnsupportedAttention
+from ..torch_compat import inductor_lowers_opaque_objects
 from .expand import Expansion, expand_cp_ops
 from .mixer_sites import MixerReport, find_mixers
 from .order import pin_overlap_order, schedule_listing
@@ -149,6 +152,12 @@ class CPBackend:
                 "custom_partitioner_fn": CPPartitioner(key),
             }
             if any(site.pattern == "flex" for site in record.sites):
+                if not inductor_lowers_opaque_objects():
+                    raise UnsupportedAttention(
+                        f"FlexAttention compiled by Inductor under context parallelism needs torch 2.13 or newer "
+                        f"(torch {torch.__version__}'s Inductor cannot lower the flex ops' mask and score functions); "
+                        "compile with plan.backend(inner='aot_eager'), or call cp_compile.flex_attention eagerly"
+                    )
                 # a cache hit restores a graph's tensor constants but not its opaque objects (torch 2.13 to
                 # 2.15): the flex mods would arrive as None
                 patches["fx_graph_cache"] = False

@@ -24,13 +24,13 @@ from ..errors import UnsupportedAttention
 from ..kinds.call import Call
 from ..kinds.flex import FlexSettings
 from ..layout.blockmask import Mods, is_table_length
+from ..torch_compat import size_hint
 from .choose import choose_schedule
 from .site import (
     AttentionSite,
     SitePattern,
     _example,
     constant,
-    hinted,
     insert_schedule,
     placeholders,
     traced_value,
@@ -104,7 +104,7 @@ def _check_flex(site: AttentionSite) -> None:
         table is None
         or table.dim() != 1
         or table.dtype != torch.int64
-        or not is_table_length(hinted(table.numel()), q[2])
+        or not is_table_length(size_hint(table.numel()), q[2])
     ):
         raise UnsupportedAttention(
             f"flex_attention(block_mask=...) {where}: the mask's first buffer is not a CP index table; "

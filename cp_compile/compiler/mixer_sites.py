@@ -18,7 +18,8 @@ import torch.fx as fx
 
 from ..cost.model import fmt_bytes
 from ..layout.runs import chunk_count
-from .site import _example, _graph_modules, _in_library, hinted
+from ..torch_compat import size_hint
+from .site import _example, _graph_modules, _in_library
 
 _ROUTES = {
     torch.ops.cp.halo.default: (
@@ -72,7 +73,7 @@ def _source(node: fx.Node) -> str:
 
 
 def _shape(val: torch.Tensor) -> tuple[int, ...]:
-    return tuple(hinted(s) for s in val.shape)
+    return tuple(size_hint(s) for s in val.shape)
 
 
 def _received(node: fx.Node, shape: tuple[int, ...], itemsize: int, world_size: int) -> int:

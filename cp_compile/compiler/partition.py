@@ -64,7 +64,7 @@ def partition_saving_cp(
     joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, static_lifetime_input_indices=None, **kwargs
 ):
     """Min-cut partition, then, if it recomputes a CP op, the same split with the CP outputs saved."""
-    from ..torch_compat import partitioners
+    from ..torch_compat import extract_forward_backward, partitioners
 
     P = partitioners()
     fw, bw = P.min_cut_rematerialization_partition(
@@ -85,15 +85,10 @@ def partition_saving_cp(
     for node in joint.graph.nodes:
         if node.op == "call_function" and node.target in CP_FORWARD_OPS:
             saved += [out for out in _cp_outputs(node) if out not in saved]
-    sym = [n for n in saved if P.is_sym_node(n)]
-    opaque = [n for n in saved if P.is_opaque_node(n)]
-    tensors = [n for n in saved if not P.is_sym_node(n) and not P.is_opaque_node(n)]
     node_info = P.classify_nodes(joint, static_lifetime_input_indices or [], num_fwd_outputs)
-    fw, bw = P._extract_fwd_bwd_modules(
+    fw, bw = extract_forward_backward(
         joint,
-        tensors,
-        saved_sym_nodes=sym,
-        saved_opaque_nodes=opaque,
+        saved,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
     )

@@ -19,6 +19,7 @@ import torch.fx as fx
 from ..errors import UnsupportedAttention
 from ..kinds.call import Call
 from ..schedules import whole_op
+from ..torch_compat import size_hint
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class AttentionSite:
     def shape(self, name: str) -> Optional[tuple[int, ...]]:
         """The argument's shape as ints (a dynamic dimension as its example value: what the cost model reads)."""
         val = _example(self.args[name])
-        return tuple(hinted(s) for s in val.shape) if val is not None else None
+        return tuple(size_hint(s) for s in val.shape) if val is not None else None
 
     def dtype(self) -> Optional[torch.dtype]:
         val = _example(self.query)
@@ -126,13 +127,6 @@ def _graph_modules(gm: fx.GraphModule):
 
 def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def hinted(size) -> int:
-    """A size as an int (a dynamic one as its example value), for checks and costs that read numbers."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    return int(optimization_hint(size))
 
 
 def input_values(gm: fx.GraphModule, example_inputs) -> dict[fx.Node, Any]:

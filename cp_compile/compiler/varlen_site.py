@@ -43,12 +43,17 @@ def _varlen_op():
     return torch.ops.torch_attn._varlen_attn
 
 
+# Arguments torch 2.13 added to the op, absent from 2.11's; enable_gqa None: from the head counts (see _check_varlen)
+_NEWER_ARGUMENTS = {"enable_gqa": None, "seqused_k": None, "block_table": None, "num_splits": None}
+
+
 def _match_varlen(node: fx.Node) -> Optional[dict[str, Any]]:
     op = _varlen_op()
     if node.target not in (op, op.default):
         return None
     schema = op.default._schema
-    args = {a.name: a.default_value if a.has_default_value() else None for a in schema.arguments}
+    args = dict(_NEWER_ARGUMENTS)
+    args.update({a.name: a.default_value if a.has_default_value() else None for a in schema.arguments})
     args.update(zip([a.name for a in schema.arguments], node.args))
     args.update(node.kwargs)
     return args
@@ -79,6 +84,8 @@ def _check_varlen(site: AttentionSite) -> None:
     for user in site.node.users:  # a checkpoint body keeps unused getitems: those are harmless
         if user.target != operator.getitem or (user.args[1] == 2 and user.users):
             raise UnsupportedAttention(f"varlen_attn {where}: only its output and lse may be used")
+    if args["enable_gqa"] is None:  # torch 2.11's op has no enable_gqa: fewer key/value heads are its GQA
+        args["enable_gqa"] = site.shape("query")[1] != site.shape("key")[1]
     window = list(args["window_size"] or (-1, -1))
     args["window_left"], args["window_right"] = window_of(window, bool(args["is_causal"]))
 

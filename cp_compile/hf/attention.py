@@ -163,8 +163,10 @@ def mask(*args, **kwargs):
             "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
             "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
         )
+    # tested against None, not by ``or``: torch 2.11's Dynamo cannot take a function's truth
+    mask_function = kwargs.get("mask_function")
     spec = describe(
-        kwargs.get("mask_function") or causal_mask_function,
+        causal_mask_function if mask_function is None else mask_function,
         config,
         kwargs.get("local_size"),
         bool(kwargs.get("use_vmap", False)),
@@ -503,7 +505,10 @@ def attention(
     else:  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)
         from torch.nn.attention.varlen import varlen_attn
 
+        from ..torch_compat import varlen_takes_gqa
+
         # max_length_q is a kernel hint the CP ops do not need; reading it would guard on its value
         max_len = local * plan.world_size
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size, enable_gqa=gqa)
+        gqa_argument = {"enable_gqa": gqa} if varlen_takes_gqa() else {}  # torch 2.11: GQA by the head counts
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=window_size, **gqa_argument)
     return out.view(batch, local, *out.shape[1:]), None

@@ -309,15 +309,22 @@ WRAPPED_MODULES.update(GATHERED_MODULES)
 
 
 class _Steps:
-    on_every_rank = False
-    # a module runs over the gathered sequence: the attention it calls runs as on one process
-    in_gathered_module = False
+    """What the mixers' steps run over now; an instance's attributes, not a class's, since torch 2.11's Dynamo
+    cannot trace setting a class attribute."""
+
+    def __init__(self):
+        self.on_every_rank = False
+        # a module runs over the gathered sequence: the attention it calls runs as on one process
+        self.in_gathered_module = False
+
+
+_STEPS = _Steps()
 
 
 def _plan_of_shards() -> Optional[ContextParallel]:
     """The active plan while the mixers are given this rank's shard of a sequence: none outside every plan, and
     none while every rank runs the same tokens (``same_tokens_on_every_rank``)."""
-    return None if _Steps.on_every_rank else active_plan()
+    return None if _STEPS.on_every_rank else active_plan()
 
 
 @contextlib.contextmanager
@@ -326,23 +333,23 @@ def over_the_gathered_sequence(gathered: bool = True):
     mixers and the attention it calls run as on one process. ``gathered=False``: while a module inside such a module
     runs over this rank's share of a sequence of its own (``ShardedInside``), the attention it calls runs by the
     schedules again."""
-    before = _Steps.on_every_rank, _Steps.in_gathered_module
-    _Steps.on_every_rank = _Steps.in_gathered_module = gathered
+    before = _STEPS.on_every_rank, _STEPS.in_gathered_module
+    _STEPS.on_every_rank = _STEPS.in_gathered_module = gathered
     try:
         yield
     finally:
-        _Steps.on_every_rank, _Steps.in_gathered_module = before
+        _STEPS.on_every_rank, _STEPS.in_gathered_module = before
 
 
 def in_gathered_module() -> bool:
     """Whether a module runs over the gathered sequence now: the masks its model code builds are one process's."""
-    return _Steps.in_gathered_module
+    return _STEPS.in_gathered_module
 
 
 def attention_as_one_process(module) -> bool:
     """Whether ``module``'s attention call runs as on one process under a plan: called by a module that runs over
     the gathered sequence, or over something other than the sequence."""
-    return _Steps.in_gathered_module or type(module).__name__ in ATTENTION_WITHIN_TOKENS
+    return _STEPS.in_gathered_module or type(module).__name__ in ATTENTION_WITHIN_TOKENS
 
 
 @contextlib.contextmanager
@@ -351,11 +358,11 @@ def same_tokens_on_every_rank(same: bool = True):
     holds the whole conv and recurrent state, so a mixer that runs over several tokens (a prompt of one token, a
     follow-up prompt) runs as one process runs it. ``same=False``: a step among them that runs on the shards (a
     prompt prefilled by ``generate()``'s own first call)."""
-    before, _Steps.on_every_rank = _Steps.on_every_rank, same
+    before, _STEPS.on_every_rank = _STEPS.on_every_rank, same
     try:
         yield
     finally:
-        _Steps.on_every_rank = before
+        _STEPS.on_every_rank = before
 
 
 def _sharding(plan: ContextParallel, cu_seqlens) -> Sharding:

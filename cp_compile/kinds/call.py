@@ -19,12 +19,13 @@ class Settings:
     place that string is made or parsed. Fields at their default are left out of it."""
 
     def encode(self) -> str:
-        # the instance's own attributes and the class's defaults, not ``dataclasses.fields``: Dynamo traces this
-        defaults = type(self)
+        # the class's field table and getattr, not ``dataclasses.fields`` or ``vars(self)``: Dynamo traces this
+        # (and torch 2.11's Dynamo cannot call ``items`` on a frozen dataclass's ``__dict__``)
+        cls = type(self)
         return " ".join(
-            f"{name}={value!r}"
-            for name, value in vars(self).items()
-            if not (hasattr(defaults, name) and getattr(defaults, name) == value)
+            f"{name}={getattr(self, name)!r}"
+            for name in cls.__dataclass_fields__
+            if not (hasattr(cls, name) and getattr(cls, name) == getattr(self, name))
         )
 
     @classmethod

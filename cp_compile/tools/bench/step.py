@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ...torch_compat import all_gather_single, reduce_scatter_single
 from ..breakdown import collectives_issued, wall_time
 from ..generate import add_size_arguments, comma_ints, config_sizes, mark_crossover, pyplot, report
 from ..launch import RankPool
@@ -116,12 +117,12 @@ def _replay(issued: list[tuple[str, list]], grads_numel: int) -> Callable[[], No
     for name, shapes in issued:
         if name == "_c10d_functional::all_gather_into_tensor":  # (input, group size, group name)
             x = torch.zeros(shapes[0])
-            calls.append(partial(dist.all_gather_single, x.new_empty((world_size * x.shape[0], *x.shape[1:])), x))
+            calls.append(partial(all_gather_single, x.new_empty((world_size * x.shape[0], *x.shape[1:])), x))
         elif name == "_c10d_functional::reduce_scatter_tensor":  # (input, op, group size, group name)
             x = torch.zeros(shapes[0])
-            calls.append(partial(dist.reduce_scatter_single, x.new_empty((x.shape[0] // world_size, *x.shape[1:])), x))
+            calls.append(partial(reduce_scatter_single, x.new_empty((x.shape[0] // world_size, *x.shape[1:])), x))
         elif name == "c10d::_allgather_base_":  # the agreement: (output, input, ...)
-            calls.append(partial(dist.all_gather_single, torch.zeros(shapes[0]), torch.zeros(shapes[1])))
+            calls.append(partial(all_gather_single, torch.zeros(shapes[0]), torch.zeros(shapes[1])))
         elif name == "c10d::allreduce_":  # the step's gradient all-reduce; the profile records no shapes for it
             calls.append(partial(dist.all_reduce, torch.zeros(grads_numel)))
         else:
