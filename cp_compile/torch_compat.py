@@ -170,6 +170,7 @@ def inductor_lowers_opaque_objects() -> bool:
     return release() >= (2, 13)
 
 
+@assume_constant_result  # read while Dynamo traces a model: called, not traced
 @functools.cache
 def varlen_takes_gqa() -> bool:
     """Whether torch's ``varlen_attn`` takes ``enable_gqa`` (2.13); 2.11's takes no such argument."""
@@ -184,8 +185,8 @@ def size_hint(size) -> int:
     """A size as an int: a symbolic one as the value it had in the example inputs (its hint)."""
     from torch.fx.experimental import symbolic_shapes
 
-    hint = getattr(symbolic_shapes, "optimization_hint", None)  # 2.13; 2.11 and 2.12: hint_int
-    return int(hint(size) if hint is not None else symbolic_shapes.hint_int(size))
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint  # 2.13; 2.11
+    return int(hint(size))
 
 
 def node_argument(node, name: str):
