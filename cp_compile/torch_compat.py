@@ -170,8 +170,7 @@ def inductor_lowers_opaque_objects() -> bool:
     return release() >= (2, 13)
 
 
-@assume_constant_result  # read while Dynamo traces a model: called, not traced
-@functools.cache
+@assume_constant_result  # read while Dynamo traces a model: called, not traced (an lru_cache it would warn of)
 def varlen_takes_gqa() -> bool:
     """Whether torch's ``varlen_attn`` takes ``enable_gqa`` (2.13); 2.11's takes no such argument."""
     import inspect
