@@ -56,3 +56,14 @@ def test_the_time_cap_reports_what_it_cut_off(tmp_path):
     assert tier["timed_out"] and tier["not_run"] and len(tier["not_run"]) + len(tier["cases"]) > 60
     assert all(c["outcome"] != "failed" for c in tier["cases"])
     assert report["bench"]["rows"] and "stopped at its time cap" in printed
+
+
+def test_outside_a_checkout_it_says_where_it_runs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "cp_compile", "gpu-check", "--dry-run", "--root", str(tmp_path), "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "runs from a checkout" in done.stdout and "tests/test_cuda.py" in done.stdout

@@ -190,6 +190,10 @@ def main(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: no CUDA device is visible; --dry-run runs the same cases on the CPU")
         return 2
+    missing = [f for f in TIER_FILES if not (args.root / f).is_file()]
+    if missing:
+        print(f"gpu-check runs from a checkout of cp_compile: {', '.join(missing)} not under {args.root} (--root)")
+        return 2
     deadline = time.monotonic() + args.minutes * 60
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"dry_run": args.dry_run, "minutes": args.minutes, "meta": environment(device)}
