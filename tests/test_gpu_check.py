@@ -11,20 +11,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def gpu_check(out: Path, *args: str) -> tuple[int, dict, str]:
-    done = subprocess.run(
+def dry_run_of(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "cp_compile", "gpu-check", "--dry-run", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    return done.returncode, json.loads((out / "gpu-check.json").read_text()), done.stdout
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    return gpu_check(tmp_path_factory.mktemp("gpu_check"))
+    out = tmp_path_factory.mktemp("gpu_check")
+    done = dry_run_of(out)
+    return done.returncode, json.loads((out / "gpu-check.json").read_text()), done.stdout
 
 
 def test_dry_run_passes_every_cpu_case_and_skips_the_cuda_ones_with_the_reason(dry_run):
@@ -85,11 +86,5 @@ def test_the_time_cap_reports_what_it_cut_off(tmp_path):
 
 
 def test_outside_a_checkout_it_says_where_it_runs(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "cp_compile", "gpu-check", "--dry-run", "--root", str(tmp_path), "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = dry_run_of(tmp_path, "--root", str(tmp_path))
     assert done.returncode == 2 and "runs from a checkout" in done.stdout and "tests/test_cuda.py" in done.stdout

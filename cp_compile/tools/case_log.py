@@ -32,7 +32,7 @@ def _reason(report) -> str:
 
 def pytest_runtest_logreport(report) -> None:
     # a case ends at its call, or earlier where its setup skipped or failed; a failed teardown is its own line
-    if report.when == "call" or (report.when == "setup" and not report.passed) or report.failed:
+    if report.when == "call" or not report.passed:
         _write(
             {
                 "case": report.nodeid,

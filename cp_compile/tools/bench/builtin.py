@@ -180,24 +180,24 @@ def _torch_meter():
 
     box = _Bytes()
     others = dist.get_world_size() - 1
-    gather_name = "all_gather_single" if hasattr(ft_c, "all_gather_single") else "all_gather_tensor"  # 2.11: the latter
-    saved = ft_c.permute_tensor, getattr(ft_c, gather_name)
+    gather = "all_gather_single" if hasattr(ft_c, "all_gather_single") else "all_gather_tensor"  # 2.11: the latter
+    saved = {name: getattr(ft_c, name) for name in ("permute_tensor", gather)}
 
     def permute_tensor(t, *args, **kwargs):
         box.bytes += t.numel() * t.element_size() if others else 0  # C=1: a copy to itself
-        return saved[0](t, *args, **kwargs)
+        return saved["permute_tensor"](t, *args, **kwargs)
 
     def all_gather(t, *args, **kwargs):
         box.bytes += t.numel() * t.element_size() * others
-        return saved[1](t, *args, **kwargs)
+        return saved[gather](t, *args, **kwargs)
 
-    ft_c.permute_tensor = permute_tensor
-    setattr(ft_c, gather_name, all_gather)
+    for name, metered in (("permute_tensor", permute_tensor), (gather, all_gather)):
+        setattr(ft_c, name, metered)
     try:
         yield box
     finally:
-        ft_c.permute_tensor = saved[0]
-        setattr(ft_c, gather_name, saved[1])
+        for name, original in saved.items():
+            setattr(ft_c, name, original)
 
 
 register_variant(
