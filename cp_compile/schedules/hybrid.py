@@ -63,7 +63,7 @@ def hybrid_backward(dout, dlse, qh, kh, vh, out_h, lse_h, extra: list, call: Cal
     a2a = world_size_of(a2a_group)
 
     def attend_backward(dout_h, dlse_h):  # in the inputs' dtype, as the ring's backward returns them
-        return ring_over_units_backward(dout_h, qh, kh, vh, out_h, lse_h, dlse_h, extra, call, ring_group, a2a)
+        return ring_over_units_backward((dout_h, qh, out_h, lse_h, dlse_h), kh, vh, extra, call, ring_group, a2a)
 
     return exchange_backward(
         dout, dlse, a2a_group, a2a, kind_entry(call.kind).chunk_order(call, a2a), kv_heads, attend_backward

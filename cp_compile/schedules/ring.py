@@ -171,9 +171,11 @@ def ring_over_units(
 
 
 def ring_over_units_backward(
-    dout, q, k, v, out, lse, dlse, extra: list, call: Call, ring_group: str, a2a_size: int
+    q_side: tuple, k, v, extra: list, call: Call, ring_group: str, a2a_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The mirror of ``ring_over_units``: K/V travel again, each block's dK/dV so far riding along."""
+    """The mirror of ``ring_over_units``: K/V travel again, each block's dK/dV so far riding along. ``q_side``: what
+    stays with the queries, ``(dout, q, out, lse, dlse)``."""
+    q = q_side[1]
 
     def attend_backward(step, k_block, v_block, dout, q, out, lse, dlse):
         return torch.ops.cp.attend_backward(
@@ -187,7 +189,7 @@ def ring_over_units_backward(
         attend_backward,
         world_size=world_size_of(ring_group),
         hops=RingHops(ring_group),
-        q_side=(dout, q, out, lse, dlse),
+        q_side=q_side,
         split_heads=kind_entry(call.kind).split_heads,
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -199,7 +201,7 @@ def ring_forward(q, k, v, extra: list, call: Call, world_size: int, enable_gqa: 
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, extra: list, call: Call, world_size: int):
-    return ring_over_units_backward(dout, q, k, v, out, lse, dlse, extra, call, call.group_name, 1)
+    return ring_over_units_backward((dout, q, out, lse, dlse), k, v, extra, call, call.group_name, 1)
 
 
 ring_attention_op = sequence_schedule("ring", ring_forward, ring_backward)
