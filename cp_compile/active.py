@@ -14,13 +14,25 @@ from torch import Tensor
 # a plan is a ``plan.ContextParallel``, which imports this module: named ``Any`` here
 ContextParallel = Any
 
-# (plan, its guard) for each ``with plan:`` entered, innermost last: the one context the API keeps. Integrations
-# called by a framework without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan``.
-_ACTIVE: list = []
 # what integrations keep in force while any plan is active: context-manager factories, entered by the
-# outermost ``with plan:`` (``while_active``)
+# outermost ``with plan:`` (``while_active``); filled when an integration is imported
 _WHILE_ACTIVE: list[Callable[[], AbstractContextManager]] = []
-_ACTIVE_STACK: list[contextlib.ExitStack] = []
+
+
+class _Entered(NamedTuple):
+    """One ``with plan:`` in force. The outermost also holds what the integrations keep in force while any plan is
+    (``kept``) and the per-call records their factories yielded (``records``): what those integrations need between
+    the calls a framework makes inside the block, gone with it."""
+
+    plan: ContextParallel
+    guard: Any
+    kept: Optional[contextlib.ExitStack] = None
+    records: tuple = ()
+
+
+# each ``with plan:`` in force, innermost last: the one context the API keeps. Integrations called by a framework
+# without the plan in their arguments (``cp_compile.hf``) read it through ``active_plan`` and ``record``.
+_ACTIVE: list[_Entered] = []
 
 
 def while_active(factory: Callable[[], AbstractContextManager]) -> Callable[[], AbstractContextManager]:
@@ -39,7 +51,16 @@ def active_plan() -> Optional[ContextParallel]:
     read it to know that the model runs under CP; under ``torch.compile`` it is read
     while tracing, so Dynamo guards on it and entering or leaving a plan recompiles.
     """
-    return _ACTIVE[-1][0] if _ACTIVE else None
+    return _ACTIVE[-1].plan if _ACTIVE else None
+
+
+def record(kind: type) -> Optional[Any]:
+    """The record of type ``kind`` that a ``while_active`` factory yielded for the plans now in force (None outside
+    every plan): where an integration keeps what lives as long as the outermost ``with plan:`` (the model calls in
+    flight). Made afresh for each outermost block."""
+    if not _ACTIVE:
+        return None
+    return next((r for r in _ACTIVE[0].records if isinstance(r, kind)), None)
 
 
 class Made(NamedTuple):
@@ -71,21 +92,23 @@ def made(plan: ContextParallel, t: Tensor, what: str, documents: Optional[list[i
 
 def enter(plan: ContextParallel, guard) -> None:
     """``with plan:`` (``ContextParallel.__enter__``), with the guard it arms (entered here)."""
+    kept, records = None, ()
     if not _ACTIVE:
-        stack = contextlib.ExitStack()
-        for factory in _WHILE_ACTIVE:
-            stack.enter_context(factory())
-        _ACTIVE_STACK.append(stack)
+        kept = contextlib.ExitStack()
+        records = tuple(kept.enter_context(factory()) for factory in _WHILE_ACTIVE)
     guard.__enter__()
-    _ACTIVE.append((plan, guard))
+    _ACTIVE.append(_Entered(plan, guard, kept, records))
 
 
 def leave(plan: ContextParallel, *exc) -> None:
     """The end of ``with plan:``: the innermost entry of ``plan`` leaves."""
     for i in range(len(_ACTIVE) - 1, -1, -1):  # innermost first
-        if _ACTIVE[i][0] is plan:
-            _, guard = _ACTIVE.pop(i)
-            guard.__exit__(*exc)
+        if _ACTIVE[i].plan is plan:
+            entered = _ACTIVE.pop(i)
+            entered.guard.__exit__(*exc)
+            if entered.kept is not None:
+                if _ACTIVE:  # an outer block left before an inner one: the inner keeps what was in force
+                    _ACTIVE[0] = _ACTIVE[0]._replace(kept=entered.kept, records=entered.records)
+                else:
+                    entered.kept.close()
             break
-    if not _ACTIVE and _ACTIVE_STACK:
-        _ACTIVE_STACK.pop().close()

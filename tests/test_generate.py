@@ -578,7 +578,7 @@ def test_decoding_takes_the_model_call_hooks_out_and_puts_them_back_in_place():
     every module); the hooks come back under the same keys, in the same order, so no compiled module recompiles."""
     from torch.nn.modules import module as torch_module
 
-    from cp_compile.hf.forward import model_call_checks, model_calls_unfollowed
+    from cp_compile.hf.checks import model_call_checks, model_calls_unfollowed
 
     with model_call_checks():
         pass

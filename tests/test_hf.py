@@ -281,8 +281,9 @@ def test_what_cp_cannot_do_is_refused_inside_a_plan(fake_plan):
 
 
 def test_a_model_run_on_another_batch_than_its_shard_is_refused(fake_plan):
-    """A packed shard whose attention learnt no documents (neither ``cu_seq_lens_q`` nor ``plan.packed``) ran them
-    as one sequence; positions made for other documents are another batch's: both raise when the model returns."""
+    """A packed shard says its documents: nothing else needs to. Told another batch (``plan.packed``), the attention ran
+    that one, and positions made for other documents are another batch's: both raise when the model returns, naming
+    what said the batch."""
     import cp_compile.hf  # noqa: F401
     from cp_compile import UnsupportedAttention
 
@@ -291,7 +292,9 @@ def test_a_model_run_on_another_batch_than_its_shard_is_refused(fake_plan):
     ids, _, cu, _ = batch(LENGTHS)
     other = batch(OTHER)[2]  # the same slots per rank
     shard = plan.shard(ids, 1, cu_seqlens=cu)
-    with plan, pytest.raises(UnsupportedAttention, match="ran one sequence per row"):
+    with plan:
+        model(shard, position_ids=plan.positions(cu_seqlens=cu)[None], use_cache=False)
+    with plan, plan.packed(other), pytest.raises(UnsupportedAttention, match=r"as `with plan.packed\(cu\)` said"):
         model(shard, position_ids=plan.positions(cu_seqlens=cu)[None], use_cache=False)
     with plan, plan.packed(cu), pytest.raises(UnsupportedAttention, match=r"position_ids were made for the packed"):
         model(shard, position_ids=plan.positions(cu_seqlens=other)[None], use_cache=False)

@@ -242,7 +242,8 @@ def test_mixer_layers_are_refused_by_their_declared_type(ranks, phase):
 
 
 def escaped_convolution() -> str:
-    """Mamba with its convolution function put back unwrapped after the plan wrapped it."""
+    """Mamba with its convolution function put back unwrapped after the plan wrapped it (and after the model's first
+    call under the plan, which wraps what its modeling module holds then)."""
     import importlib
 
     import cp_compile
@@ -252,6 +253,7 @@ def escaped_convolution() -> str:
     model = tiny("mamba", "cp_compile", state_size=8)
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
     with plan:  # wraps the mixers of the families loaded so far
+        model(plan.shard(ids, 1), position_ids=plan.positions(SEQ)[None], use_cache=False)
         wrapped = module.causal_conv1d_fn
         module.causal_conv1d_fn = wrapped.__wrapped__
         try:
@@ -353,10 +355,18 @@ def test_explain_lists_the_ops_a_model_calls_itself(ranks):
 def _generate_reusing_keys() -> list:
     from test_hf_hybrids import generate_reading_the_sequence
 
-    from cp_compile.inference import hf_cache
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.hf.forward import in_flight
+    from cp_compile.tools.bench import model_configs, model_run
 
     results = generate_reading_the_sequence("gemma3n_text", [1, 30])
-    return [*results, len(hf_cache._SHARED_STEPS)]
+    config, cls, _ = model_configs.tiny_config("gemma3n_text")
+    model = model_run._build(cls, config, "cp_compile").eval()
+    ids = torch.randint(model_configs.first_id(config), 100, (1, 30), generator=torch.Generator().manual_seed(30))
+    with cp_compile.ContextParallel(), torch.no_grad():
+        cp_compile.hf.generate(model, ids, max_new_tokens=4, do_sample=False)
+        return [*results, len(in_flight().shared_steps)]  # what the plan's record still holds after it
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -41,7 +41,13 @@ COVERED = [
 
 
 def train_step(
-    family: str, mode: str, lengths, checkpointing: bool = False, scan_route: str = "auto", restart: bool = False
+    family: str,
+    mode: str,
+    lengths,
+    checkpointing: bool = False,
+    scan_route: str = "auto",
+    restart: bool = False,
+    packed_block: bool = True,
 ) -> dict:
     """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
     process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
@@ -84,7 +90,7 @@ def train_step(
     ref_loss = model_run._token_loss(ref_out.logits, labels) / items
     ref_loss.backward()
     forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
-    with plan, contextlib.nullcontext() if cu is None else plan.packed(cu):
+    with plan, contextlib.nullcontext() if cu is None or not packed_block else plan.packed(cu):
         if cu is None:
             local_ids, local_labels, local_positions = plan.shard(ids, 1), plan.shard(labels, 1), plan.positions(seq)
         else:
@@ -424,6 +430,73 @@ def test_packed_documents_restarting_at_c4(ranks):
         _check(results.values(), results)
 
 
+def said_once(family: str) -> list:
+    """A packed row whose documents are said once, by its shard and positions: with TRL's padding-free kwargs and
+    without, against one process; then what cannot read them from the shard, each refused by name: a checkpointed
+    layer recomputed in the backward (no model call in flight), and a compiled model."""
+    results = [
+        train_step(family, "eager", [1, 7, 19, 13], restart=True, packed_block=False),
+        train_step(family, "eager", [1, 7, 19, 13], packed_block=False),
+    ]
+    for mode, checkpointing in (("eager", True), ("aot_eager", False)):
+        try:  # by positions alone (the stand-in kernels of one process do not reach its own recompute)
+            train_step(family, mode, [1, 7, 19, 13], checkpointing, packed_block=False)
+            results.append("no error")
+        except Exception as e:  # compiled: Dynamo's wrapper of the error the model call raised
+            results.append(str(e))
+    return results
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+def test_packed_documents_said_once_by_the_shard(ranks, family):
+    """The mixers read the documents off the model call's shard, whether or not the model hands them cu_seq_lens_q
+    (Kimi Linear hands it to its attention alone). A refusal says what cannot read them there and what works."""
+    for *runs, recomputed, compiled in ranks(2, said_once, family):
+        _check(runs, family)
+        assert "recomputes its forward during backward" in recomputed and "plan.packed(cu)" in recomputed, recomputed
+        assert "ran one sequence per row. Compiled, a shard's documents do not reach the graph" in compiled, compiled
+        assert "with plan.packed(cu)" in compiled, compiled
+
+
+def generate_into_the_users_cache(family: str) -> dict:
+    """A follow-up generation into a ``ShardedCache`` the user made (96 tokens, then 8), against one process."""
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    model.eval(), reference.eval()
+    prompt = torch.randint(model_configs.first_id(config), 100, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=6, do_sample=False)
+    plan = cp_compile.ContextParallel()
+    result = {}
+    with plan, torch.no_grad():
+        cache = cp_compile.hf.ShardedCache(model.config, 96, plan)
+        out = cp_compile.hf.generate(model, prompt, cache=cache, max_new_tokens=6, do_sample=False)
+        result["same"] = torch.equal(out, expected)
+        try:
+            small = cp_compile.hf.ShardedCache(model.config, 8, plan)
+            cp_compile.hf.generate(model, prompt, cache=small, max_new_tokens=6, do_sample=False)
+            result["small"] = "no error"
+        except ValueError as e:
+            result["small"] = str(e)
+    return result
+
+
+@pytest.mark.parametrize("family", ["mamba2", "falcon_h1"])
+def test_generate_into_the_users_cache(ranks, family):
+    """A cache the user passes holds as many tokens as it was made for (a model of states alone: any number);
+    one too small is refused with the max_cache_len it was made with."""
+    for result in ranks(2, generate_into_the_users_cache, family):
+        assert result["same"], result
+        if family == "mamba2":  # its states hold any length
+            assert result["small"] == "no error", result
+        else:
+            assert "made with max_cache_len=8" in result["small"] and "max_cache_len=18" in result["small"], result
+
+
 def documents_the_mask_does_not_see(lengths) -> str:
     """Granite 4 hybrid packed by positions alone: its mask, built without them, reads across the documents on one
     process; every rank raises rather than keep them apart."""
@@ -453,8 +526,9 @@ def test_positions_without_a_break_on_one_rank_train_exactly(ranks):
 
 
 def swapped_scan() -> list[str]:
-    """A scan function replaced after the plan wrapped it runs on this rank's shard alone: the model call raises,
-    and so does generation's sharded prefill (which follows its one model call without the global hooks)."""
+    """A scan function replaced after the plan wrapped it (and after the model's first call, which wraps what its
+    modeling module holds then) runs on this rank's shard alone: the model call raises, and so does generation's
+    sharded prefill (which follows its one model call without the global hooks)."""
     import importlib
 
     import cp_compile
@@ -467,6 +541,7 @@ def swapped_scan() -> list[str]:
         try:
             with plan:  # entering the plan wraps the mixers of the families loaded so far
                 model, inputs = _tiny_inputs("qwen3_5_text", plan)
+                model(**inputs)
                 wrapped = module.torch_chunk_gated_delta_rule
 
                 def own_kernel(*args, cu_seqlens=None, **kwargs):  # a kernel of the user's, blind to the plan

@@ -26,7 +26,9 @@ What the attention runs, on this rank's shard (``[B, H, S_local, D]``):
   packed-document (``varlen``) path with the documents' global
   ``cu_seqlens``, taken from the ``cu_seq_lens_q`` keyword argument (as
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits it,
-  global), else from the enclosing ``with plan.packed(cu)`` (``plan.documents``);
+  global), else from the enclosing ``with plan.packed(cu)`` (``plan.documents``),
+  else, eagerly, from the batch the model call's shard was made for
+  (``plan.shard(x, cu_seqlens=cu)``);
 - a sliding window (Mistral, Qwen2's ``sliding_attention`` layers, PhiMoE)
   shorter than the sequence: the packed path as well, each row being one
   document of the zigzag layout (per-document zigzag of equal rows is exactly
@@ -54,132 +56,34 @@ too, and compiled with ``plan.backend()``).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import sys
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from ..active import active_plan
 from ..comm.agree import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..inference.cached import CachedSettings
-from ..inference.hf_cache import (
-    CACHE_STEP,
-    runs_indexers_under_cp,
-    runs_mixers_under_cp,
-    step_handed_with,
-    step_of_shared_keys,
-)
 from ..kernels.merge import fold_sinks
 from ..layout.packed import Packed
 from ..mixers.indexed import indexed_attention
 from ..plan import ContextParallel
 from ..schedules import softmax_scale
-from .forward import check_outside_plan, count_call, ran_batch
-from .masks import MaskSpec, describe, model_name
-from .mixers import MIXER_LAYER_TYPES, _sharding, attention_as_one_process, in_gathered_module
+from .cache import CACHE_STEP, step_handed_with, step_of_shared_keys
+from .checks import check_outside_plan
+from .forward import attention_as_one_process, count_call, documents_in_force, ran_batch, sharding_of
+from .masks import NAME, MaskSpec, check_layer_types
 
-INDEXED_LAYER_TYPE = "indexed_attention"  # transformers' layer type of sparse attention chosen by an indexer (DSA)
-
-NAME = "cp_compile"
-
-__all__ = ["NAME", "attention", "mask"]
-
-
-# the token mixers cp_compile runs under CP, as transformers' ``config.layer_types`` names them; "moe"
-# and "mlp" layers mix nothing along the sequence
-_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
-
-
-def _other_layer_types(layer_types: tuple[str, ...]) -> list[str]:
-    return sorted({t for t in layer_types if t not in _LAYER_TYPES})
-
-
-# eagerly every attention layer of every forward asks about the same list (Dynamo traces the plain one: it
-# warns on a cached function and ignores the cache)
-_other_layer_types_cached = functools.lru_cache(maxsize=64)(_other_layer_types)
-
-
-def check_layer_types(config) -> None:
-    """Refuses a model whose ``config.layer_types`` declares a sequence mixer that is not attention
-    (linear attention, Mamba, short convolutions, hybrids of those) and that cp_compile does not run under
-    CP for its family (``inference.hf_cache.runs_mixers_under_cp``): it would run on this rank's shard of
-    the sequence as if the shard were the whole sequence."""
-    layer_types = tuple(getattr(config, "layer_types", None) or ())
-    other = (_other_layer_types if torch.compiler.is_compiling() else _other_layer_types_cached)(layer_types)
-    if other and runs_mixers_under_cp(config):  # its convolutions and scans run under CP (mixers.py)
-        other = [t for t in other if t not in MIXER_LAYER_TYPES]
-    if other and runs_indexers_under_cp(config):  # its sparse-attention indexers run under CP (indexed.py)
-        other = [t for t in other if t != INDEXED_LAYER_TYPE]
-    if other:
-        where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)
-        raise UnsupportedAttention(
-            f"{model_name(config)} under context parallelism: its config.layer_types declares {where}, a sequence "
-            "mixer that cp_compile does not parallelise; it would run on this rank's shard of the sequence alone. "
-            f"Supported layer types: {', '.join(_LAYER_TYPES)}. Run this model without a plan."
-        )
-
-
-def mask(*args, **kwargs):
-    """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; inside one a ``MaskSpec``.
-
-    Inside a plan no mask tensor is built: the spec says what the mask function means (causal, a
-    window, a chunk size; ``masks.py``) and travels to the attention function in its place. It
-    refuses what CP cannot honour: a model whose ``config.layer_types`` declares a sequence mixer other
-    than attention, a mask function it does not understand, a KV cache holding earlier tokens that is
-    not a ``ShardedCache`` (whose mask sizes read as no cache) and, eagerly, a 2-D padding mask with
-    padding in it (an all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
-    """
-    plan = active_plan()
-    if plan is None:
-        return sdpa_mask(*args, **kwargs)
-    if in_gathered_module():  # model code over the gathered sequence: the mask of the eager attention it then runs
-        return eager_mask(*args, **kwargs)
-    count_call()
-    config = kwargs.get("config")
-    check_layer_types(config)
-    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
-    if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or q_length != kv_length:
-        raise UnsupportedAttention(
-            f"attn_implementation={NAME!r} under context parallelism: a KV cache with earlier tokens "
-            f"(q_length={q_length}, kv_length={kv_length}) that is not sharded over the ranks; generate with "
-            f"cp_compile.hf.generate(model, input_ids, ...) (or pass cache=cp_compile.hf.ShardedCache(...)), "
-            "or call the model with use_cache=False"
-        )
-    padding = kwargs.get("attention_mask")  # a MaskSpec: prepared by generate for the model's builders (this decides)
-    if (
-        padding is not None
-        and not isinstance(padding, MaskSpec)
-        and not torch.compiler.is_compiling()
-        and not bool(padding.all())
-    ):
-        raise UnsupportedAttention(
-            f"attn_implementation={NAME!r} under context parallelism: a padding attention_mask is not supported; "
-            "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
-            "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
-        )
-    # tested against None, not by ``or``: torch 2.11's Dynamo cannot take a function's truth
-    mask_function = kwargs.get("mask_function")
-    spec = describe(
-        causal_mask_function if mask_function is None else mask_function,
-        config,
-        kwargs.get("local_size"),
-        bool(kwargs.get("use_vmap", False)),
-    )
-    if INDEXED_LAYER_TYPE in (getattr(config, "layer_types", None) or ()) and runs_indexers_under_cp(config):
-        spec = dataclasses.replace(spec, indexed=True)
-    return spec
+__all__ = ["NAME", "attention"]
 
 
 def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpec) -> Optional[Tensor]:
     """Global cu_seqlens of packed documents, or None for one sequence per row: ``cu_seq_lens_q`` (which flash
-    attention keeps apart on one process), else those of ``with plan.packed(cu)`` where the model's mask keeps them
-    apart."""
+    attention keeps apart on one process), else those of ``with plan.packed(cu)`` or of the model call's shard
+    (``forward.documents_in_force``) where the model's mask keeps them apart."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
@@ -194,13 +98,13 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
             )
         ran_batch(cu)
         return cu
-    cu = plan.documents
-    ran_batch(cu)
+    block = plan.documents is not None
+    cu = documents_in_force(plan, None)
     if cu is None:
         return None
     # Compiled, the slot count is left unread: comparing the traced length with a Python int would
     # specialise the graph to this batch's length. The packed kind checks it at run time instead.
-    if not torch.compiler.is_compiling() and query.shape[2] != plan.document_slots:
+    if block and not torch.compiler.is_compiling() and query.shape[2] != plan.document_slots:
         raise ValueError(
             f"the packed documents in force (`with plan.packed(cu)`) give {plan.document_slots} slots per rank, but "
             f"the model got {query.shape[2]} tokens; call the model inside `with plan.packed(cu)` for the batch being "
@@ -344,7 +248,7 @@ def _indexed(
             f"attn_implementation={NAME!r} under context parallelism: sparse attention chosen by an indexer is "
             "supported causal, without a window, chunks or soft-capping"
         )
-    sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+    sharding = sharding_of(plan, kwargs.get("cu_seq_lens_q"))
     out, lse = indexed_attention(query, key, value, indices, sharding, softmax_scale(query, scaling))
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 

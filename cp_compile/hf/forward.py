@@ -1,74 +1,104 @@
-"""Checks on a whole transformers model call: what only the model's own arguments show.
+"""What a model's forward runs under a plan, kept for the length of the call: the record of each model call in
+flight (``ModelCall``: the attention, convolution and scan calls it made, and the packed batches they ran), and what
+the mixers' steps run over now (this rank's shard, or the same tokens on every rank).
 
-From the first plan on (``plan.while_active``; they return at once outside every plan) a global
-module forward pre-hook and forward hook follow the outermost transformers model of
-each eager call (they return at once for every other module, and while Dynamo traces) and check,
-once the model's forward returned and before its output is used:
-
-- that the model reached the attention or mask function of ``"cp_compile"`` at least once (a model
-  with attention code of its own, or none, had every rank process its shard alone);
-- when the input is a plan's shard (``plan.shard``): that ``position_ids`` were given and global
-  (transformers numbers the tokens of the shard from 0 when none are given, and RoPE then sees local
-  positions), that ``labels`` came with ``shift_labels`` (transformers' causal-LM loss shifts labels
-  inside the shard, pairing each shard's last token with the wrong label) and ``shift_labels`` with
-  ``num_items_in_batch`` (else the loss is a mean over this rank's tokens);
-- that every attention, convolution and scan ran the batch the shard and the positions were made for
-  (``plan.shard(x, cu_seqlens=cu)``: those packed documents; else one sequence per row): the documents
-  reach them from ``cu_seq_lens_q`` or from ``with plan.packed(cu)``, and one that got neither ran the
-  documents as one sequence.
-
-Outside every plan, the attention function refuses positions a plan made (``check_outside_plan``):
-the model was fed a plan's shard.
-
-Each check raises the same ``UnsupportedAttention`` on every rank (every rank runs the same model on
-the same kind of input), the global-positions check under ``load_balance="contiguous"`` after one small
-all-reduce of the verdicts (rank 0's own positions are right there). A plan's tensors are recognised by
-``active.made_by``: views of them too, not copies. A model compiled whole is checked from its
-``torch.compile`` wrapper's call; the count of attention calls is not kept for compiled models.
+The records live on ``InFlight``, which ``checks.model_call_checks`` yields for each outermost ``with plan:``
+(``active.record``): nothing of a call outlives the block it ran in. The checks made of them when a model returns are
+``checks.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch._dynamo.eval_frame import OptimizedModule
-from transformers import PreTrainedModel
 
-from ..active import Made, active_plan, made_by
-from ..errors import LocalAttentionError, UnsupportedAttention
-from ..layout import LOAD_BALANCERS
-from ..torch_compat import hooks_taken_out
+from ..active import active_plan, made_by, record
+from ..errors import UnsupportedAttention
+from ..mixers import Sharding
+from ..plan import ContextParallel
+from .families import family_of
+
+_UNSEEN = object()
 
 
 @dataclass
-class _ModelCall:
+class ModelCall:
     """The outermost transformers model of an eager forward inside a plan, and what the forward ran: calls of the
     attention and mask functions, convolutions and scans run under CP, and the packed batches they ran (global
-    cu_seqlens, or None: one sequence per row)."""
+    cu_seqlens, or None: one sequence per row). ``documents``: the batch a plan's shard or positions given to the
+    call were made for (``plan.shard(x, cu_seqlens=cu)``), read off the first module call inside it that is given
+    one; ``_UNSEEN`` until then."""
 
     model: torch.nn.Module
     calls: int = 0
     convs: int = 0
     scans: int = 0
     batches: list = field(default_factory=list)
+    documents: Any = _UNSEEN
+
+    def see(self, args: tuple) -> None:
+        """Reads the batch off a tensor a plan made among ``args``, given to a module inside the call (the embedding's
+        ids, the rotary embedding's positions), until one is seen."""
+        if self.documents is not _UNSEEN:
+            return
+        made = next((m for m in map(made_by, args) if m is not None), None)
+        if made is not None:
+            self.documents = None if made.documents is None else torch.tensor(made.documents, dtype=torch.int32)
+
+    def documents_seen(self) -> Optional[Tensor]:
+        return None if self.documents is _UNSEEN else self.documents
 
 
-_FORWARDS: list[_ModelCall] = []  # the model calls in flight, innermost last
+@dataclass
+class InFlight:
+    """``cp_compile.hf``'s record of the calls made inside the outermost ``with plan:``: the model calls in flight
+    (innermost last), and the decoding steps of the cache layers that share their K/V with later layers (Gemma 3n's
+    "store" layers), by the id of the keys their ``update`` returned: (the keys held weakly, the layer, the step)."""
+
+    model_calls: list = field(default_factory=list)
+    shared_steps: dict = field(default_factory=dict)
+    # whether the latest model call that returned ran the documents its shard was made for: a checkpointed layer
+    # recomputed in the backward after it has no model call to read them from
+    shard_documents_ran: bool = False
+
+
+def in_flight() -> Optional[InFlight]:
+    """The record of the plans now in force, None outside every plan and while Dynamo traces (it holds the model
+    being traced, which the graph must not read)."""
+    return None if torch.compiler.is_compiling() else record(InFlight)
+
+
+def _model_call() -> Optional[ModelCall]:
+    calls = in_flight()
+    return calls.model_calls[-1] if calls is not None and calls.model_calls else None
+
+
+def documents_of_the_call() -> Optional[Tensor]:
+    """The packed documents the model call in flight was given by its shard or positions (eagerly); None: one sequence
+    per row, or not known (compiled, or no model call in flight)."""
+    calls = in_flight()
+    if calls is None:
+        return None
+    if calls.model_calls:
+        return calls.model_calls[-1].documents_seen()
+    if calls.shard_documents_ran and torch._C._current_autograd_node() is not None:
+        raise UnsupportedAttention(
+            "a checkpointed layer recomputes its forward during backward, after a model call that read its packed "
+            "documents from its shard (plan.shard(x, cu_seqlens=cu)): no model call is in flight to say them now. "
+            "Run the forward and the backward inside `with plan.packed(cu):`"
+        )
+    return None
 
 
 def count_call(convs: int = 0, scans: int = 0) -> None:
     """Called by the attention and mask functions of ``"cp_compile"`` under a plan, and by the mixer wrappers
     with the convolutions and scans they run."""
-    # while Dynamo traces, the state below must stay unread: it holds the model being traced
-    if not torch.compiler.is_compiling() and _FORWARDS:
-        forward = _FORWARDS[-1]
+    forward = _model_call()
+    if forward is not None:
         forward.calls += 1
         forward.convs += convs
         forward.scans += scans
@@ -77,287 +107,96 @@ def count_call(convs: int = 0, scans: int = 0) -> None:
 def ran_batch(cu_seqlens: Optional[Tensor]) -> None:
     """Called by the attention and the mixer wrappers with the documents they run (None: one sequence per row),
     checked against the shard's when the model returns."""
-    if not torch.compiler.is_compiling() and _FORWARDS:
-        batches = _FORWARDS[-1].batches
-        if not any(cu_seqlens is seen for seen in batches):
-            batches.append(cu_seqlens)
+    forward = _model_call()
+    if forward is not None and not any(cu_seqlens is seen for seen in forward.batches):
+        forward.batches.append(cu_seqlens)
 
 
-def _transformers_model(module):
-    """The transformers model a call runs: ``module``, or the model a ``torch.compile`` wrapper holds; else None."""
-    model = module._orig_mod if isinstance(module, OptimizedModule) else module
-    return model if isinstance(model, PreTrainedModel) else None
+class _Steps:
+    """What the mixers' steps run over now; an instance's attributes, not a class's, since torch 2.11's Dynamo
+    cannot trace setting a class attribute. Read while Dynamo traces (the graphs of a compiled decoding step differ)."""
+
+    def __init__(self):
+        self.on_every_rank = False
+        # a module runs over the gathered sequence: the attention it calls runs as on one process
+        self.in_gathered_module = False
 
 
-def _has_compiled_part(module) -> bool:
-    """Attention inside a compiled module runs without calling the functions above at run time."""
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
-    )
+_STEPS = _Steps()
 
 
-# what prepares a model for its calls under a plan, before each eager call followed (``hf.gathered`` puts the
-# hooks of its route on the modules that mix tokens in code of their own)
-_PREPARE: list[Callable] = []
-
-
-def prepare_models_with(prepare: Callable) -> None:
-    _PREPARE.append(prepare)
-
-
-def prepare(model) -> None:
-    """Prepares ``model`` for its calls under a plan (hooks on the modules that need them; each preparer runs once
-    per model)."""
-    for preparer in _PREPARE:
-        preparer(model)
-
-
-def start_model_call(module, args: tuple) -> None:
-    """Global forward pre-hook: inside a plan, follows the outermost transformers model of a call."""
-    if torch.compiler.is_compiling() or _FORWARDS or active_plan() is None:
-        return
-    model = _transformers_model(module)
-    if model is not None:
-        _check_layout(model, active_plan())
-        prepare(model)
-        _FORWARDS.append(_ModelCall(module))
-
-
-def _check_layout(model, plan) -> None:
-    """A plan balanced by a BlockMask deals the mask's query blocks to the ranks: its FlexAttention calls alone know
-    that order, and the same plan on every rank refuses alike."""
-    if model.config._attn_implementation == "cp_compile" and plan.load_balance not in LOAD_BALANCERS:
-        raise UnsupportedAttention(
-            f"{type(model).__name__} under a plan balanced by a BlockMask: that layout is for FlexAttention calls "
-            "(cp_compile.flex_attention, flex_attention compiled with plan.backend()); a Hugging Face model's "
-            "attention and token mixers run under load_balance='zigzag' or 'contiguous'"
-        )
-
-
-def end_model_call(module, args: tuple, *kwargs_and_output) -> None:
-    """Global forward hook (with kwargs, always called): the checks of the module docstring, once the forward
-    returned. When the forward raised, torch calls it with ``(args, None)``: nothing more to say then."""
-    if torch.compiler.is_compiling() or not _FORWARDS or _FORWARDS[-1].model is not module:
-        return
-    forward = _FORWARDS.pop()
-    if len(kwargs_and_output) == 2 and kwargs_and_output[1] is not None:
-        _check_call_under_plan(forward, args, kwargs_and_output[0])
-
-
-_HOOKS: list = []  # the two global hooks' handles, once installed
+def plan_of_shards() -> Optional[ContextParallel]:
+    """The active plan while the mixers are given this rank's shard of a sequence: none outside every plan, and
+    none while every rank runs the same tokens (``same_tokens_on_every_rank``)."""
+    return None if _STEPS.on_every_rank else active_plan()
 
 
 @contextlib.contextmanager
-def model_call_checks():
-    """Entered with each outermost plan (``plan.while_active``): the two global module hooks.
-
-    They are installed at the first plan and stay (returning at once outside every plan): Dynamo guards
-    on the set of global hooks, so hooks that came and went with each plan would recompile every
-    compiled model at every step."""
-    if not _HOOKS:
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(start_model_call))
-        _HOOKS.append(
-            torch.nn.modules.module.register_module_forward_hook(end_model_call, with_kwargs=True, always_call=True)
-        )
-        # torch warns at every call of a compiled module while global hooks exist that they fire for its
-        # wrapper too: these two check a compiled model from its wrapper's call on purpose
-        warnings.filterwarnings(
-            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks on modules"
-        )
+def over_the_gathered_sequence(gathered: bool = True):
+    """While a module runs over the gathered sequence (``hf.gathered``), every rank holds the same tokens: the
+    mixers and the attention it calls run as on one process. ``gathered=False``: while a module inside such a module
+    runs over this rank's share of a sequence of its own (``ShardedInside``), the attention it calls runs by the
+    schedules again."""
+    before = _STEPS.on_every_rank, _STEPS.in_gathered_module
+    _STEPS.on_every_rank = _STEPS.in_gathered_module = gathered
     try:
         yield
     finally:
-        _FORWARDS.clear()
+        _STEPS.on_every_rank, _STEPS.in_gathered_module = before
+
+
+def in_gathered_module() -> bool:
+    """Whether a module runs over the gathered sequence now: the masks its model code builds are one process's."""
+    return _STEPS.in_gathered_module
+
+
+def attention_as_one_process(module) -> bool:
+    """Whether ``module``'s attention call runs as on one process under a plan: called by a module that runs over
+    the gathered sequence, or over something other than the sequence."""
+    return _STEPS.in_gathered_module or type(module).__name__ in family_of(module).attention_within_tokens
 
 
 @contextlib.contextmanager
-def model_calls_unfollowed() -> Iterator[None]:
-    """Inside, the two global hooks are out of torch's dicts: module calls take torch's fast path, which a global
-    hook turns off for every module of the process (a few microseconds each, as much as a small layer's work).
-    For a caller that checks its model calls in its own way (decoding in ``cp_compile.hf.generate``)."""
-    with hooks_taken_out(_HOOKS):
+def same_tokens_on_every_rank(same: bool = True):
+    """The steps of ``model.generate`` after a sharded prefill: every rank feeds the model the same tokens and
+    holds the whole conv and recurrent state, so a mixer that runs over several tokens (a prompt of one token, a
+    follow-up prompt) runs as one process runs it. ``same=False``: a step among them that runs on the shards (a
+    prompt prefilled by ``generate()``'s own first call)."""
+    before, _STEPS.on_every_rank = _STEPS.on_every_rank, same
+    try:
         yield
+    finally:
+        _STEPS.on_every_rank = before
 
 
-@contextlib.contextmanager
-def one_model_call_followed(model) -> Iterator[None]:
-    """Inside, the one model call a caller makes on the plan's shard is followed without the global hooks (module
-    calls take torch's fast path): that attention ran through ``"cp_compile"``, and the convolutions and scans under
-    CP, are counted and checked when the block ends, as the hooks check them. The caller passes the call's other
-    arguments itself (global positions, no labels: ``cp_compile.hf.generate``'s sharded prefill)."""
-    forward = _ModelCall(model)
-    prepare(model)
-    with hooks_taken_out(_HOOKS):
-        _FORWARDS.append(forward)
-        try:
-            yield
-        finally:
-            _FORWARDS.remove(forward)
-    _check_attention_reached(model, model, forward.calls)
-    _check_mixers(model, forward)
+def documents_in_force(plan: ContextParallel, given: Optional[Tensor]) -> Optional[Tensor]:
+    """The packed documents a call runs: those it was handed (``cu_seq_lens_q``, a kernel's ``cu_seqlens``), else those
+    of ``with plan.packed(cu)``, else those the model call's shard was made for (``documents_of_the_call``); None: one
+    sequence per row. Noted for the model call's check."""
+    documents = given if given is not None else plan.documents
+    if documents is None:
+        documents = documents_of_the_call()
+    ran_batch(documents)
+    return documents
 
 
-def check_outside_plan(module, position_ids) -> None:
-    """Outside every plan, the attention function of ``"cp_compile"`` refuses positions a plan made: the model
-    was fed a plan's shard and is attending within it."""
-    if made_by(position_ids) is not None:
-        raise UnsupportedAttention(
-            f"{type(module).__name__} was called outside `with plan:` with position_ids that a ContextParallel plan "
-            "made: it would attend within this rank's shard alone. Call the model inside `with plan:`"
-        )
-
-
-def _check_attention_reached(model, module, calls: int) -> None:
-    if calls == 0 and not _has_compiled_part(module):
-        raise UnsupportedAttention(
-            f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
-            "attention interface (its own attention code, or a recurrent model with none), so every rank "
-            "processed only its shard of the sequence; this model cannot run under context parallelism"
-        )
-
-
-def _mixer_layers(model) -> tuple[int, int]:
-    """How many convolution and scan layers ``model``'s config declares."""
-    types = list(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
-    scans = sum(t in ("linear_attention", "hybrid") for t in types)
-    return scans + types.count("conv"), scans
-
-
-def _check_mixers(model, forward: _ModelCall) -> None:
-    """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
-    after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
-    mixing, scanning = _mixer_layers(model)
-    convs, scans = forward.convs, forward.scans
-    if (convs < mixing or scans < scanning) and not _has_compiled_part(forward.model):
-        raise LocalAttentionError(
-            f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
-            f"convolutions and {scans} scans ran under CP in this forward: the others mixed this rank's shard alone "
-            "(a mixer function replaced after the plan wrapped it, or a kernel of the model's own)"
-        )
-
-
-def _inputs(args: tuple, kwargs: dict):
-    inputs = kwargs["input_ids"] if "input_ids" in kwargs else (args[0] if args else None)
-    return inputs if inputs is not None else kwargs.get("inputs_embeds")
-
-
-def _check_call_under_plan(forward: _ModelCall, args: tuple, kwargs: dict) -> None:
-    module, batches = forward.model, forward.batches
-    plan, model = active_plan(), _transformers_model(module)
-    if plan is None:
-        return
-    if model.config._attn_implementation != "cp_compile":
-        _check_other_attention(model, module, plan, args, kwargs)
-        return
-    _check_attention_reached(model, module, forward.calls)
-    shard = made_by(_inputs(args, kwargs))
-    if shard is None or shard.plan is not plan or shard.what != "shard":
-        return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
-    if _has_compiled_part(module):  # not counted: what the graphs read while traced, and read again when run
-        given = kwargs.get("cu_seq_lens_q")
-        batches = [plan.documents if given is None else given] + [plan.documents] * (_mixer_layers(model)[0] > 0)
-    _check_batch(model, shard, kwargs.get("position_ids"), batches)
-    _check_positions(model, plan, shard, kwargs.get("position_ids"))
-    _check_labels(model, kwargs)
-    _check_mixers(model, forward)
-
-
-def _describe(documents: Optional[tuple[int, ...]]) -> str:
-    return "one sequence per row" if documents is None else f"the packed documents cu_seqlens={list(documents)}"
-
-
-def _check_batch(model, shard: Made, positions, batches: list) -> None:
-    """The attention, convolutions and scans ran the batch the shard was made for, and the positions are the
-    same batch's. Every rank made its shard with the same call, and so raises alike."""
-    where = f"{type(model).__name__} under context parallelism"
-    made = made_by(positions)
-    if made is not None and made.what == "positions" and made.documents != shard.documents:
-        raise UnsupportedAttention(
-            f"{where}: its input is a shard of {_describe(shard.documents)}, but its position_ids were made for "
-            f"{_describe(made.documents)}"
-        )
-    for cu in batches:
-        ran = None if cu is None else tuple(cu.tolist())
-        if ran != shard.documents:
-            raise UnsupportedAttention(
-                f"{where}: its input is a shard of {_describe(shard.documents)}, but its attention or token mixers "
-                f"ran {_describe(ran)}. Pass the documents as cu_seq_lens_q= and cu_seq_lens_k= or call the model "
-                "inside `with plan.packed(cu):` (convolutions and scans, which transformers hands no "
-                "cu_seq_lens_q, read the documents from there)"
-            )
-
-
-# transformers' attention implementations whose calls ``plan.backend()`` rewrites (torch's SDPA and FlexAttention)
-_REWRITTEN_WHEN_COMPILED = ("sdpa", "flex_attention")
-
-
-def _check_other_attention(model, module, plan, args: tuple, kwargs: dict) -> None:
-    """A model on another attention implementation, given this plan's shard or positions, attended within
-    this rank's shard: transformers' "eager" attention is matmuls that neither the guard nor the compiler
-    recognises, compiled or not. SDPA and FlexAttention in a compiled model were rewritten (or refused) by
-    ``plan.backend()``, and the guard stops them where they run eagerly."""
-    if model.config._attn_implementation in _REWRITTEN_WHEN_COMPILED and _has_compiled_part(module):
-        return
-    given = (_inputs(args, kwargs), kwargs.get("position_ids"))
-    if any(made is not None and made.plan is plan for made in map(made_by, given)):
-        raise LocalAttentionError(
-            f"{type(model).__name__} ran inside `with plan:` on this plan's shard with "
-            f"attn_implementation={model.config._attn_implementation!r}, which attends within this rank's shard "
-            'alone. Load the model with attn_implementation="cp_compile" (import cp_compile.hf first), or call '
-            'model.set_attn_implementation("cp_compile"), or compile it with plan.backend()'
-        )
-
-
-def _check_positions(model, plan, shard: Made, positions) -> None:
-    where = f"{type(model).__name__} under context parallelism"
-    if positions is None:
-        raise UnsupportedAttention(
-            f"{where}: no position_ids; transformers would number this rank's shard from 0, so RoPE would see "
-            "local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
-            "plan.positions(cu_seqlens=cu)[None])"
-        )
-    made = made_by(positions)
-    if (made is not None and made.plan is plan) or plan.world_size == 1:
-        return
-    local = positions.shape[-1]
-    if plan.layout.starts_on_rank_zero:  # rank 0's own positions are 0..L-1: compare with the layout's
-        expected = plan.layout.positions(local * plan.world_size, plan.rank, plan.world_size, positions.device)
-        wrong = shard.documents is None and not bool((positions == expected).all())
-        verdict = torch.tensor([int(wrong)])
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=plan.group)
-        wrong = bool(verdict.item())
-    else:  # the other layouts' shards never hold 0..L-1 in order at C > 1
-        wrong = bool((positions == torch.arange(local, device=positions.device)).all())
-    if wrong:
-        raise UnsupportedAttention(
-            f"{where}: position_ids number this rank's shard from 0, as if it were the whole sequence, so RoPE "
-            "would see local positions. Pass position_ids=plan.positions(seq_len)[None] (packed documents: "
-            "plan.positions(cu_seqlens=cu)[None])"
-        )
-
-
-def _check_labels(model, kwargs: dict) -> None:
-    where = f"{type(model).__name__} under context parallelism"
-    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-        raise UnsupportedAttention(
-            f"{where}: labels= without shift_labels=; transformers' loss shifts labels inside this rank's shard "
-            "(pairing the shard's last token with the wrong label) and means over its tokens. Shift the labels on "
-            "the global sequence (-100 at each document's end), shard them with plan.shard, and pass them as "
-            "labels= and shift_labels=, with num_items_in_batch= the global count of labels that are not -100"
-        )
-    if kwargs.get("shift_labels") is not None and kwargs.get("num_items_in_batch") is None:
-        raise UnsupportedAttention(
-            f"{where}: shift_labels= without num_items_in_batch=; the loss would be the mean over this rank's "
-            "tokens. Pass num_items_in_batch= the global count of labels that are not -100 (then each rank's loss "
-            "is its share of the global mean: sum them, or all-reduce the gradients)"
-        )
+def sharding_of(plan: ContextParallel, cu_seqlens) -> Sharding:
+    """How a mixer's tokens lie over the ranks (``documents_in_force``)."""
+    documents = documents_in_force(plan, cu_seqlens)
+    return Sharding(plan.group_name, plan.world_size, plan.load_balance, documents)
 
 
 __all__ = [
-    "check_outside_plan",
+    "InFlight",
+    "ModelCall",
+    "attention_as_one_process",
     "count_call",
+    "documents_in_force",
+    "in_flight",
+    "in_gathered_module",
+    "over_the_gathered_sequence",
+    "plan_of_shards",
     "ran_batch",
-    "model_call_checks",
-    "model_calls_unfollowed",
-    "one_model_call_followed",
+    "same_tokens_on_every_rank",
+    "sharding_of",
 ]

@@ -3,14 +3,14 @@
 Some families mix tokens in a module's own forward, with no module-level function to wrap (MiniMax's
 lightning attention: a loop over blocks of the sequence inside ``MiniMaxLightningAttention.forward``; RWKV's
 time mixing; OpenAI GPT's attention, by matmuls of its own). Under a
-plan, each such module (``hf.mixers.GATHERED_MIXERS``, by class) runs over the whole sequence: a forward
+plan, each such module (its family's ``Family.gathered``, by class) runs over the whole sequence: a forward
 pre-hook gathers its sequence-shaped arguments from every rank (``mixers.gathered.gather_sequence``), the
 module runs unchanged, as one process runs it, and a forward hook keeps this rank's rows of its output
 (``rank_rows``). Exact for any code, at C times the module's compute; the gradient of the gathered input is
 reduce-scattered back to the ranks that hold its rows.
 
 The hooks are torch's per-module hooks, put on a model's modules of those classes before its first call followed
-under a plan (``hf.forward``); outside every plan, and in the decoding steps of ``cp_compile.hf.generate`` (the
+under a plan (``hf.checks.prepare``); outside every plan, and in the decoding steps of ``cp_compile.hf.generate`` (the
 same tokens on every rank), they return at once. In generation's sharded prefill the module sees the whole
 prompt, so the state it leaves in the cache is the whole sequence's on every rank.
 """
@@ -18,7 +18,6 @@ prompt, so the state it leaves in the cache is the whole sequence's on every ran
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import weakref
@@ -27,7 +26,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, DynamicIndexedLayer, DynamicLayer
+from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from ..active import active_plan
@@ -35,42 +34,39 @@ from ..comm.agree import every_rank, refuse_together
 from ..comm.groups import resolve_group
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import mixers_over_the_whole_sequence, set_aside
-from ..inference.hf_cache import (
-    HybridLayer,
-    ReplicatedLinearLayer,
-    ShardedCache,
-    ShardedHybridLayer,
-    ShardedIndexedLayer,
-    ShardedLayer,
-)
 from ..layout import layout_named
 from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
-from .forward import count_call, prepare_models_with
-from .masks import MaskSpec
-from .mixers import (
-    GATHERED_MODULES,
-    WRAPPED_FAMILIES,
-    GatheredModule,
-    ShardedInside,
-    _plan_of_shards,
-    _sharding,
+from .cache import ReplicatedLinearLayer, ShardedCache
+from .families import GatheredModule, ShardedInside, family_of, gathered_call
+from .family_caches import WholeKVCache
+from .forward import (
+    count_call,
+    documents_of_the_call,
     in_gathered_module,
     over_the_gathered_sequence,
+    plan_of_shards,
+    sharding_of,
 )
+from .masks import MaskSpec
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
 _PADDING_MASKS = ("attention_mask", "conv_mask")
 _PER_TOKEN_KWARGS = ("seq_idx",)
 
-_HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose gathered modules have their hooks
-_UNDER_PLAN: weakref.WeakSet = weakref.WeakSet()  # the gathered modules whose latest forward ran under a plan
-# id(module) -> (local length, rows before it, sharding, the guard set aside) of its calls running
-_IN_FLIGHT: dict[int, list[tuple[Optional[int], int, object, contextlib.ExitStack]]] = {}
-# id(module) -> (the length of its own sequence, its sharding, the share's context) of a ``ShardedInside``'s calls
-_SHARES: dict[int, list[tuple[int, Sharding, contextlib.ExitStack]]] = {}
+
+class _Calls:
+    """One hooked module's calls in flight, innermost last (what its forward hook needs of its pre-hook), kept on its
+    hooks: each (this rank's rows, or None for a decoding step; the rows before them; the sharding; the context entered
+    for the call). ``ran_under_plan``: whether its latest forward (not a recompute) ran under a plan."""
+
+    def __init__(self, model=None, share: Optional[ShardedInside] = None):
+        self.model = None if model is None else weakref.ref(model)
+        self.share = share
+        self.in_flight: list[tuple] = []
+        self.ran_under_plan = False
 
 
 def _by_name(module, args: tuple, kwargs: dict) -> dict:
@@ -85,14 +81,14 @@ def _by_name(module, args: tuple, kwargs: dict) -> dict:
     return named
 
 
-def _check_recompute(module, plan) -> None:
+def _check_recompute(module, calls: _Calls, plan) -> None:
     """A checkpointed layer recomputes its forward during backward: outside the plan that ran the forward, the
     module would run on this rank's shard alone (eagerly; a compiled graph recomputes what it traced)."""
     if torch.compiler.is_compiling():
         return
     if torch._C._current_autograd_node() is None:
-        (_UNDER_PLAN.add if plan is not None else _UNDER_PLAN.discard)(module)
-    elif plan is None and module in _UNDER_PLAN:
+        calls.ran_under_plan = plan is not None
+    elif plan is None and calls.ran_under_plan:
         raise LocalAttentionError(
             f"{type(module).__name__} recomputes its forward during backward (activation checkpointing) outside "
             "`with plan:`, while its forward ran inside the plan: the recompute would mix this rank's shard of the "
@@ -100,20 +96,20 @@ def _check_recompute(module, plan) -> None:
         )
 
 
-def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
-    plan = _plan_of_shards()
-    _check_recompute(module, plan)
-    model = model_ref()
+def _before(calls: _Calls, module, args: tuple, kwargs: dict):
+    plan = plan_of_shards()
+    _check_recompute(module, calls, plan)
+    model = calls.model()
     if plan is None:
         step = _mask_of_the_step(model, module, args, kwargs)
         if step is not None:  # decoding: the attention it calls runs as on one process, over its whole K/V
             guard = contextlib.ExitStack()
             guard.enter_context(over_the_gathered_sequence())
-            _IN_FLIGHT.setdefault(id(module), []).append((None, 0, None, guard))
+            calls.in_flight.append((None, 0, None, guard))
         return step
     kwargs = _by_name(module, args, kwargs)
-    call = _call_of(module)
-    sharding = _sharding(plan, kwargs.get("cu_seq_lens_q"))
+    call = gathered_call(module)
+    sharding = sharding_of(plan, kwargs.get("cu_seq_lens_q"))
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
     local_len = _first_given(call, kwargs).shape[call.dim] - prefix
     _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, lambda: _real_slots(plan, sharding, local_len))
@@ -132,7 +128,7 @@ def _before(model_ref: weakref.ref, module, args: tuple, kwargs: dict):
     if not torch.compiler.is_compiling():
         guard.enter_context(set_aside())
     guard.enter_context(over_the_gathered_sequence())  # the mixers and attention it calls: as on one process
-    _IN_FLIGHT.setdefault(id(module), []).append((local_len, prefix, sharding, guard))
+    calls.in_flight.append((local_len, prefix, sharding, guard))
     gather = functools.partial(_gathered, sharding=sharding, dim=call.dim, padding_last=padding_last)
     # the sequence arguments given (an optional one the call leaves out stays None)
     kwargs.update(
@@ -296,7 +292,7 @@ def _mask_of_the_step(model, module, args: tuple, kwargs: dict):
     process over its whole K/V (``WholeKVCache``): it is given the mask of the step's n tokens after the ones its
     layer holds, causal, as one process builds it, and what its model built from positions, built for those keys
     (the cache reports mask sizes as if it held nothing, which the mask function asks)."""
-    call = GATHERED_MODULES.get(type(module).__module__, {}).get(type(module).__name__)
+    call = gathered_call(module)
     if call is None or call.mask is None or active_plan() is None:
         return None
     kwargs = _by_name(module, args, kwargs)
@@ -338,10 +334,6 @@ class _OneProcessSizes:
         return self._cache.layers[layer_idx].get_seq_length()
 
 
-def _call_of(module) -> GatheredModule:
-    return GATHERED_MODULES[type(module).__module__][type(module).__name__]
-
-
 def _whole_states_from(module, cache, guard: contextlib.ExitStack) -> None:
     """In a sharded prefill, a cache layer given states by a gathered module takes them as they are: they are the
     whole prompt's (not a shard's tail to gather, as a wrapped convolution's are). Where the layer also has wrapped
@@ -352,24 +344,21 @@ def _whole_states_from(module, cache, guard: contextlib.ExitStack) -> None:
     layer = cache.layers[layer_idx]
     if not isinstance(layer, ReplicatedLinearLayer):
         return
-    if type(module).__module__ not in WRAPPED_FAMILIES:
+    if not family_of(module).wrapped:
         layer.pending_conv = None
         return
     layer.states_whole = True
     guard.callback(setattr, layer, "states_whole", False)
 
 
-def _after(module, args: tuple, kwargs: dict, output):
-    calls = _IN_FLIGHT.get(id(module))
-    if not calls:  # not a gathered call (outside every plan, decoding)
+def _after(calls: _Calls, module, args: tuple, kwargs: dict, output):
+    if not calls.in_flight:  # not a gathered call (outside every plan, decoding)
         return None
-    local_len, prefix, sharding, guard = calls.pop()
+    local_len, prefix, sharding, guard = calls.in_flight.pop()
     guard.close()
-    if not calls:
-        del _IN_FLIGHT[id(module)]
     if output is None or local_len is None:  # the forward raised, or a decoding step's (no rows to keep)
         return None
-    call = _call_of(module)
+    call = gathered_call(module)
 
     def own_rows(whole: Tensor) -> Tensor:
         return _after_the_prefix(whole, call.dim, prefix, lambda rows: rank_rows(rows, call.dim, local_len, sharding))
@@ -385,17 +374,19 @@ def _after(module, args: tuple, kwargs: dict, output):
     return type(output)(*kept) if hasattr(output, "_fields") else type(output)(kept)  # a named tuple (Reformer's)
 
 
-def _share_before(share: ShardedInside, module, args: tuple, kwargs: dict):
+def _share_before(calls: _Calls, module, args: tuple, kwargs: dict):
     """Inside a gathered module, ``module`` runs over this rank's share of its own sequence (``ShardedInside``)."""
     plan = active_plan()
     if plan is None or not in_gathered_module():  # outside every plan, decoding: as one process runs it
         return None
     kwargs = _by_name(module, args, kwargs)
-    if plan.documents is not None or kwargs.get("cu_seq_lens_q") is not None:  # the same on every rank
+    packed = plan.documents is not None or kwargs.get("cu_seq_lens_q") is not None
+    if packed or documents_of_the_call() is not None:  # the same on every rank
         raise UnsupportedAttention(
             f"{type(module).__name__} under context parallelism on packed documents: one process runs it over a "
             "sequence of its own that knows no documents; pass one sequence per row"
         )
+    share = calls.share
     whole = kwargs[share.sequence[0]]
     total, world, layout = whole.shape[1], plan.world_size, layout_named(plan.load_balance)
     local_len = -(-total // layout.num_chunks(world)) * layout.chunks_per_rank(world)  # whole chunks, padded at the end
@@ -407,18 +398,15 @@ def _share_before(share: ShardedInside, module, args: tuple, kwargs: dict):
     kwargs[share.mask] = MaskSpec(True, model=type(module).__name__)
     context = contextlib.ExitStack()
     context.enter_context(over_the_gathered_sequence(gathered=False))
-    _SHARES.setdefault(id(module), []).append((total, sharding, context))
+    calls.in_flight.append((total, sharding, context))
     return (), kwargs
 
 
-def _share_after(module, args: tuple, kwargs: dict, output):
-    calls = _SHARES.get(id(module))
-    if not calls:  # not run over a share
+def _share_after(calls: _Calls, module, args: tuple, kwargs: dict, output):
+    if not calls.in_flight:  # not run over a share
         return None
-    total, sharding, context = calls.pop()
+    total, sharding, context = calls.in_flight.pop()
     context.close()
-    if not calls:
-        del _SHARES[id(module)]
     if output is None:  # the forward raised
         return None
     return gather_sequence(output, 1, sharding).narrow(1, 0, total)
@@ -426,180 +414,22 @@ def _share_after(module, args: tuple, kwargs: dict, output):
 
 def hook_gathered_modules(model) -> None:
     """Puts the gathered route's two hooks on every module of ``model`` whose class mixes tokens in code of its own
-    (``GATHERED_MODULES``), and the share's two on the modules inside them that run over this rank's share of a
-    sequence of their own (``ShardedInside``), once per model."""
-    if model in _HOOKED or torch.compiler.is_compiling():
-        return
+    (``Family.gathered``), and the share's two on the modules inside them that run over this rank's share of a
+    sequence of their own (``ShardedInside``)."""
     for module in model.modules():
-        call = GATHERED_MODULES.get(type(module).__module__, {}).get(type(module).__name__)
+        call = gathered_call(module)
         if call is None:
             continue
-        module.register_forward_pre_hook(functools.partial(_before, weakref.ref(model)), with_kwargs=True)
-        module.register_forward_hook(_after, with_kwargs=True, always_call=True)
+        calls = _Calls(model)
+        module.register_forward_pre_hook(functools.partial(_before, calls), with_kwargs=True)
+        module.register_forward_hook(functools.partial(_after, calls), with_kwargs=True, always_call=True)
         shares = dict(call.sharded_inside)
         for inner in module.modules():
             share = shares.get(type(inner).__name__)
             if share is not None:
-                inner.register_forward_pre_hook(functools.partial(_share_before, share), with_kwargs=True)
-                inner.register_forward_hook(_share_after, with_kwargs=True, always_call=True)
-    _HOOKED.add(model)
+                calls = _Calls(share=share)
+                inner.register_forward_pre_hook(functools.partial(_share_before, calls), with_kwargs=True)
+                inner.register_forward_hook(functools.partial(_share_after, calls), with_kwargs=True, always_call=True)
 
 
-prepare_models_with(hook_gathered_modules)
-
-
-def _minimax_cache_class():
-    from transformers.models.minimax.modeling_minimax import MiniMaxCache
-
-    class ShardedMiniMaxCache(ShardedCache, MiniMaxCache):
-        """MiniMax's model takes a cache of its own class alone, and its lightning attention keeps its state through
-        ``get_linear_cache`` / ``set_linear_cache``: here the state of each linear layer, whole on every rank.
-
-        Its "full_attention" layers attend within ``config.sliding_window`` when one is set: they are kept as
-        windows, and the cache is not compileable, as MiniMax's own is not, so that ``generate()`` lets the model
-        build its (windowed) masks instead of building them from the layer types."""
-
-        is_compileable = False
-
-        def __init__(self, config, max_cache_len: int, plan=None):
-            if getattr(config, "sliding_window", None) is not None:
-                config = copy.copy(config)
-                config.layer_types = ["sliding_attention" if t == "full_attention" else t for t in config.layer_types]
-            super().__init__(config, max_cache_len, plan)
-
-        def get_linear_cache(self, layer_idx: int):
-            layer = self.layers[layer_idx]
-            return layer.recurrent_states[0] if layer.has_previous_state.get(0) else None
-
-        def set_linear_cache(self, layer_idx: int, linear_cache: Tensor) -> None:
-            layer = self.layers[layer_idx]
-            layer.update_recurrent_state(linear_cache, 0)
-            layer.has_previous_state[0] = True
-
-        def __len__(self) -> int:
-            return len(self.layers)
-
-    return ShardedMiniMaxCache
-
-
-class ShardedCacheOfModuleStates(ShardedCache):
-    """For a family whose recurrent layers keep their state on their own modules (RecurrentGemma's recurrent
-    blocks): the cache's linear layers hold nothing. The sharded prefill runs those modules over the whole prompt
-    (the gathered route), so each rank's modules keep the whole prompt's state; the model-call check counts them."""
-
-    @contextlib.contextmanager
-    def sharded_prefill(self, positions: Tensor, tokens: int):
-        with super().sharded_prefill(positions, tokens):
-            for layer in self.layers:
-                if isinstance(layer, ReplicatedLinearLayer):
-                    layer.pending_conv = None
-            yield self
-
-
-class WholeKVLayer(DynamicLayer):
-    """The whole sequence's K/V, the same on every rank: what a module that attends in code of its own reads."""
-
-    is_compileable = False
-
-
-class WholeKVIndexedLayer(DynamicIndexedLayer):
-    """An indexed attention layer's whole K/V and its indexer's keys (Qwen4-exp's, whose attention module runs over
-    the gathered sequence), the same on every rank. The model keeps the positions of every token it has seen on the
-    layer (``indexer_position_ids``, the history its rotary embedding covers); given a shard's in a sharded prefill,
-    the layer keeps the whole prompt's, gathered from every rank."""
-
-    is_compileable = False
-
-    def __init__(self, plan):
-        self.plan, self.prompt_tokens, self._positions = plan, None, None
-        super().__init__()
-
-    @property
-    def indexer_position_ids(self) -> Optional[Tensor]:
-        return self._positions
-
-    @indexer_position_ids.setter
-    def indexer_position_ids(self, positions: Optional[Tensor]) -> None:
-        if positions is not None and self.prompt_tokens is not None:
-            prompt = torch.tensor([0, self.prompt_tokens], device=positions.device)
-            sharding = Sharding(self.plan.group_name, self.plan.world_size, self.plan.load_balance, prompt)
-            positions = gather_sequence(positions, positions.dim() - 1, sharding)
-        self._positions = positions
-
-
-class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
-    """A hybrid layer's whole K/V (``WholeKVLayer``) beside its convolution and recurrent states, whole on every rank
-    (Inkling's attention with short convolutions)."""
-
-    is_compileable = False
-    kv_layer = WholeKVLayer
-
-    def __init__(self, plan, number_of_states: int):
-        WholeKVLayer.__init__(self)
-        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
-
-
-class WholeKVCache(ShardedCache):
-    """For families whose attention is code of their own that reads its K/V and its mask as tensors (XGLM, BLOOM,
-    GPT-NeoX-Japanese): every rank keeps the whole sequence's K/V, as one process does, C times the memory of a
-    sharded cache. The sharded prefill runs those modules over the gathered prompt, so each stores the whole
-    prompt's K/V; decoding runs them as one process does, on every rank, with no collective (the ranks' tokens are
-    compared once, at the end)."""
-
-    is_compileable = False
-    keeps_whole_layers = True  # a layer type of the model's own: its own cache class, whole on every rank
-
-    def __init__(self, config, max_cache_len: int, plan=None):
-        super().__init__(config, max_cache_len, plan)
-        self.layers = [self._whole(layer, self.plan) for layer in self.layers]
-
-    @contextlib.contextmanager
-    def sharded_prefill(self, positions: Tensor, tokens: int):
-        indexed = [layer for layer in self.layers if isinstance(layer, WholeKVIndexedLayer)]
-        for layer in indexed:
-            layer.prompt_tokens = tokens
-        try:
-            with super().sharded_prefill(positions, tokens):
-                yield self
-        finally:
-            for layer in indexed:
-                layer.prompt_tokens = None
-
-    @staticmethod
-    def _whole(layer, plan):
-        if isinstance(layer, ShardedHybridLayer):
-            return WholeKVHybridLayer(plan, layer.number_of_states)
-        if isinstance(layer, ShardedIndexedLayer):
-            return WholeKVIndexedLayer(plan)
-        return WholeKVLayer() if isinstance(layer, ShardedLayer) else layer
-
-
-_CACHE_CLASSES = {
-    "transformers.models.minimax.modeling_minimax": _minimax_cache_class,
-    "transformers.models.recurrent_gemma.modeling_recurrent_gemma": lambda: ShardedCacheOfModuleStates,
-}
-
-
-def _fresh_module_states(model) -> None:
-    """RecurrentGemma's model zeroes its blocks' states only when it is given no cache: a new cache starts them anew
-    here, as its own call would (else a one-token prefill decodes from an earlier call's state)."""
-    embeddings = model.get_input_embeddings().weight
-    model.base_model._setup_cache(model.config, 1, embeddings.device, embeddings.dtype)
-
-
-_FRESH_STATES = {"transformers.models.recurrent_gemma.modeling_recurrent_gemma": _fresh_module_states}
-
-
-def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
-    """A new ``ShardedCache`` for ``model`` (one prompt), of the cache class its family requires where it requires
-    one; a family that keeps states on its modules starts them anew."""
-    family = type(model).__module__
-    if family in _FRESH_STATES:
-        _FRESH_STATES[family](model)
-    if any(call.mask is not None or call.whole_kv for call in GATHERED_MODULES.get(family, {}).values()):
-        return WholeKVCache(model.config, max_cache_len, plan)
-    make = _CACHE_CLASSES.get(family)
-    return (make() if make is not None else ShardedCache)(model.config, max_cache_len, plan)
-
-
-__all__ = ["hook_gathered_modules", "sharded_cache"]
+__all__ = ["hook_gathered_modules", "whole_sequence_mask"]

@@ -28,16 +28,17 @@ from ..active import active_plan
 from ..comm.gather import gather_dim0
 from ..errors import UnsupportedAttention
 from ..guard import LocalAttentionGuard, set_aside
-from ..inference.hf_cache import ShardedCache, drop_handed_step
 from ..kernels.masked import EMPTY_POSITION
 from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel
 from .attention import NAME
-from .forward import model_calls_unfollowed, one_model_call_followed, prepare
-from .gathered import sharded_cache
-from .mixers import GATHERED_MODULES, GENERATED_WHOLE, same_tokens_on_every_rank
+from .cache import ShardedCache, drop_handed_step
+from .checks import model_calls_unfollowed, one_model_call_followed, prepare
+from .families import family_of
+from .family_caches import sharded_cache
+from .forward import same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -346,7 +347,7 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     the generation's ``max_length``) keeps 1/C of the K/V on each rank. Greedy decoding and
     sampling (seed every rank the same) are supported; every new token is compared across the
     ranks, and ranks that differ all raise. A family that builds every step for its whole call
-    (XLNet, Reformer: ``hf.mixers.GENERATED_WHOLE``) generates whole on every rank, C times its
+    (XLNet, Reformer: ``Family.generated_whole``) generates whole on every rank, C times its
     compute, and warns. Beam search, several sequences per prompt, assisted decoding, contrastive
     search, DoLa, ``max_time``, a batch of prompts and padding raise ``UnsupportedAttention``.
     """
@@ -361,7 +362,7 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
             "prompt, the same on every rank"
         )
-    why_whole = GENERATED_WHOLE.get(type(model).__module__)
+    why_whole = family_of(model).generated_whole
     if why_whole is not None:
         if cache is not None:
             raise ValueError(
@@ -375,10 +376,10 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
         cache = sharded_cache(model, longest, plan)
-    elif cache.get_max_length() < longest:
+    elif cache.max_cache_len < longest and not all(cache.is_linear):  # states alone hold any length
         raise ValueError(
-            f"cp_compile.hf.generate: the cache holds {cache.get_max_length()} tokens; this generation "
-            f"needs up to {longest} (prompt and new tokens); make it with max_cache_len={longest}"
+            f"cp_compile.hf.generate: the cache passed was made with max_cache_len={cache.max_cache_len}; this "
+            f"generation needs up to {longest} tokens (prompt and new tokens): make it with max_cache_len={longest}"
         )
     all_linear = all(cache.is_linear)
     if all_linear and generate_kwargs.get("custom_generate") is not None:
@@ -392,7 +393,7 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     one_rank = plan.world_size == 1 and not any(cache.is_linear)
     # a prompt that attends both ways (CPM-Ant) is prefilled whole, by generate()'s own first call, run sharded: each
     # prompt token's K/V depends on the last one, which the prefill below leaves to the first decoding step
-    both_ways = any(not call.causal for call in GATHERED_MODULES.get(type(model).__module__, {}).values())
+    both_ways = any(not call.causal for call in family_of(model).gathered.values())
     prompt_call = _EveryStepSharded(model, plan, cache) if both_ways and not one_rank else None
     if input_ids.shape[1] > 1 and not cache.holds_tokens() and not one_rank and prompt_call is None:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])

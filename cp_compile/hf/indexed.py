@@ -24,33 +24,19 @@ Everything else of the indexer's call reaches it as the attention module made it
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..active import active_plan
-from ..inference.hf_cache import INDEXED_MODULES, ShardedCache
 from ..mixers import Sharding
 from ..mixers.gathered import _real
 from ..mixers.indexed import gather_index_keys, indexer_mask, visible_keys
-from .forward import prepare_models_with
+from .cache import ShardedCache
+from .families import family_of
+from .forward import plan_of_shards, sharding_of
 from .gathered import _by_name
-from .mixers import _plan_of_shards, _sharding
-
-# the indexer module of each family whose indexed attention runs under CP, by class name
-INDEXERS = {
-    "deepseek_v32": "DeepseekV32Indexer",
-    "glm_moe_dsa": "GlmMoeDsaIndexer",
-    "hy_v4": "HYV4Indexer",
-    "axk2": "AXK2Indexer",
-    "dots3_note": "Dots3NoteTextIndexer",
-}
-_INDEXERS = {f"transformers.models.{name}.modeling_{name}": cls for name, cls in INDEXERS.items()}
-INDEXED_MODULES.update(_INDEXERS)
-
-_HOOKED: weakref.WeakSet = weakref.WeakSet()  # the models whose indexers have their hook
 
 
 class EveryRanksIndexKeys:
@@ -75,8 +61,8 @@ def _before(module, args: tuple, kwargs: dict):
     cache = kwargs.get("cache")
     cache = cache if isinstance(cache, ShardedCache) else None
     hidden = kwargs["hidden_states"]
-    if _plan_of_shards() is not None:
-        sharding = _sharding(plan, None)
+    if plan_of_shards() is not None:
+        sharding = sharding_of(plan, None)
         kwargs["cache"] = EveryRanksIndexKeys(sharding, cache)
         kwargs["attention_mask"] = indexer_mask(hidden, _real(hidden.shape[1], sharding), sharding)
     else:
@@ -89,16 +75,10 @@ def _before(module, args: tuple, kwargs: dict):
 
 
 def hook_indexers(model) -> None:
-    """Puts the pre-hook on every indexer module of ``model`` (``INDEXERS``), once per model."""
-    if model in _HOOKED or torch.compiler.is_compiling():
-        return
+    """Puts the pre-hook on every indexer module of ``model`` (``Family.indexer``)."""
     for module in model.modules():
-        if _INDEXERS.get(type(module).__module__) == type(module).__name__:
+        if family_of(module).indexer == type(module).__name__:
             module.register_forward_pre_hook(_before, with_kwargs=True)
-    _HOOKED.add(model)
 
 
-prepare_models_with(hook_indexers)
-
-
-__all__ = ["EveryRanksIndexKeys", "INDEXERS", "hook_indexers"]
+__all__ = ["EveryRanksIndexKeys", "hook_indexers"]

@@ -2,12 +2,12 @@
 
 transformers builds every mask from a *mask function* ``f(batch, head, q_idx, kv_idx) -> bool``
 composed in ``masking_utils`` (causal, a sliding-window overlay, a chunk overlay, padding, packed
-sequences, ``and_masks`` / ``or_masks`` of those) and hands it to the mask interface. Under a plan
-no mask tensor can be built (a rank holds a shard of the queries and none of the other keys), so
-``mask`` (``attention.py``) reads what the function says instead and passes it on to the attention
-function as a ``MaskSpec``: causal or not, a window, a chunk size. The window and the chunk thus
-come from the mask, which is what one process's SDPA obeys, not from attention kwargs that a model
-may leave None (PhiMoE's window, Llama 4's chunks).
+sequences, ``and_masks`` / ``or_masks`` of those) and hands it to the mask interface. Under a plan no mask tensor
+can be built (a rank holds a shard of the queries and none of the other keys), so ``mask`` (the mask function of
+``"cp_compile"``, at the end of this file) reads what the function says instead and passes it on to the attention
+function as a ``MaskSpec``: causal or not, a window, a chunk size. The window and the chunk thus come from the mask,
+which is what one process's SDPA obeys, not from attention kwargs that a model may leave None (PhiMoE's window,
+Llama 4's chunks).
 
 A function made of anything else (a model's own mask function, ``or_masks``, a bidirectional
 window, image blocks) raises ``UnsupportedAttention`` naming it: CP cannot honour a mask it does
@@ -23,6 +23,7 @@ transformers' own mask builders produce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +31,11 @@ from typing import Optional
 import torch
 from transformers import masking_utils as _mu
 
+from ..active import active_plan
 from ..errors import UnsupportedAttention
+from .cache import runs_indexers_under_cp, runs_mixers_under_cp
+from .families import MIXER_LAYER_TYPES
+from .forward import count_call, in_gathered_module
 
 
 @dataclass(frozen=True)
@@ -200,4 +205,94 @@ def describe(mask_function: Callable, config, local_size: Optional[int] = None, 
     return MaskSpec(window=int(local_size), model=model, documents=None)
 
 
-__all__ = ["MaskSpec", "describe", "model_name"]
+INDEXED_LAYER_TYPE = "indexed_attention"  # transformers' layer type of sparse attention chosen by an indexer (DSA)
+
+NAME = "cp_compile"
+
+
+# the token mixers cp_compile runs under CP, as transformers' ``config.layer_types`` names them; "moe"
+# and "mlp" layers mix nothing along the sequence
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "mlp")
+
+
+def _other_layer_types(layer_types: tuple[str, ...]) -> list[str]:
+    return sorted({t for t in layer_types if t not in _LAYER_TYPES})
+
+
+# eagerly every attention layer of every forward asks about the same list (Dynamo traces the plain one: it
+# warns on a cached function and ignores the cache)
+_other_layer_types_cached = functools.lru_cache(maxsize=64)(_other_layer_types)
+
+
+def check_layer_types(config) -> None:
+    """Refuses a model whose ``config.layer_types`` declares a sequence mixer that is not attention
+    (linear attention, Mamba, short convolutions, hybrids of those) and that cp_compile does not run under
+    CP for its family (``Family.mixes_outside_attention``): it would run on this rank's shard of
+    the sequence as if the shard were the whole sequence."""
+    layer_types = tuple(getattr(config, "layer_types", None) or ())
+    other = (_other_layer_types if torch.compiler.is_compiling() else _other_layer_types_cached)(layer_types)
+    if other and runs_mixers_under_cp(config):  # its convolutions and scans run under CP (mixers.py)
+        other = [t for t in other if t not in MIXER_LAYER_TYPES]
+    if other and runs_indexers_under_cp(config):  # its sparse-attention indexers run under CP (indexed.py)
+        other = [t for t in other if t != INDEXED_LAYER_TYPE]
+    if other:
+        where = ", ".join(f"{t!r} (layer {list(layer_types).index(t)})" for t in other)
+        raise UnsupportedAttention(
+            f"{model_name(config)} under context parallelism: its config.layer_types declares {where}, a sequence "
+            "mixer that cp_compile does not parallelise; it would run on this rank's shard of the sequence alone. "
+            f"Supported layer types: {', '.join(_LAYER_TYPES)}. Run this model without a plan."
+        )
+
+
+def mask(*args, **kwargs):
+    """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; inside one a ``MaskSpec``.
+
+    Inside a plan no mask tensor is built: the spec says what the mask function means (causal, a
+    window, a chunk size; ``masks.py``) and travels to the attention function in its place. It
+    refuses what CP cannot honour: a model whose ``config.layer_types`` declares a sequence mixer other
+    than attention, a mask function it does not understand, a KV cache holding earlier tokens that is
+    not a ``ShardedCache`` (whose mask sizes read as no cache) and, eagerly, a 2-D padding mask with
+    padding in it (an all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
+    """
+    plan = active_plan()
+    if plan is None:
+        return _mu.sdpa_mask(*args, **kwargs)
+    if in_gathered_module():  # model code over the gathered sequence: the mask of the eager attention it then runs
+        return _mu.eager_mask(*args, **kwargs)
+    count_call()
+    config = kwargs.get("config")
+    check_layer_types(config)
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or q_length != kv_length:
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r} under context parallelism: a KV cache with earlier tokens "
+            f"(q_length={q_length}, kv_length={kv_length}) that is not sharded over the ranks; generate with "
+            f"cp_compile.hf.generate(model, input_ids, ...) (or pass cache=cp_compile.hf.ShardedCache(...)), "
+            "or call the model with use_cache=False"
+        )
+    padding = kwargs.get("attention_mask")  # a MaskSpec: prepared by generate for the model's builders (this decides)
+    if (
+        padding is not None
+        and not isinstance(padding, MaskSpec)
+        and not torch.compiler.is_compiling()
+        and not bool(padding.all())
+    ):
+        raise UnsupportedAttention(
+            f"attn_implementation={NAME!r} under context parallelism: a padding attention_mask is not supported; "
+            "pack the documents into one row instead (plan.shard(x, 1, cu_seqlens=cu), "
+            "position_ids=plan.positions(cu_seqlens=cu)[None]) and keep padding out of the loss (labels -100)"
+        )
+    # tested against None, not by ``or``: torch 2.11's Dynamo cannot take a function's truth
+    mask_function = kwargs.get("mask_function")
+    spec = describe(
+        _mu.causal_mask_function if mask_function is None else mask_function,
+        config,
+        kwargs.get("local_size"),
+        bool(kwargs.get("use_vmap", False)),
+    )
+    if INDEXED_LAYER_TYPE in (getattr(config, "layer_types", None) or ()) and runs_indexers_under_cp(config):
+        spec = dataclasses.replace(spec, indexed=True)
+    return spec
+
+
+__all__ = ["NAME", "MaskSpec", "check_layer_types", "describe", "mask", "model_name"]

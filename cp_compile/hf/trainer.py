@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
-from .mixers import mixes_outside_attention
+from .families import family_of
 
 # The batch entries the mixin shards along the sequence; others of the same shape are refused, since
 # the mixin cannot know whether they are per token.
@@ -173,7 +173,7 @@ class ContextParallelMixin:
                 )
             self._compile_backend = trainer_args.torch_compile_backend or "inductor"
             model = kwargs.get("model", args[0] if args else None)
-            if trainer_args.gradient_checkpointing and model is not None and mixes_outside_attention(model):
+            if trainer_args.gradient_checkpointing and model is not None and family_of(model).mixes_outside_attention:
                 # each mixer checks that every rank passed alike shapes (an op with a side effect), which torch's
                 # activation checkpointing refuses inside a compiled checkpointed layer
                 raise ValueError(
@@ -255,7 +255,7 @@ class ContextParallelMixin:
             )
         local = shard_batch(self.plan, inputs)
         # also in the model's own arguments: trainers that compute the loss from the model's outputs (TRL's
-        # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.forward)
+        # fused LM head) do not pass it on, and a shard's labels without it are refused (cp_compile.hf.checks)
         local["num_items_in_batch"] = num_items_in_batch
         counted = getattr(self, "_total_train_tokens", None) if model.training else None
         with self._under_plan(inputs):

@@ -2,6 +2,6 @@
 
 ``cache`` places and stores each layer's sharded K/V (``CacheShard``) and agrees the
 ranks' steps (``Agreement``); ``cached`` is the decode schedule (``cp::cached_attention``:
-queries every rank holds against the sharded cache); ``hf_cache`` is the same cache as a
-transformers ``Cache`` (it imports transformers, so it is not imported here).
+queries every rank holds against the sharded cache); ``cp_compile.hf.cache`` is the same cache as a
+transformers ``Cache``.
 """

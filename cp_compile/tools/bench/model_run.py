@@ -269,7 +269,7 @@ def _destroy(group) -> None:
 def _family(name: str, groups) -> dict:
     import torch.distributed as dist
 
-    from ...hf.mixers import route_of
+    from ...hf.families import family_of
 
     row: dict[str, Any] = {"family": name}
     try:
@@ -299,7 +299,7 @@ def _family(name: str, groups) -> dict:
         return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
     row.update(
         parameters=sum(p.numel() for p in model.parameters()),
-        route=route_of(model),
+        route=family_of(model).route,
         takes_position_ids="position_ids" in inspect.signature(type(model).forward).parameters,
     )
     for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):

@@ -1,7 +1,7 @@
 """``ShardedCache``: a transformers ``Cache`` whose layers keep this rank's share of the K/V.
 
 Passed the documented way (``model.generate(..., cache=ShardedCache(...))``,
-or made by ``cp_compile.hf.generate``). Each layer is a ``inference.cache.CacheShard``.
+or made by ``cp_compile.hf.generate``). Each attention layer is an ``inference.cache.CacheShard``.
 ``update`` stores the new K/V and hands the attention function (``"cp_compile"``)
 what it needs through the attention kwargs that transformers passes to both:
 the layer, and the positions of the tokens just stored.
@@ -37,11 +37,13 @@ from transformers.cache_utils import (
 
 from ..active import active_plan
 from ..errors import LocalAttentionError, UnsupportedAttention
+from ..inference.cache import Agreement, CacheShard
 from ..kernels.masked import EMPTY_POSITION
 from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel
-from .cache import Agreement, CacheShard
+from .families import family_of
+from .forward import in_flight
 
 # Key of the attention kwargs under which ``update`` leaves (layer, its ``cache.Step``, or None in a sharded prefill).
 CACHE_STEP = "cp_compile_cache_step"
@@ -71,24 +73,25 @@ def step_handed_with(key: Tensor) -> Optional[tuple]:
     return step if keys is key else None
 
 
-# Layers that share their keys and values with later layers (Gemma 3n: a "store" layer's K/V, as its ``update``
-# returned them, are what its "reuse" layers attend to, and those keep no cache): the latest step of each, by the id of
-# the keys it returned, (the keys held weakly, the layer, the step), for the attention calls that are handed them.
-_SHARED_STEPS: dict[int, tuple] = {}
-
-
 def share_step(layer, keys: Tensor, step) -> None:
+    """Layers that share their keys and values with later layers (Gemma 3n: a "store" layer's K/V, as its ``update``
+    returned them, are what its "reuse" layers attend to, and those keep no cache): the latest step of each, kept on
+    the record of the calls in flight (``forward.InFlight``) for the attention calls that are handed those keys."""
+    calls = in_flight()
+    if calls is None:
+        return
     previous = getattr(layer, "shared_keys_id", None)
     if previous is not None:
-        _SHARED_STEPS.pop(previous, None)
+        calls.shared_steps.pop(previous, None)
     layer.shared_keys_id = id(keys)
-    _SHARED_STEPS[id(keys)] = (weakref.ref(keys), layer, step)
+    calls.shared_steps[id(keys)] = (weakref.ref(keys), layer, step)
 
 
 def step_of_shared_keys(key: Tensor) -> Optional[tuple]:
     """(layer, step) of the layer whose latest ``update`` returned ``key`` while decoding, when that layer shares its
     keys with later layers; else None."""
-    shared = _SHARED_STEPS.get(id(key))
+    calls = in_flight()
+    shared = None if calls is None else calls.shared_steps.get(id(key))
     if shared is None or shared[0]() is not key:
         return None
     return shared[1], shared[2]
@@ -98,7 +101,9 @@ def drop_handed_step() -> None:
     """Forget a step handed over and never taken (its attention was not ``"cp_compile"``'s, or the call failed), and
     the shared steps of the forward just run (they hold their cache's layers)."""
     _HANDED[0] = None
-    _SHARED_STEPS.clear()
+    calls = in_flight()
+    if calls is not None:
+        calls.shared_steps.clear()
 
 
 def _unsupported(what: str):
@@ -120,8 +125,8 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
         self.pending_prefill: Optional[tuple[Tensor, int]] = None  # (slot positions, prompt tokens)
         self.unattended = False  # eagerly: handed a step that no "cp_compile" attention has read yet
         self.shares_keys = False  # later layers attend to what this layer's update returns (Gemma 3n's "store")
-        # a window that one process applies while decoding alone (``WINDOW_AT_DECODING_ONLY``): the layer keeps every
-        # token, and the prompt's last token, which one process runs in its prefill, attends to every one
+        # a window that one process applies while decoding alone (``Family.window_at_decoding_only``): the layer keeps
+        # every token, and the prompt's last token, which one process runs in its prefill, attends to every one
         self.decoding_window: Optional[int] = None
         self.prompt_tail = False
 
@@ -182,27 +187,14 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
     batch_select_indices = _unsupported("selecting batch rows")
 
 
-# the modeling modules whose token mixers ``cp_compile.hf`` runs under CP (``hf.mixers``: functions wrapped, or
-# modules run over the gathered sequence), by name
-WRAPPED_MODULES: set[str] = set()
-
-
-# the modeling modules whose sparse-attention indexers (DSA) ``cp_compile.hf`` runs under CP (``hf.indexed``), by name
-INDEXED_MODULES: set[str] = set()
-
-
-def _modeling_module(config) -> str:
-    return type(config).__module__.replace(".configuration_", ".modeling_")
-
-
 def runs_mixers_under_cp(config) -> bool:
-    """Whether the modeling module of ``config``'s model has its token mixers wrapped by ``cp_compile.hf``."""
-    return _modeling_module(config) in WRAPPED_MODULES
+    """Whether ``cp_compile.hf`` runs the token mixers of ``config``'s model under CP (its family's record)."""
+    return family_of(config).mixes_outside_attention
 
 
 def runs_indexers_under_cp(config) -> bool:
     """Whether ``config``'s model has its sparse-attention indexers run under CP by ``cp_compile.hf``."""
-    return _modeling_module(config) in INDEXED_MODULES
+    return family_of(config).indexer is not None
 
 
 def _pending(layer) -> bool:
@@ -306,9 +298,6 @@ class ShardedIndexedLayer(ShardedLayer):
         self.index_keys = None
 
 
-# families whose attention masks have no window while their config's cache layers slide (Moshi): one process attends
-# to every token in its prefill, and decodes within the window its cache layer keeps
-WINDOW_AT_DECODING_ONLY = ("moshi",)
 _LINEAR = ("linear_attention", "conv")
 _HYBRID = ("hybrid", "hybrid_sliding")  # attention (full, or within a window) beside a linear mixer
 _ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
@@ -321,8 +310,8 @@ class ShardedCache(Cache):
     preallocates about ``max_cache_len / C`` slots per layer. ``plan`` defaults to the active plan.
     """
 
-    # a subclass whose layers are every rank's whole (``hf.gathered.WholeKVCache``) takes the model's own cache class
-    # for a layer type of its own
+    # a subclass whose layers are every rank's whole (``hf.family_caches.WholeKVCache``) takes the model's own cache
+    # class for a layer type of its own
     keeps_whole_layers = False
 
     def __init__(self, config, max_cache_len: int, plan: Optional[ContextParallel] = None):
@@ -366,7 +355,7 @@ class ShardedCache(Cache):
             # a chunked layer keeps every token: which keys its queries see is decided at attention time
             window = extra.get("sliding_window") if layer_type in ("sliding_attention", "hybrid_sliding") else None
             decoding_window = None
-            if window is not None and getattr(text, "model_type", None) in WINDOW_AT_DECODING_ONLY:
+            if window is not None and family_of(config).window_at_decoding_only:
                 window, decoding_window = None, window
             layers.append(
                 ShardedHybridLayer(plan, max_cache_len, window, states)
@@ -380,7 +369,8 @@ class ShardedCache(Cache):
         for index, layer in enumerate(layers):
             layer.agreement, layer.index = self.agreement, index
         Cache.__init__(self, layers=layers)  # not the next class in a subclass's order (a family's own cache class)
-        self.plan = plan
+        # what it was made for: its layers report none where the first is a layer of states (Mamba2, Falcon-H1)
+        self.plan, self.max_cache_len = plan, max_cache_len
 
     def reset(self) -> None:
         super().reset()

@@ -1,0 +1,415 @@
+"""One record per transformers family that needs more than attention under a plan: what mixes its tokens, by
+which route, how it generates, and why.
+
+Every other part of ``cp_compile.hf`` reads a family from here (``family_of``): the mixer wrappers (``mixers.py``),
+the gathered route's hooks (``gathered.py``), the indexers' hook (``indexed.py``), the caches (``cache.py``,
+``family_caches.py``), generation (``generate.py``), the trainer and the models table (``Family.route``). A family
+not listed runs its attention through ``"cp_compile"`` and nothing else. Adding a family is one record here.
+
+Families named by ``model_type``, whose modeling module is ``transformers.models.<name>.modeling_<name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
+# the gathered sequence)
+MIXER_LAYER_TYPES = (
+    "linear_attention",
+    "conv",
+    "hybrid",
+    "hybrid_sliding",
+    "indexed_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+
+
+class ShardedInside(NamedTuple):
+    """A module inside a gathered one that runs over this rank's share of a sequence of its own, by the attention
+    schedules: BLT's global transformer over the patches its model cuts the gathered bytes into. Its ``sequence``
+    arguments (that sequence whole, the same on every rank) are cut to this rank's rows in the plan's layout, padded
+    at the end to the layout's multiple (the module is causal: no row sees the padding after it), its ``positions``
+    argument is given those rows' places and its ``mask`` the causal spec; its output is gathered back whole."""
+
+    sequence: tuple[str, ...]
+    positions: str
+    mask: str
+
+
+class GatheredModule(NamedTuple):
+    """How a module with mixing code of its own is called: its arguments that hold one row per token (gathered; a
+    tuple of such tensors, as RoPE's (cos, sin), each), those it takes but does not read (passed as None), and the
+    places of its outputs that hold one row per token (this rank's rows kept); every one of those tensors has the
+    tokens along dim ``dim`` (1, or 0 for a time-major model: XLNet). ``mask``: the argument holding the attention
+    mask, which the module reads as a tensor (adds to its scores): given the mask one process builds for the whole
+    sequence, additive (0 where a key is visible, the dtype's minimum elsewhere, ``[B, 1, T, T]``)."""
+
+    sequence: tuple[str, ...]
+    unread: tuple[str, ...] = ()
+    outputs: tuple[int, ...] = (0,)
+    mask: Optional[str] = None
+    # arguments the model built from the shard's own positions (BLOOM's ALiBi bias), built again for the gathered
+    # sequence (and for a decoding step's keys) by the family's builder: (name, f(module, model, hidden, keys))
+    rebuilt: tuple[tuple[str, Callable], ...] = ()
+    dim: int = 1
+    # the config's field that says how many rows the model puts before every call's tokens (CPM-Ant's prompt): the
+    # same on every rank, not gathered; the module sees them once, before the whole sequence
+    prefix: Optional[str] = None
+    # whether a row sees only the rows before it: False for CPM-Ant, whose every row sees the whole call
+    causal: bool = True
+    # whether it attends over K/V it stores in the cache itself (every rank keeps them whole); so does every module
+    # given a mask
+    whole_kv: bool = False
+    # masks the model built per pair of the shard's tokens, 1 where a key is hidden: under a plan they must hide
+    # none (no padding, no causal or permutation order), and the module is given None (the same scores exactly)
+    hiding_nothing: tuple[str, ...] = ()
+    # arguments a plan cannot give the module, with what the user passed to get them: refused by name when not None
+    refused: tuple[tuple[str, str], ...] = ()
+    # modules inside it, by class name, that run over this rank's share of a sequence of their own (``ShardedInside``)
+    sharded_inside: tuple[tuple[str, ShardedInside], ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    """What ``cp_compile.hf`` does for one family under a plan, besides its attention through ``"cp_compile"``."""
+
+    name: str
+    # its modeling module's mixer functions (convolutions, scans) are wrapped and run under CP (``hf.mixers``)
+    wrapped: bool = False
+    # modules that mix tokens in code of their own, run over the gathered sequence (``hf.gathered``), by class name
+    gathered: Mapping[str, GatheredModule] = field(default_factory=dict)
+    why_gathered: str = ""  # what in those modules keeps them off the finer routes
+    # the sparse-attention indexer's class (DSA), run under CP with every rank's index keys (``hf.indexed``)
+    indexer: Optional[str] = None
+    # the cache class its model requires (``hf.family_caches``), by name; None: ``ShardedCache`` (or ``WholeKVCache``
+    # where a gathered module reads its mask or keeps its K/V whole)
+    cache: Optional[str] = None
+    # a model that keeps its recurrent states on its modules and zeroes them only when given no cache: started anew
+    # for each new cache, as its own call would (``f(model)``)
+    fresh_states: Optional[Callable] = None
+    # why every rank generates whole, as one process does (C times its compute); None: the sharded prefill
+    generated_whole: Optional[str] = None
+    # its attention masks have no window while its cache layers slide (Moshi): one process attends to every token in
+    # its prefill, and decodes within the window its cache keeps
+    window_at_decoding_only: bool = False
+    # modules that call the attention function over something other than the sequence (Inkling 2's attention of each
+    # token over its own residual blocks): they run on each rank's tokens as on one process
+    attention_within_tokens: frozenset[str] = frozenset()
+
+    @property
+    def module(self) -> str:
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+    @property
+    def mixes_outside_attention(self) -> bool:
+        return self.wrapped or bool(self.gathered)
+
+    @property
+    def keeps_whole_kv(self) -> bool:
+        """Whether a gathered module attends over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
+        return any(call.mask is not None or call.whole_kv for call in self.gathered.values())
+
+    @property
+    def route(self) -> str:
+        """How its tokens mix under a plan, for the models table."""
+        if self.gathered:
+            route = f"attention schedules; {', '.join(self.gathered)} over the gathered sequence (C times its compute)"
+            route += "".join(
+                f", its {name} over this rank's share by the schedules"
+                for call in self.gathered.values()
+                for name, _ in call.sharded_inside
+            )
+            if self.generated_whole is not None:
+                route += "; generation: the whole model on every rank (C times its compute)"
+            return route
+        if self.wrapped:
+            return "attention schedules; convolution halo; scans by all-to-all or state passing"
+        if self.indexer is not None:
+            return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
+        return "attention schedules"
+
+
+def _bloom_alibi(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """BLOOM's ALiBi bias over ``keys`` tokens, as its model builds it for a sequence without padding (``hidden``:
+    the module's hidden states, for the batch, dtype and device)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    ones = torch.ones(hidden.shape[0], keys, dtype=torch.long, device=hidden.device)
+    return build_alibi_tensor(ones, module.num_heads, hidden.dtype)
+
+
+def _inkling2_distance(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """Inkling 2's distance from each of ``hidden``'s queries, the last of ``keys`` tokens, to each key."""
+    places = torch.arange(keys, device=hidden.device)
+    return places[keys - hidden.shape[1] :, None] - places[None, :]
+
+
+def _xlnet_relative_positions(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """XLNet's sinusoids of every relative position among ``keys`` tokens, as its model builds them for a call of
+    that length (``hidden``: time-major, for the batch and device), its dropout after."""
+    positions = model.base_model.relative_positional_encoding(keys, keys, hidden.shape[1], hidden.device)
+    return F.dropout(positions, model.config.dropout, module.training)
+
+
+def _cpmant_position_bias(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """CPM-Ant's bias over ``keys`` rows (its prompt, then tokens none of which is 0: the padding-free call its mask
+    lets through), from its model's own position embedding module: segment 0 for the prompt, 2 for the tokens."""
+    prompt = model.config.prompt_length
+    places = torch.arange(keys, dtype=torch.int32, device=hidden.device).repeat(hidden.shape[0], 1)
+    segments = torch.full_like(places, 2)
+    segments[:, :prompt] = 0
+    return model.base_model.position_bias(places, places, segments, segments)
+
+
+def _cpmant_everything_visible(module, model, hidden: Tensor, keys: int) -> Tensor:
+    """CPM-Ant's mask of a call without padding: every row sees every row (its attention is bidirectional)."""
+    return torch.ones(hidden.shape[0], keys, keys, dtype=torch.bool, device=hidden.device)
+
+
+def _fresh_module_states(model) -> None:
+    """RecurrentGemma's model zeroes its blocks' states only when it is given no cache."""
+    embeddings = model.get_input_embeddings().weight
+    model.base_model._setup_cache(model.config, 1, embeddings.device, embeddings.dtype)
+
+
+def _inkling2(name: str, prefix: str) -> Family:
+    # the key and value projections' inputs are the layer's own (full attention) or the queries' (sliding: None);
+    # position_ids set the queries' log scaling
+    call = GatheredModule(
+        ("hidden_states", "key_hidden_states", "value_hidden_states", "position_ids"),
+        mask="attention_mask",
+        rebuilt=(("relative_distance", _inkling2_distance),),
+    )
+    within = ("BlockAttentionResidual",) + (("MessageAttentionResidual",) if prefix == "Inkling2Loop" else ())
+    return Family(
+        name,
+        wrapped=True,
+        gathered={f"{prefix}SlidingAttention": call, f"{prefix}FullAttention": call},
+        why_gathered="attention with a relative-position bias and log scaling from positions counted within its call",
+        attention_within_tokens=frozenset(prefix + cls for cls in within),
+    )
+
+
+_WRAPPED = (
+    "bailing_hybrid",
+    "bamba",
+    "falcon_h1",
+    "falcon_mamba",
+    "granitemoehybrid",
+    "jamba",
+    "kimi_linear",
+    "lara_mini",
+    "lfm2",
+    "lfm2_moe",
+    "lfm3",
+    "mamba",
+    "mamba2",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "zamba",
+    "zamba2",
+)
+
+_RECORDS = (
+    *(Family(name, wrapped=True) for name in _WRAPPED),
+    Family(
+        "inkling",
+        wrapped=True,
+        gathered={"InklingAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+        why_gathered="attention with a relative-position bias and log scaling from positions counted within its call "
+        "(its short convolutions by the halo)",
+    ),
+    _inkling2("inkling2", "Inkling2"),
+    _inkling2("inkling2_loop", "Inkling2Loop"),
+    Family(
+        "qwen4_exp",
+        wrapped=True,
+        gathered={
+            "Qwen4ExpTextAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask"),
+            "Qwen4ExpTextPLELayer": GatheredModule(("hidden_states", "input_ids")),
+        },
+        why_gathered="its attention reads the mask tensor in a sparse indexer of its own (blocks of pooled keys, a "
+        "loop per query), and its n-gram embedding layers read earlier tokens' ids (segments by EOS) and a dilated "
+        "convolution of its own",
+    ),
+    Family(
+        "minimax",
+        gathered={"MiniMaxLightningAttention": GatheredModule(("hidden_states",), ("position_embeddings",))},
+        why_gathered="lightning attention: a loop over blocks of the sequence inside the module's forward",
+        cache="ShardedMiniMaxCache",
+    ),
+    Family(
+        "recurrent_gemma",
+        # its RG-LRU restarts where position_ids are 0: they are gathered with the tokens
+        gathered={"RecurrentGemmaRecurrentBlock": GatheredModule(("input_states", "position_ids"))},
+        why_gathered="the RG-LRU recurrence and its convolution in the block's own code, states kept on the module",
+        cache="ShardedCacheOfModuleStates",
+        fresh_states=_fresh_module_states,
+    ),
+    Family(
+        "rwkv",
+        gathered={"RwkvSelfAttention": GatheredModule(("hidden",)), "RwkvFeedForward": GatheredModule(("hidden",))},
+        why_gathered="time mixing (its WKV recurrence) and channel mixing (a shift by one token) in its own code",
+    ),
+    Family(
+        "doge",
+        gathered={"DogeAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask")},
+        why_gathered="a dynamic mask: the mask tensor plus a bias per key from the values, cut to each head's top keys",
+    ),
+    Family(
+        "deepseek_v4",
+        gathered={
+            "DeepseekV4Attention": GatheredModule(
+                ("hidden_states", "position_embeddings", "position_ids"), mask="attention_mask"
+            )
+        },
+        why_gathered="compressed attention: blocks of the sequence compressed into extra keys (and scored by an "
+        "indexer), with a bias from its own mask over them",
+    ),
+    Family(
+        "openai",
+        gathered={"Attention": GatheredModule(("x",))},
+        why_gathered="attention of its own: scores by matmul under a causal buffer",
+    ),
+    Family(
+        "xlstm",
+        gathered={"xLSTMLayer": GatheredModule(("x",))},
+        why_gathered="the mLSTM cell's chunked recurrence",
+    ),
+    Family(
+        "cpmant",
+        gathered={
+            "CpmAntSelfAttentionBlock": GatheredModule(
+                ("hidden_states",),
+                prefix="prompt_length",
+                causal=False,
+                whole_kv=True,
+                rebuilt=(("attention_mask", _cpmant_everything_visible), ("position_bias", _cpmant_position_bias)),
+            )
+        },
+        why_gathered="bidirectional attention of its own after a prompt its model puts before every call's tokens, "
+        "with a bias from positions counted within the call",
+    ),
+    Family(
+        "reformer",
+        gathered={
+            "ReformerAttention": GatheredModule(("hidden_states",)),
+            "AxialPositionEmbeddings": GatheredModule(("position_ids",)),
+        },
+        why_gathered="chunked local and LSH attention of its own (buckets hashed over the whole sequence, kept whole "
+        "for the reversible layers' recompute), and axial position embeddings that tile the whole sequence's length",
+        generated_whole="Reformer pads every call to a multiple of its chunk length while generating, and the padding "
+        "moves its LSH buckets' chunk boundaries: a shard would be padded in the middle of the sequence",
+    ),
+    Family(
+        "blt",
+        gathered={
+            "BltModel": GatheredModule(
+                ("input_ids", "inputs_embeds", "position_ids"),
+                refused=(("patch_lengths", "patch lengths (patch_lengths)"),),
+                sharded_inside=(
+                    ("BltGlobalTransformer", ShardedInside(("inputs_embeds",), "position_ids", "attention_mask")),
+                ),
+            )
+        },
+        why_gathered="bytes cut into patches where a small model's entropy crosses a threshold, pooled into them and "
+        "cross-attended by them: masks built from the whole call's patch boundaries (its global transformer runs "
+        "over this rank's patches)",
+    ),
+    Family(
+        "xlnet",
+        gathered={
+            "XLNetRelativeAttention": GatheredModule(
+                ("h",),
+                dim=0,
+                rebuilt=(("r", _xlnet_relative_positions),),
+                hiding_nothing=("attn_mask_h", "attn_mask_g"),
+                refused=(
+                    ("g", "a query stream (perm_mask and target_mapping: the permutation objective)"),
+                    ("seg_mat", "segments (token_type_ids)"),
+                    ("mems", "memories of earlier segments (mems)"),
+                ),
+            )
+        },
+        why_gathered="relative attention of its own, time-major; its model builds the relative positions from the "
+        "call's length",
+        generated_whole="each XLNet step passes a permutation mask over every pair of the step's tokens and a query "
+        "stream for the one token it predicts, which its model builds for its own whole call",
+    ),
+    Family(
+        "xglm",
+        gathered={"XGLMAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+        why_gathered="attention of its own: scores by matmul plus the mask tensor",
+    ),
+    Family(
+        "mpt",
+        gathered={"MptAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
+        why_gathered="attention of its own: scores by matmul plus its ALiBi bias, built for its longest sequence",
+    ),
+    Family(
+        "bloom",
+        gathered={
+            "BloomAttention": GatheredModule(
+                ("hidden_states", "residual"), mask="attention_mask", rebuilt=(("alibi", _bloom_alibi),)
+            )
+        },
+        why_gathered="attention of its own: scores by matmul plus the mask tensor and an ALiBi bias its model builds",
+    ),
+    Family(
+        "gpt_neox_japanese",
+        gathered={
+            "GPTNeoXJapaneseAttention": GatheredModule(
+                ("hidden_states", "position_ids", "position_embeddings"), mask="attention_mask"
+            )
+        },
+        why_gathered="attention of its own: scores by matmul plus the mask tensor",
+    ),
+    Family(
+        "zaya",
+        gathered={"ZayaCCAProjection": GatheredModule(("hidden_states",), outputs=(0, 1, 2))},
+        why_gathered="queries and keys by a convolution of its own, values half from the token before (the "
+        "attention after the projection runs by the schedules)",
+    ),
+    *(
+        Family(name, indexer=indexer)
+        for name, indexer in (
+            ("deepseek_v32", "DeepseekV32Indexer"),
+            ("glm_moe_dsa", "GlmMoeDsaIndexer"),
+            ("hy_v4", "HYV4Indexer"),
+            ("axk2", "AXK2Indexer"),
+            ("dots3_note", "Dots3NoteTextIndexer"),
+        )
+    ),
+    Family("moshi", window_at_decoding_only=True),
+)
+
+# by modeling module name, as ``type(model).__module__`` gives it; made here and never changed (a plain dict: Dynamo
+# reads it while tracing the attention and the hooks)
+FAMILIES: dict[str, Family] = {family.module: family for family in _RECORDS}
+_NONE = Family("")
+
+
+def family_of(obj) -> Family:
+    """The record of the family of ``obj`` (a model, one of its modules, its config, or a modeling module's name); a
+    family with no record runs attention alone (an empty record)."""
+    name = obj if isinstance(obj, str) else type(obj).__module__.replace(".configuration_", ".modeling_")
+    return FAMILIES.get(name, _NONE)
+
+
+def gathered_call(module) -> Optional[GatheredModule]:
+    """How ``module`` is called over the gathered sequence; None when its class is not gathered."""
+    return family_of(module).gathered.get(type(module).__name__)
+
+
+__all__ = ["FAMILIES", "Family", "GatheredModule", "MIXER_LAYER_TYPES", "ShardedInside", "family_of", "gathered_call"]
