@@ -15,6 +15,7 @@ QUICK_MODULES = {
     "test_cost.py",
     "test_layout.py",
     "test_kinds.py",
+    "test_house.py",
     "test_ring.py",
     "test_variants.py",
     "test_allgather.py",
