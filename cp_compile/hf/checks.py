@@ -173,8 +173,9 @@ def one_model_call_followed(model) -> Iterator[None]:
             yield
         finally:
             calls.model_calls.remove(forward)
-    _check_attention_reached(model, model, forward.calls)
-    _check_mixers(model, forward)
+    compiled = _has_compiled_part(model)
+    _check_attention_reached(model, forward.calls, compiled)
+    _check_mixers(model, forward, compiled)
 
 
 def check_outside_plan(module, position_ids) -> None:
@@ -187,8 +188,8 @@ def check_outside_plan(module, position_ids) -> None:
         )
 
 
-def _check_attention_reached(model, module, calls: int) -> None:
-    if calls == 0 and not _has_compiled_part(module):
+def _check_attention_reached(model, calls: int, compiled: bool) -> None:
+    if calls == 0 and not compiled:
         raise UnsupportedAttention(
             f"{type(model).__name__} ran inside `with plan:` without calling attention through transformers' "
             "attention interface (its own attention code, or a recurrent model with none), so every rank "
@@ -203,12 +204,12 @@ def _mixer_layers(model) -> tuple[int, int]:
     return scans + types.count("conv"), scans
 
 
-def _check_mixers(model, forward: ModelCall) -> None:
+def _check_mixers(model, forward: ModelCall, compiled: bool) -> None:
     """Every convolution and scan layer the config declares ran under CP: one that did not (a function swapped
     after the plan wrapped it, a fused kernel the guard cannot see) mixed this rank's shard alone."""
     mixing, scanning = _mixer_layers(model)
     convs, scans = forward.convs, forward.scans
-    if (convs < mixing or scans < scanning) and not _has_compiled_part(forward.model):
+    if (convs < mixing or scans < scanning) and not compiled:
         raise LocalAttentionError(
             f"{type(model).__name__} declares {mixing} convolution and {scanning} scan layers, but {convs} "
             f"convolutions and {scans} scans ran under CP in this forward: the others mixed this rank's shard alone "
@@ -229,17 +230,18 @@ def _check_call_under_plan(forward: ModelCall, args: tuple, kwargs: dict) -> Non
     if model.config._attn_implementation != "cp_compile":
         _check_other_attention(model, module, plan, args, kwargs)
         return
-    _check_attention_reached(model, module, forward.calls)
+    compiled = _has_compiled_part(module)  # one walk of the modules per call, read by every check below
+    _check_attention_reached(model, forward.calls, compiled)
     shard = made_by(_inputs(args, kwargs))
     if shard is None or shard.plan is not plan or shard.what != "shard":
         return  # not a shard of this plan: tokens every rank holds (decoding), or the caller's own layout
-    if _has_compiled_part(module):  # not counted: what the graphs read while traced, and read again when run
+    if compiled:  # not counted: what the graphs read while traced, and read again when run
         given = kwargs.get("cu_seq_lens_q")
         batches = [plan.documents if given is None else given] + [plan.documents] * (_mixer_layers(model)[0] > 0)
-    _check_batch(model, shard, kwargs, batches, _has_compiled_part(module))
+    _check_batch(model, shard, kwargs, batches, compiled)
     _check_positions(model, plan, shard, kwargs.get("position_ids"))
     _check_labels(model, kwargs)
-    _check_mixers(model, forward)
+    _check_mixers(model, forward, compiled)
 
 
 def _describe(documents: Optional[tuple[int, ...]]) -> str:

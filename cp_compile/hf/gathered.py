@@ -22,7 +22,6 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,7 +39,7 @@ from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
 from ..mixers.indexed import visible_keys
 from .cache import ReplicatedLinearLayer, ShardedCache
-from .families import GatheredModule, ShardedInside, family_of, gathered_call
+from .families import GatheredModule, family_of, gathered_call
 from .family_caches import WholeKVCache
 from .forward import (
     count_call,
@@ -59,12 +58,13 @@ _PER_TOKEN_KWARGS = ("seq_idx",)
 
 class _Calls:
     """One hooked module's calls in flight, innermost last (what its forward hook needs of its pre-hook), kept on its
-    hooks: each (this rank's rows, or None for a decoding step; the rows before them; the sharding; the context entered
+    hooks with how it is called (``spec``: its ``GatheredModule``, or the ``ShardedInside`` of a module inside one):
+    each (this rank's rows, or None for a decoding step; the rows before them; the sharding; the context entered
     for the call). ``ran_under_plan``: whether its latest forward (not a recompute) ran under a plan."""
 
-    def __init__(self, model=None, share: Optional[ShardedInside] = None):
+    def __init__(self, spec, model=None):
+        self.spec = spec
         self.model = None if model is None else weakref.ref(model)
-        self.share = share
         self.in_flight: list[tuple] = []
         self.ran_under_plan = False
 
@@ -101,14 +101,14 @@ def _before(calls: _Calls, module, args: tuple, kwargs: dict):
     _check_recompute(module, calls, plan)
     model = calls.model()
     if plan is None:
-        step = _mask_of_the_step(model, module, args, kwargs)
+        step = _mask_of_the_step(calls.spec, model, module, args, kwargs)
         if step is not None:  # decoding: the attention it calls runs as on one process, over its whole K/V
             guard = contextlib.ExitStack()
             guard.enter_context(over_the_gathered_sequence())
             calls.in_flight.append((None, 0, None, guard))
         return step
     kwargs = _by_name(module, args, kwargs)
-    call = gathered_call(module)
+    call = calls.spec
     sharding = sharding_of(plan, kwargs.get("cu_seq_lens_q"))
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
     local_len = _first_given(call, kwargs).shape[call.dim] - prefix
@@ -287,13 +287,12 @@ def _documents_apart(spec, sharding, device) -> bool:
     return any(row[0] for row in every_rank([int(seen)], resolve_group(sharding.group_name), device))
 
 
-def _mask_of_the_step(model, module, args: tuple, kwargs: dict):
+def _mask_of_the_step(call: GatheredModule, model, module, args: tuple, kwargs: dict):
     """Decoding (the same tokens on every rank, under a plan), a module that reads its mask tensor runs as on one
     process over its whole K/V (``WholeKVCache``): it is given the mask of the step's n tokens after the ones its
     layer holds, causal, as one process builds it, and what its model built from positions, built for those keys
     (the cache reports mask sizes as if it held nothing, which the mask function asks)."""
-    call = gathered_call(module)
-    if call is None or call.mask is None or active_plan() is None:
+    if call.mask is None or active_plan() is None:
         return None
     kwargs = _by_name(module, args, kwargs)
     spec = kwargs.get(call.mask)
@@ -358,7 +357,7 @@ def _after(calls: _Calls, module, args: tuple, kwargs: dict, output):
     guard.close()
     if output is None or local_len is None:  # the forward raised, or a decoding step's (no rows to keep)
         return None
-    call = gathered_call(module)
+    call = calls.spec
 
     def own_rows(whole: Tensor) -> Tensor:
         return _after_the_prefix(whole, call.dim, prefix, lambda rows: rank_rows(rows, call.dim, local_len, sharding))
@@ -386,7 +385,7 @@ def _share_before(calls: _Calls, module, args: tuple, kwargs: dict):
             f"{type(module).__name__} under context parallelism on packed documents: one process runs it over a "
             "sequence of its own that knows no documents; pass one sequence per row"
         )
-    share = calls.share
+    share = calls.spec
     whole = kwargs[share.sequence[0]]
     total, world, layout = whole.shape[1], plan.world_size, layout_named(plan.load_balance)
     local_len = -(-total // layout.num_chunks(world)) * layout.chunks_per_rank(world)  # whole chunks, padded at the end
@@ -420,14 +419,14 @@ def hook_gathered_modules(model) -> None:
         call = gathered_call(module)
         if call is None:
             continue
-        calls = _Calls(model)
+        calls = _Calls(call, model)
         module.register_forward_pre_hook(functools.partial(_before, calls), with_kwargs=True)
         module.register_forward_hook(functools.partial(_after, calls), with_kwargs=True, always_call=True)
         shares = dict(call.sharded_inside)
         for inner in module.modules():
             share = shares.get(type(inner).__name__)
             if share is not None:
-                calls = _Calls(share=share)
+                calls = _Calls(share)
                 inner.register_forward_pre_hook(functools.partial(_share_before, calls), with_kwargs=True)
                 inner.register_forward_hook(functools.partial(_share_after, calls), with_kwargs=True, always_call=True)
 
