@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 WORDS = [f"w{i}" for i in range(48)]
 
@@ -90,6 +91,30 @@ def build_model(vocab_size: int, family: str = "llama"):
     return cls._from_config(config, attn_implementation="cp_compile")
 
 
+def run_arguments(opts) -> dict:
+    """The ``TrainingArguments`` of a run of this script's or ``dpo_trl.py``'s: steps, batch, learning rate, a log
+    line and (with ``--save-steps``) a checkpoint, evaluation, on the CPU, with the same seed in every run."""
+    return dict(
+        output_dir=opts.output_dir,
+        max_steps=opts.steps,
+        per_device_train_batch_size=opts.batch,
+        gradient_accumulation_steps=opts.accum,
+        learning_rate=opts.lr,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=opts.save_steps,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        eval_strategy="steps" if opts.eval_steps else "no",
+        eval_steps=opts.eval_steps or None,
+        per_device_eval_batch_size=opts.batch,
+    )
+
+
 def train(opts) -> None:
     """One run of the training script: under CP when launched on several processes."""
     import torch
@@ -102,29 +127,13 @@ def train(opts) -> None:
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
     config = SFTConfig(
-        output_dir=opts.output_dir,
-        max_steps=opts.steps,
-        per_device_train_batch_size=opts.batch,
-        gradient_accumulation_steps=opts.accum,
-        learning_rate=opts.lr,
+        **run_arguments(opts),
         optim=opts.optim,
-        lr_scheduler_type="linear",
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=opts.save_steps,
-        report_to="none",
         packing=True,
         bf16=opts.bf16,
         max_length=opts.max_length,
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         torch_compile=opts.compile is not None,
         torch_compile_backend=opts.compile,
-        eval_strategy="steps" if opts.eval_steps else "no",
-        eval_steps=opts.eval_steps or None,
-        per_device_eval_batch_size=opts.batch,
     )
     train_data, eval_data = build_dataset(400, seed=1), build_dataset(24, seed=2) if opts.eval_steps else None
     model = build_model(len(tokenizer), opts.model)
@@ -220,9 +229,20 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
         worker.append("--bf16")
     if opts.compile:
         worker += ["--compile", opts.compile]
+    run_script(worker, processes, opts.launcher)
+    result = json.loads(out.read_text())
+    if opts.compile:
+        cp_graphs = "" if result["cp_graphs"] is None else f", the CP backend {result['cp_graphs']} graphs"
+        print(f"{out.stem}: {result['graph_breaks']} graph breaks{cp_graphs}")
+    return result["history"]
+
+
+def run_script(worker: list[str], processes: int, launcher: str) -> None:
+    """Run ``worker`` (a script and its arguments) on ``processes`` processes: itself for one, else under
+    ``torchrun`` or ``accelerate launch``; exits with the run's output when it fails."""
     if processes == 1:
         command = [sys.executable, *worker]
-    elif opts.launcher == "torchrun":
+    elif launcher == "torchrun":
         command = [
             sys.executable,
             "-m",
@@ -256,11 +276,6 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
     if run.returncode != 0:
         sys.stdout.write(run.stdout[-4000:] + run.stderr[-8000:])
         raise SystemExit(f"run failed: {' '.join(command)}")
-    result = json.loads(out.read_text())
-    if opts.compile:
-        cp_graphs = "" if result["cp_graphs"] is None else f", the CP backend {result['cp_graphs']} graphs"
-        print(f"{out.stem}: {result['graph_breaks']} graph breaks{cp_graphs}")
-    return result["history"]
 
 
 def _free_port() -> int:
@@ -288,10 +303,16 @@ def steps_per_second(history: list[dict]) -> float:
     return next(entry["train_steps_per_second"] for entry in history if "train_steps_per_second" in entry)
 
 
-def compare(name: str, run: dict[int, float], reference: dict[int, float]) -> float:
+def compare(name: str, run: dict[int, float], reference: dict[int, float], floor: Optional[dict] = None) -> float:
+    """The largest difference of ``run`` from ``reference`` over the logged steps, relative to the reference's value
+    (or to ``floor[step]`` where that is larger: the size of the numbers a logged difference is taken from)."""
     if sorted(run) != sorted(reference):
         raise SystemExit(f"{name}: logged steps {sorted(run)} differ from one process's {sorted(reference)}")
-    worst = max(abs(run[s] - reference[s]) / abs(reference[s]) for s in reference)
+    floor = floor or {}
+    worst = max(
+        0.0 if run[s] == reference[s] else abs(run[s] - reference[s]) / max(abs(reference[s]), floor.get(s, 0.0))
+        for s in reference
+    )
     print(f"{name}: {len(run)} steps, largest relative difference against one process {worst:.2e}")
     return worst
 
@@ -320,6 +341,18 @@ def plot(path: str, curves: dict[str, dict[int, float]], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options this script and ``dpo_trl.py`` share: the plot, the kept files, and those of one run (what the
+    driver launches)."""
+    p.add_argument("--plot", default=None, help="PNG of the loss curves")
+    p.add_argument("--keep", default=None, help="keep the runs' files in this folder")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--output-dir", help=argparse.SUPPRESS)
+    p.add_argument("--save-steps", type=int, default=10_000, help=argparse.SUPPRESS)
+    p.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
 
 
 def main() -> int:
@@ -362,14 +395,7 @@ def main() -> int:
     p.add_argument("--resume-cp", type=int, default=1, help="CP degree of the resumed run")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every this many steps (0: never)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference per step")
-    p.add_argument("--plot", default=None, help="PNG of the loss curves")
-    p.add_argument("--keep", default=None, help="keep the runs' files in this folder")
-    # one run (what the driver launches)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--output-dir", help=argparse.SUPPRESS)
-    p.add_argument("--save-steps", type=int, default=10_000, help=argparse.SUPPRESS)
-    p.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
+    add_run_options(p)
     opts = p.parse_args()
     if opts.worker:
         train(opts)

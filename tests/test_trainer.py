@@ -18,10 +18,11 @@ pytest.importorskip("trl", reason="needs TRL and accelerate (pip install -e '.[t
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
+DPO_EXAMPLE = ROOT / "examples" / "dpo_trl.py"
 
 
-def run_example(*args: str) -> str:
-    run = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=900)
+def run_example(*args: str, example: Path = EXAMPLE) -> str:
+    run = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return run.stdout
 
@@ -76,6 +77,34 @@ def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     )
     assert "Trainer under CP (C=2 x 2 replicas, accelerate): 4 steps" in out
     assert "C=1 checkpoint of step 2 resumed at C=2: 2 steps" in out
+
+
+def test_dpo_trainer_at_c3_evaluated_resumed_from_one_process():
+    """TRL's DPOTrainer (its defaults: padded rows, activation checkpointing; a reference model) at C=3 with a mix of
+    two loss types, evaluated every 2 steps, and one process's checkpoint of step 2 resumed at C=3: every logged
+    metric (losses, rewards, log-probabilities, mean logits, entropy, accuracies, num_tokens, grad_norm) within 1e-4
+    of one process's, the rewards against BETA x |logps| (examples/dpo_trl.py says why)."""
+    out = run_example(
+        *("--compare", "--cp", "3", "--loss-type", "sigmoid,ipo", "--eval-steps", "2", "--stop-cp", "1"),
+        *("--resume-at", "2"),
+        example=DPO_EXAMPLE,
+    )
+    assert "DPOTrainer under CP (C=3, torchrun), llama, loss sigmoid,ipo: step 4" in out
+    assert "rewards/margins" in out and "eval_logps/chosen: 2 steps" in out and "num_tokens: 4 steps" in out
+    assert "C=1 checkpoint of step 2 resumed at C=3, every logged metric after it:" in out
+
+
+def test_dpo_trainer_hybrid_on_a_mesh_with_precomputed_reference():
+    """Qwen3.5 (Gated DeltaNet beside full attention) under DPOTrainer on 4 processes launched by accelerate, 2
+    replicas of C=2, against DDP on 2 processes, with the reference log-probabilities precomputed (no reference
+    model): every logged metric within 1e-4 of the DDP run's. Under CP each row is a document of a packed row, at
+    which the convolutions and the scan restart (the padding-free collator's seq_idx and cu_seq_lens)."""
+    out = run_example(
+        *("--compare", "--model", "qwen3_5", "--dp", "2", "--launcher", "accelerate", "--precompute"),
+        example=DPO_EXAMPLE,
+    )
+    assert "DPOTrainer under CP (C=2 x 2 replicas, accelerate), qwen3_5, loss sigmoid: step 4" in out
+    assert "against one process (DDP on 2), every logged metric:" in out and "logps/rejected: 4 steps" in out
 
 
 # -- the batch a rank gets -----------------------------------------------------------------------------
@@ -284,3 +313,122 @@ def compiled_checkpointed_hybrid(output_dir: str) -> str:
 def test_a_compiled_checkpointed_hybrid_is_refused_by_name(ranks, tmp_path):
     for message in ranks(2, compiled_checkpointed_hybrid, str(tmp_path)):
         assert "Lfm2ForCausalLM mixes tokens outside attention" in message and "gradient_checkpointing=False" in message
+
+
+# -- padded rows scored by the trainer (DPOTrainer) -----------------------------------------------------------
+
+
+def scored_rows_against_one_process():
+    """A tiny fp64 Llama with TRL's fused LM head, called on padded rows (right, left and both-sided padding, a
+    prompt masked out of the labels) under ``ScoredRows``, against the same call on one process: every per-token
+    output, and the gradient of a loss of the log-probabilities (summed over the ranks and divided by C, as the
+    data-parallel all-reduce averages it). Also what the backbone was given: this rank's slots only.
+
+    TRL's fused head computes in fp32 whatever the model's dtype: the per-token outputs are compared to fp64's
+    1e-10, the loss and the gradient (sums of fp32 values, in another order) relative to their size."""
+    import copy
+
+    import torch.distributed as dist
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    from cp_compile.hf.rows import PER_TOKEN_FIELDS, PackedRows, ScoredRows
+    from cp_compile.layout.packed import packed_local_len
+
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile").double()
+    reference = copy.deepcopy(model)
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    add_fused_lm_head(model, outputs=fields)
+    add_fused_lm_head(reference, outputs=fields)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 40, (4, 12), generator=generator)
+    mask = torch.zeros(4, 12, dtype=torch.long)
+    for row, (start, stop) in enumerate(((0, 7), (9, 12), (2, 12), (3, 8))):
+        mask[row, start:stop] = 1
+    labels = ids.masked_fill(mask.cumsum(1) <= 2, -100)  # padding, and a prompt of 2 tokens as DPOTrainer masks it
+    labels = labels.masked_fill(mask == 0, -100)
+    weights = torch.rand(4, 11, generator=generator, dtype=torch.float64)
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, fused_lm_head=True)
+
+    expected = reference(**call)
+    (expected.log_probs * weights).sum().backward()
+    plan = cp_compile.ContextParallel()
+    rows = PackedRows(mask)
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    with plan, plan.packed(rows.cu_seqlens), ScoredRows(plan, [model]):
+        got = model(**call)
+        (got.log_probs * weights).sum().backward()
+    errors = {
+        name: (getattr(got, name).double() - getattr(expected, name).double()).abs().max().item() for name in fields
+    }
+    loss_error = ((got.loss - expected.loss).abs() / expected.loss.abs()).item()
+    grad_error = 0.0
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        summed = mine.grad.clone()
+        dist.all_reduce(summed, group=plan.group)
+        error = (summed / plan.world_size - theirs.grad).abs().max() / theirs.grad.abs().max()
+        grad_error = max(grad_error, error.item())
+    shapes = tuple(got.log_probs.shape) == tuple(expected.log_probs.shape) and set(PER_TOKEN_FIELDS) >= set(fields)
+    return errors, loss_error, grad_error, seen == [packed_local_len(rows.cu_seqlens, plan.world_size)], shapes
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_scored_rows_match_one_process(ranks, world_size):
+    for errors, loss_error, grad_error, sharded, shapes in ranks(world_size, scored_rows_against_one_process):
+        assert max(errors.values()) < 1e-10, errors
+        assert loss_error < 1e-6 and grad_error < 1e-6, (loss_error, grad_error)
+        assert sharded and shapes
+
+
+def scored_rows_refusals():
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+    from cp_compile.hf.rows import PackedRows, ScoredRows
+
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="cp_compile")
+    add_fused_lm_head(model)
+    plan = cp_compile.ContextParallel()
+    ids = torch.arange(1, 9)[None].repeat(2, 1)
+    messages = []
+    try:
+        PackedRows(torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1], [1] * 8]))
+    except cp_compile.UnsupportedAttention as e:
+        messages.append(str(e))
+    try:
+        PackedRows(torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])).next_targets(ids)
+    except cp_compile.UnsupportedAttention as e:
+        messages.append(str(e))
+    with plan, ScoredRows(plan, [model]):
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        except cp_compile.UnsupportedAttention as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_scored_rows_refuse_what_they_cannot_run(ranks):
+    for hole, first, logits in ranks(2, scored_rows_refusals):
+        assert "rows [0] of the batch have padding between their tokens" in hole
+        assert "rows [0] are padded on the left and their first token has a label" in first
+        assert "only fused_lm_head=True calls" in logits

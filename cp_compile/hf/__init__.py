@@ -17,7 +17,8 @@ extension points:
 
 What each family needs besides attention is one record in ``families.py``.
 
-``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL ``SFTTrainer`` under CP.
+``ContextParallelMixin`` (``trainer.py``) trains a ``Trainer`` or TRL's ``SFTTrainer`` or ``DPOTrainer`` under CP
+(``batch.py``: a token-level batch sharded; ``rows.py``: padded rows scored by the trainer itself).
 ``ShardedCache`` (``cache.py``) keeps each rank's share of the K/V; ``generate`` (``generate.py``) runs
 ``model.generate`` with the prompt prefilled sharded over the plan.
 """

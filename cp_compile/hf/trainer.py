@@ -1,4 +1,4 @@
-"""``transformers.Trainer`` and TRL's ``SFTTrainer`` under context parallelism, by subclassing.
+"""``transformers.Trainer`` and TRL's ``SFTTrainer`` and ``DPOTrainer`` under context parallelism, by subclassing.
 
 ``ContextParallelMixin`` goes first in the bases of a trainer class::
 
@@ -27,6 +27,10 @@ only, no packed documents). What the mixin changes:
   backend, ``torch_compile_backend`` naming the backend behind it (``"inductor"`` or ``"aot_eager"``), so
   that saved and loaded state dicts keep their names.
 
+A trainer that scores padded rows itself (TRL's ``DPOTrainer``: a batch without labels, with a
+``completion_mask``) keeps its own loss and metrics: its model calls run sharded, each row a packed document, and
+give their per-token outputs back whole on every rank of the replica (``rows.ScoredRows``).
+
 Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes at another.
 """
 
@@ -42,100 +46,9 @@ from torch import Tensor
 
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
+from .batch import count_targets, documents, shard_batch, shift_labels
 from .families import family_of
-
-# The batch entries the mixin shards along the sequence; others of the same shape are refused, since
-# the mixin cannot know whether they are per token.
-_PER_TOKEN = ("input_ids", "seq_idx", "token_type_ids")
-# What the model gets whole: the documents' global boundaries (what the attention reads), the loss's count.
-_WHOLE = ("cu_seq_lens_q", "cu_seq_lens_k", "num_items_in_batch", "use_cache")
-# Kernel hints of the flash-attention kwargs, dropped: the CP ops do not read them, and a compiled model given
-# them as Python ints would recompile for each new value.
-_HINTS = ("max_length_q", "max_length_k")
-IGNORE_INDEX = -100
-
-
-def documents(batch: dict[str, Any]) -> Optional[Tensor]:
-    """The global ``cu_seqlens`` of a one-row batch: from ``cu_seq_lens_q`` when the collator gave it, else
-    where ``position_ids`` restart at 0 (packed rows), else one document; None for several rows."""
-    input_ids = batch["input_ids"]
-    if input_ids.shape[0] != 1:
-        return None
-    cu = batch.get("cu_seq_lens_q")
-    if cu is not None:
-        return cu.to("cpu", torch.int32)
-    total = input_ids.shape[1]
-    positions = batch.get("position_ids")
-    if positions is None:
-        return torch.tensor([0, total], dtype=torch.int32)
-    starts = (positions[0] == 0).nonzero().flatten().cpu()
-    if starts.numel() == 0 or starts[0] != 0:
-        raise UnsupportedAttention("position_ids of a packed row must start at 0 for its first document")
-    return torch.cat([starts, torch.tensor([total])]).to(torch.int32)
-
-
-def shift_labels(labels: Tensor) -> Tensor:
-    """The label each token predicts, on the global sequence: the next token's label, -100 after the last.
-
-    Packing collators put -100 on each document's first label, so no token predicts across a document end."""
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-
-
-def shard_batch(plan: ContextParallel, batch: dict[str, Any]) -> dict[str, Any]:
-    """This rank's share of a whole (collated) batch, as the model is to be called with it under ``plan``.
-
-    One row is split per document (packed rows; one document when nothing says otherwise), several rows
-    each as one sequence. ``labels`` become this rank's slice of the globally shifted labels (also given as
-    ``shift_labels``); ``position_ids`` the global positions of this rank's slots. A packed row's model call
-    (and its backward) runs inside ``with plan.packed(documents(batch)):``."""
-    input_ids = batch["input_ids"]
-    rows, total = input_ids.shape
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise UnsupportedAttention(
-            "a batch with padding (attention_mask with zeros) under context parallelism: pack the examples "
-            "(SFTConfig(packing=True) or padding_free=True, or DataCollatorWithFlattening) so that no row is padded"
-        )
-    for key, value in batch.items():
-        if (
-            key not in _PER_TOKEN + _WHOLE + _HINTS + ("labels", "shift_labels", "position_ids", "attention_mask")
-            and isinstance(value, Tensor)
-            and value.dim() >= 2
-            and tuple(value.shape[:2]) == (rows, total)
-        ):
-            raise UnsupportedAttention(
-                f"batch entry {key!r} looks per token, and context parallelism does not know how to shard it"
-            )
-    cu = documents(batch)
-    if cu is not None:
-        positions = plan.positions(cu_seqlens=cu, device=input_ids.device)[None]
-    else:
-        positions = plan.positions(total, device=input_ids.device)[None].expand(rows, -1)
-    local = {key: value for key, value in batch.items() if key in _WHOLE}
-    local.update({key: plan.shard(batch[key], 1, cu_seqlens=cu) for key in _PER_TOKEN if key in batch})
-    local["position_ids"] = positions
-    targets = _targets(batch)
-    if targets is not None:
-        # padding slots of a shard are 0: offset the labels so that those slots come out as -100
-        local["labels"] = local["shift_labels"] = plan.shard(targets - IGNORE_INDEX, 1, cu_seqlens=cu) + IGNORE_INDEX
-    # the slot count and the document count change with almost every packed batch: dynamic from the first
-    # compile on, for every tensor that carries them (a view or a new tensor does not inherit the mark)
-    for value in local.values():
-        if isinstance(value, Tensor) and value.dim():
-            torch._dynamo.maybe_mark_dynamic(value, value.dim() - 1)
-    return local
-
-
-def _targets(batch: dict[str, Any]) -> Optional[Tensor]:
-    """What each token of a whole batch predicts: the collator's ``shift_labels``, else its labels shifted."""
-    if batch.get("shift_labels") is not None:
-        return batch["shift_labels"]
-    return shift_labels(batch["labels"]) if batch.get("labels") is not None else None
-
-
-def count_targets(batch: dict[str, Any]) -> Tensor:
-    """How many tokens of a whole batch have a label (the global ``num_items_in_batch`` of one batch)."""
-    return (_targets(batch) != IGNORE_INDEX).sum()
+from .rows import PackedRows, ScoredRows
 
 
 class ContextParallelMixin:
@@ -232,11 +145,11 @@ class ContextParallelMixin:
 
     # -- the step --------------------------------------------------------------------------------------
     def _under_plan(self, inputs: dict[str, Any]) -> contextlib.ExitStack:
-        """``with plan:``, and ``with plan.packed(cu):`` for a packed row (its convolutions and scans read the
-        documents there)."""
+        """``with plan:``, and ``with plan.packed(cu):`` for a packed row or for padded rows packed as one (its
+        convolutions and scans read the documents there, also when a backward recomputes them)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.plan)
-        cu = documents(inputs)
+        cu = PackedRows(_row_mask(inputs)).cu_seqlens if _scores_rows(inputs) else documents(inputs)
         if cu is not None:
             stack.enter_context(self.plan.packed(cu))
         return stack
@@ -247,6 +160,8 @@ class ContextParallelMixin:
             return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if _scores_rows(inputs):
+            return self._compute_loss_on_rows(model, inputs, return_outputs, num_items_in_batch)
         if num_items_in_batch is None:
             raise UnsupportedAttention(
                 "the trainer did not count the batch's labels (num_items_in_batch), so each rank's loss would be a "
@@ -266,6 +181,25 @@ class ContextParallelMixin:
             self._count_tokens_as_without_cp(counted, inputs)
         return result
 
+    def _compute_loss_on_rows(self, model, inputs, return_outputs, num_items_in_batch):
+        """A trainer that scores padded rows itself (TRL's DPOTrainer): its model calls run sharded and give their
+        per-token outputs back whole (``rows.ScoredRows``), so that its own loss and metrics run unchanged, the
+        same on every rank of a replica."""
+        models = [self.accelerator.unwrap_model(model)]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(self.accelerator.unwrap_model(self.ref_model))
+        # TRL divides the token count it gathers from every process by ``_tp_size``, the ranks given the same
+        # batch: here the C ranks of a replica are given the same rows too
+        tp = getattr(self, "_tp_size", 1)
+        self._tp_size = tp * self.plan.world_size
+        try:
+            with self._under_plan(inputs), ScoredRows(self.plan, models):
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+        finally:
+            self._tp_size = tp
+
     def _count_tokens_as_without_cp(self, counted: int, inputs: dict[str, Any]) -> None:
         """TRL's SFTTrainer logs ``num_tokens``, the tokens trained on so far, from the inputs its compute_loss
         sees: under CP each rank's shard, whose padding slots it would count too. Counted again here as TRL
@@ -282,6 +216,8 @@ class ContextParallelMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""
+        if _scores_rows(inputs):  # the trainer's own step, its model calls sharded by compute_loss
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not prediction_loss_only:
             raise UnsupportedAttention(
                 "under context parallelism evaluation computes the loss only: each rank "
@@ -311,6 +247,17 @@ class ContextParallelMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = gather
+
+
+def _scores_rows(inputs: dict[str, Any]) -> bool:
+    """A batch of padded rows without labels, which the trainer scores itself (TRL's DPOTrainer: chosen and rejected
+    completions, its targets made from ``completion_mask``)."""
+    return inputs.get("labels") is None and inputs.get("shift_labels") is None and "completion_mask" in inputs
+
+
+def _row_mask(inputs: dict[str, Any]) -> Tensor:
+    mask = inputs.get("attention_mask")
+    return torch.ones_like(inputs["input_ids"]) if mask is None else mask
 
 
 def _replica_of(plan: ContextParallel) -> tuple[int, int]:
