@@ -84,8 +84,10 @@ def train(opts) -> None:
         loss_type=opts.loss_type.split(","),
         beta=BETA,
         precompute_ref_log_probs=opts.precompute,
-        bf16=False,
+        bf16=opts.bf16,
         max_length=128,
+        torch_compile=opts.compile is not None,
+        torch_compile_backend=opts.compile,
     )
     dtype = getattr(torch, opts.dtype)
     model = build_model(len(tokenizer), opts.model).to(dtype)
@@ -110,7 +112,9 @@ def train(opts) -> None:
         trainer = CPDPOTrainer(**kwargs, plan=cp_compile.ContextParallel(mesh["cp"]))
     trainer.train(resume_from_checkpoint=opts.resume_from)
     if trainer.is_world_process_zero():
-        Path(opts.out).write_text(json.dumps(trainer.state.log_history))
+        backend = getattr(trainer, "cp_backend", None)
+        graphs = len(backend.records) if backend is not None else None
+        Path(opts.out).write_text(json.dumps({"history": trainer.state.log_history, "cp_graphs": graphs}))
     del trainer  # before the process groups (examples/sft_trl.py says why)
     gc.collect()
     if dist.is_initialized():
@@ -126,8 +130,15 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
     worker += ["--save-steps", str(opts.save_steps)]
     if opts.precompute:
         worker.append("--precompute")
+    if opts.bf16:
+        worker.append("--bf16")
+    if opts.compile:
+        worker += ["--compile", opts.compile]
     run_script(worker + list(extra), processes, opts.launcher)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if result["cp_graphs"] is not None:
+        print(f"{out.stem}: the plan's backend compiled {result['cp_graphs']} graphs")
+    return result["history"]
 
 
 def metrics(history: list[dict]) -> dict[str, dict[int, float]]:
@@ -152,6 +163,26 @@ def floors(name: str, reference: dict[str, dict[int, float]]) -> dict[int, float
     return {step: BETA * max(abs(chosen[step]), abs(rejected[step])) for step in chosen}
 
 
+def against_fp64(opts, work: Path, cp: dict, one: dict) -> float:
+    """The bf16 runs against one process in fp64 (the same script with ``--dtype float64``, no autocast): each
+    metric's error under CP must be within twice one process's bf16 error (or under --tol). Returns 0 when every
+    metric passes, else the worst ratio of the two errors."""
+    exact_opts = argparse.Namespace(**{**vars(opts), "bf16": False, "dtype": "float64", "compile": None})
+    exact = metrics(launch(exact_opts, processes=opts.dp, cp=1, out=work / "fp64.json", output_dir=work / "fp64"))
+    print("bf16 against one process in fp64, every logged metric (CP's error / one process's):")
+    worst = 0.0
+    for name in sorted(cp):
+        floor = floors(name, exact)
+        errors = [
+            max(abs(run[s] - exact[name][s]) / max(abs(exact[name][s]), floor.get(s, 0.0), 1e-12) for s in exact[name])
+            for run in (cp[name], one[name])
+        ]
+        ratio = 0.0 if errors[0] <= opts.tol else errors[0] / max(errors[1], 1e-12)
+        print(f"  {name}: {errors[0]:.2e} / {errors[1]:.2e}{'  FAIL: above twice' if ratio > 2 else ''}")
+        worst = max(worst, ratio)
+    return 0.0 if worst <= 2 else worst
+
+
 def label(name: str) -> str:
     return f"  {name}" + (
         " (against BETA x |logps| where larger)" if "rewards/" in name and "accur" not in name else ""
@@ -174,6 +205,13 @@ def main() -> int:
         choices=("float32", "float64"),
         default="float32",
         help="the models' dtype (TRL's fused head scores in fp32 either way)",
+    )
+    p.add_argument("--bf16", action="store_true", help="DPOConfig's default bf16 autocast (else fp32)")
+    p.add_argument(
+        "--compile",
+        choices=("inductor", "aot_eager"),
+        default=None,
+        help="torch_compile=True with this torch_compile_backend (behind the plan's backend)",
     )
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
     p.add_argument("--compare", action="store_true", help="run the same training on one process and compare")
@@ -220,6 +258,8 @@ def main() -> int:
             raise SystemExit(f"logged metrics {sorted(cp)} differ from one process's {sorted(reference)}")
         print(f"against one process{f' (DDP on {opts.dp})' if opts.dp > 1 else ''}, every logged metric:")
         worst = max(compare(label(name), cp[name], reference[name], floors(name, reference)) for name in sorted(cp))
+        if opts.bf16:  # bf16 differs from bf16 by bf16's rounding: the test is against fp64
+            worst = against_fp64(opts, work, cp, reference)
         curves = {"one process": reference["loss"], f"CP {where}": cp["loss"]}
         if opts.resume_at:
             stopped = work / ("cp" if stop_cp == opts.cp else "reference")

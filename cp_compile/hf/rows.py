@@ -126,9 +126,12 @@ class ScoredRows:
         self._handles: list[Any] = []
 
     def __enter__(self) -> ScoredRows:
+        # eager around a compiled model (``Module.compile`` compiles its hooks with it): packing reads the rows'
+        # lengths, and the sharded call in between is what the plan's backend compiles
+        shard, gather = torch.compiler.disable(self._shard), torch.compiler.disable(self._gather)
         for model in self.models:
-            self._handles.append(model.register_forward_pre_hook(self._shard, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._gather, with_kwargs=True))
+            self._handles.append(model.register_forward_pre_hook(shard, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(gather, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
