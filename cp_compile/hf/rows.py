@@ -30,7 +30,7 @@ from .batch import IGNORE_INDEX, shard_batch
 # What the fused LM head (TRL's ``add_fused_lm_head``) returns per token; all of them come back whole.
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 # Kwargs of a scoring call that pass through to the model unchanged (the rest of a call is its rows).
-_PASSED = ("use_cache", "fused_lm_head", "logits_to_keep", "return_dict")
+_PASSED = ("use_cache", "fused_lm_head", "return_dict")
 
 
 class PackedRows:
