@@ -33,6 +33,7 @@ from sft_trl import (
     build_model,
     build_tokenizer,
     compare,
+    largest_difference,
     plot,
     run_arguments,
     run_script,
@@ -156,7 +157,7 @@ def floors(name: str, reference: dict[str, dict[int, float]]) -> dict[int, float
     reference model's), each a sum of about 50 tokens' fp32 values: right after the first update it is a few
     thousandths, and fp32's rounding of the log-probabilities (1e-7 of them, as for any change of the order of a sum)
     is 1e-4 of it. It is measured against BETA times the larger log-probability of its step instead."""
-    if not name.removeprefix("eval_").startswith("rewards/") or name.endswith("accuracies"):
+    if not _is_reward(name):
         return {}
     prefix = "eval_" if name.startswith("eval_") else ""
     chosen, rejected = reference[f"{prefix}logps/chosen"], reference[f"{prefix}logps/rejected"]
@@ -173,20 +174,20 @@ def against_fp64(opts, work: Path, cp: dict, one: dict) -> float:
     worst = 0.0
     for name in sorted(cp):
         floor = floors(name, exact)
-        errors = [
-            max(abs(run[s] - exact[name][s]) / max(abs(exact[name][s]), floor.get(s, 0.0), 1e-12) for s in exact[name])
-            for run in (cp[name], one[name])
-        ]
+        errors = [largest_difference(run, exact[name], floor) for run in (cp[name], one[name])]
         ratio = 0.0 if errors[0] <= opts.tol else errors[0] / max(errors[1], 1e-12)
         print(f"  {name}: {errors[0]:.2e} / {errors[1]:.2e}{'  FAIL: above twice' if ratio > 2 else ''}")
         worst = max(worst, ratio)
     return 0.0 if worst <= 2 else worst
 
 
+def _is_reward(name: str) -> bool:
+    """A logged reward (not the accuracy of the rewards' order), in training or evaluation."""
+    return name.removeprefix("eval_").startswith("rewards/") and not name.endswith("accuracies")
+
+
 def label(name: str) -> str:
-    return f"  {name}" + (
-        " (against BETA x |logps| where larger)" if "rewards/" in name and "accur" not in name else ""
-    )
+    return f"  {name}" + (" (against BETA x |logps| where larger)" if _is_reward(name) else "")
 
 
 def main() -> int:

@@ -303,16 +303,23 @@ def steps_per_second(history: list[dict]) -> float:
     return next(entry["train_steps_per_second"] for entry in history if "train_steps_per_second" in entry)
 
 
+def largest_difference(run: dict[int, float], reference: dict[int, float], floor: Optional[dict] = None) -> float:
+    """The largest difference of ``run`` from ``reference`` over the reference's steps, relative to the reference's
+    value (or to ``floor[step]`` where that is larger: the size of the numbers a logged difference is taken from);
+    a reference of 0 is measured against 1e-12."""
+    floor = floor or {}
+    return max(
+        0.0 if run[s] == reference[s] else abs(run[s] - reference[s]) / max(abs(reference[s]), floor.get(s, 0.0), 1e-12)
+        for s in reference
+    )
+
+
 def compare(name: str, run: dict[int, float], reference: dict[int, float], floor: Optional[dict] = None) -> float:
     """The largest difference of ``run`` from ``reference`` over the logged steps, relative to the reference's value
     (or to ``floor[step]`` where that is larger: the size of the numbers a logged difference is taken from)."""
     if sorted(run) != sorted(reference):
         raise SystemExit(f"{name}: logged steps {sorted(run)} differ from one process's {sorted(reference)}")
-    floor = floor or {}
-    worst = max(
-        0.0 if run[s] == reference[s] else abs(run[s] - reference[s]) / max(abs(reference[s]), floor.get(s, 0.0))
-        for s in reference
-    )
+    worst = largest_difference(run, reference, floor)
     print(f"{name}: {len(run)} steps, largest relative difference against one process {worst:.2e}")
     return worst
 

@@ -25,7 +25,7 @@ from ..comm.gather import gather_dim0, reduce_scatter_dim0
 from ..errors import UnsupportedAttention
 from ..layout.packed import sequence_permutation
 from ..plan import ContextParallel
-from .batch import IGNORE_INDEX, shard_batch
+from .batch import IGNORE_INDEX, shard_batch, shift_labels
 
 # What the fused LM head (TRL's ``add_fused_lm_head``) returns per token; all of them come back whole.
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -38,6 +38,11 @@ class PackedRows:
 
     A row's real tokens (``attention_mask`` 1) must be one run: left padding, right padding, or both (a
     left-padded prompt followed by a right-padded completion)."""
+
+    @classmethod
+    def of(cls, input_ids: Tensor, attention_mask: Optional[Tensor]) -> PackedRows:
+        """The rows of a batch or a model call (no ``attention_mask``: no padding)."""
+        return cls(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
 
     def __init__(self, attention_mask: Tensor):
         real = attention_mask.bool()
@@ -79,9 +84,12 @@ class PackedRows:
                 "label: on one process a padding slot predicts it, and under context parallelism nothing does. Mask "
                 "the first token of a row out of the labels (-100), as a prompt is"
             )
-        following = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], 1)
         following_real = torch.cat([self.real[:, 1:], self.real.new_zeros(self.real.shape[0], 1)], 1)
-        return self.pack(torch.where(following_real, following, IGNORE_INDEX))
+        return self.pack(torch.where(following_real, shift_labels(labels), IGNORE_INDEX))
+
+    def gathered_order(self, world_size: int) -> Tensor:
+        """Rows of every rank's slots gathered in rank order that hold the real tokens, in packed order."""
+        return sequence_permutation(self.cu_seqlens, world_size)[: self.total]
 
     def unpack(self, packed: Tensor) -> Tensor:
         """``[total]`` -> ``[N, L]``, zero at padding (differentiable in ``packed``)."""
@@ -101,16 +109,16 @@ class _GatheredSlots(torch.autograd.Function):
         return reduce_scatter_dim0(grad, *ctx.group), None, None
 
 
-def gather_rows(plan: ContextParallel, rows: PackedRows, local: Tensor, width: int) -> Tensor:
-    """A per-token output of this rank's slots (``[1, slots]``) -> the batch's ``[N, width]`` on every rank."""
+def gather_rows(plan: ContextParallel, rows: PackedRows, order: Tensor, local: Tensor, width: int) -> Tensor:
+    """A per-token output of this rank's slots (``[1, slots]``) -> the batch's ``[N, width]`` on every rank
+    (``order``: ``rows.gathered_order(plan.world_size)``)."""
     dtype = local.dtype
     flat = local[0].to(torch.uint8) if dtype == torch.bool else local[0]
     if flat.requires_grad:
         every = _GatheredSlots.apply(flat, plan.group_name, plan.world_size)
     else:
         every = gather_dim0(flat, plan.group_name, plan.world_size)
-    order = sequence_permutation(rows.cu_seqlens, plan.world_size)[: rows.total].to(every.device)
-    return rows.unpack(every.index_select(0, order)).to(dtype)[:, :width]
+    return rows.unpack(every.index_select(0, order.to(every.device))).to(dtype)[:, :width]
 
 
 class ScoredRows:
@@ -153,8 +161,7 @@ class ScoredRows:
                 "a sum over tokens, so a shard's share of it is not its share of the batch's"
             )
         input_ids = kwargs["input_ids"]
-        mask = kwargs.get("attention_mask")
-        rows = PackedRows(torch.ones_like(input_ids) if mask is None else mask)
+        rows = PackedRows.of(input_ids, kwargs.get("attention_mask"))
         unknown = [
             key
             for key, value in kwargs.items()
@@ -186,8 +193,9 @@ class ScoredRows:
 
     def _gather(self, model, args: tuple, kwargs: dict, output):
         rows, width, num_items_in_batch = self._calls.pop()
+        order = rows.gathered_order(self.plan.world_size)
         fields = {
-            name: gather_rows(self.plan, rows, value, width)
+            name: gather_rows(self.plan, rows, order, value, width)
             for name in PER_TOKEN_FIELDS
             if (value := getattr(output, name, None)) is not None
         }

@@ -42,7 +42,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
@@ -149,7 +148,10 @@ class ContextParallelMixin:
         convolutions and scans read the documents there, also when a backward recomputes them)."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.plan)
-        cu = PackedRows(_row_mask(inputs)).cu_seqlens if _scores_rows(inputs) else documents(inputs)
+        if _scores_rows(inputs):
+            cu = PackedRows.of(inputs["input_ids"], inputs.get("attention_mask")).cu_seqlens
+        else:
+            cu = documents(inputs)
         if cu is not None:
             stack.enter_context(self.plan.packed(cu))
         return stack
@@ -253,11 +255,6 @@ def _scores_rows(inputs: dict[str, Any]) -> bool:
     """A batch of padded rows without labels, which the trainer scores itself (TRL's DPOTrainer: chosen and rejected
     completions, its targets made from ``completion_mask``)."""
     return inputs.get("labels") is None and inputs.get("shift_labels") is None and "completion_mask" in inputs
-
-
-def _row_mask(inputs: dict[str, Any]) -> Tensor:
-    mask = inputs.get("attention_mask")
-    return torch.ones_like(inputs["input_ids"]) if mask is None else mask
 
 
 def _replica_of(plan: ContextParallel) -> tuple[int, int]:
