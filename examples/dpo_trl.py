@@ -41,7 +41,7 @@ from sft_trl import (
 
 BETA = 0.1  # DPOConfig.beta
 # What the trainer logs that depends on the wall clock, or counts steps, not on the training.
-_TIMED = ("_runtime", "_per_second", "total_flos", "epoch")
+_TIMED = ("_runtime", "_per_second", "total_flos", "epoch", "step_time")
 
 
 # Counted from the start of the process, not kept in a checkpoint: the Trainer's mean loss over the steps this process
@@ -190,17 +190,44 @@ def label(name: str) -> str:
     return f"  {name}" + (" (against BETA x |logps| where larger)" if _is_reward(name) else "")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_compared_run_options(p: argparse.ArgumentParser) -> None:
+    """The options of this script and ``grpo_trl.py``: the run, its launch, the comparison and the resume."""
     p.add_argument("--cp", type=int, default=2, help="context-parallel degree")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas beside CP (processes: cp * dp)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=2, help="preference pairs per step and replica")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
+    p.add_argument("--compare", action="store_true", help="run the same training on one process and compare")
+    p.add_argument("--resume-at", type=int, default=0, help="resume the checkpoint of this step (0: no resume)")
+    p.add_argument("--stop-cp", type=int, default=None, help="whose checkpoint is resumed: 1 (one process) or --cp")
+    p.add_argument("--resume-cp", type=int, default=None, help="CP degree of the resumed run (default: --cp)")
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every this many steps (0: never)")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest relative difference of a logged metric")
+    add_run_options(p)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+
+
+def resumed_degrees(p: argparse.ArgumentParser, opts) -> tuple[int, int]:
+    """(the CP degree of the run whose checkpoint is resumed, that of the resumed run); both runs then save the
+    checkpoint of ``--resume-at``."""
+    stop_cp, resume_cp = opts.stop_cp or opts.cp, opts.resume_cp or opts.cp
+    if stop_cp not in (1, opts.cp):
+        p.error(f"--stop-cp {stop_cp}: the checkpoint resumed is the one-process run's (1) or the CP run's (--cp)")
+    if (opts.resume_at or stop_cp == 1) and not opts.compare:
+        p.error("--resume-at and --stop-cp 1 compare the resumed run with one process's: add --compare")
+    if opts.resume_at:
+        opts.save_steps = opts.resume_at  # both runs save the file a job stopped after that step leaves
+    return stop_cp, resume_cp
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_compared_run_options(p)
+    p.add_argument("--batch", type=int, default=2, help="preference pairs per step and replica")
     p.add_argument("--loss-type", default="sigmoid", help="DPOConfig.loss_type, comma-separated for a mix")
     p.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs=True (no reference model)")
-    p.add_argument("--model", choices=("llama", "qwen3_5"), default="llama", help="Llama, or Qwen3.5 (a hybrid)")
+    p.add_argument("--model", choices=("llama", "qwen3", "qwen3_5"), default="llama", help="Qwen3.5 is a hybrid")
     p.add_argument(
         "--dtype",
         choices=("float32", "float64"),
@@ -214,27 +241,12 @@ def main() -> int:
         default=None,
         help="torch_compile=True with this torch_compile_backend (behind the plan's backend)",
     )
-    p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")
-    p.add_argument("--compare", action="store_true", help="run the same training on one process and compare")
-    p.add_argument("--resume-at", type=int, default=0, help="resume the checkpoint of this step (0: no resume)")
-    p.add_argument("--stop-cp", type=int, default=None, help="whose checkpoint is resumed: 1 (one process) or --cp")
-    p.add_argument("--resume-cp", type=int, default=None, help="CP degree of the resumed run (default: --cp)")
-    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every this many steps (0: never)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative difference of a logged metric")
-    add_run_options(p)
-    p.add_argument("--data", help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.worker:
         train(opts)
         return 0
 
-    stop_cp, resume_cp = opts.stop_cp or opts.cp, opts.resume_cp or opts.cp
-    if stop_cp not in (1, opts.cp):
-        p.error(f"--stop-cp {stop_cp}: the checkpoint resumed is the one-process run's (1) or the CP run's (--cp)")
-    if (opts.resume_at or stop_cp == 1) and not opts.compare:
-        p.error("--resume-at and --stop-cp 1 compare the resumed run with one process's: add --compare")
-    if opts.resume_at:
-        opts.save_steps = opts.resume_at  # both runs save the file a job stopped after that step leaves
+    stop_cp, resume_cp = resumed_degrees(p, opts)
     work = Path(opts.keep or tempfile.mkdtemp(prefix="dpo_trl_"))
     work.mkdir(parents=True, exist_ok=True)
     # on disk, as a dataset from the Hub is: every process of a run reads the same files, and so finds the reference

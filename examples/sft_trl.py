@@ -63,7 +63,7 @@ def build_dataset(n: int, seed: int):
 
 
 def build_model(vocab_size: int, family: str = "llama"):
-    """A small model of ``family``: Llama, or a hybrid whose layers mix tokens outside attention (Qwen3.5's Gated
+    """A small model of ``family``: Llama, Qwen3, or a hybrid whose layers mix tokens outside attention (Qwen3.5's Gated
     DeltaNet, LFM2's short convolutions) beside full attention."""
     import torch
     import transformers
@@ -72,6 +72,9 @@ def build_model(vocab_size: int, family: str = "llama"):
     shared.update(num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     if family == "llama":
         config, cls = transformers.LlamaConfig(num_hidden_layers=2, **shared), transformers.LlamaForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(num_hidden_layers=2, head_dim=16, **shared)
+        cls = transformers.Qwen3ForCausalLM
     elif family == "qwen3_5":
         config = transformers.Qwen3_5TextConfig(
             layer_types=["linear_attention", "full_attention"],

@@ -19,6 +19,7 @@ pytest.importorskip("trl", reason="needs TRL and accelerate (pip install -e '.[t
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
 DPO_EXAMPLE = ROOT / "examples" / "dpo_trl.py"
+GRPO_EXAMPLE = ROOT / "examples" / "grpo_trl.py"
 
 
 def run_example(*args: str, example: Path = EXAMPLE) -> str:
@@ -113,6 +114,40 @@ def test_dpo_trainer_hybrid_on_a_mesh_with_precomputed_reference():
     )
     assert "DPOTrainer under CP (C=2 x 2 replicas, accelerate), qwen3_5, loss sigmoid: step 4" in out
     assert "against one process (DDP on 2), every logged metric:" in out and "logps/rejected: 4 steps" in out
+
+
+def test_grpo_trainer_at_c3_with_reference_model_clipped_and_evaluated():
+    """TRL's GRPOTrainer at C=3 on tiny Qwen3: 3 completions per prompt sampled by every rank of the replica (the
+    same tokens as one process's), a reference model (beta > 0, the KL term), each batch trained on twice (the old
+    policy's log-probabilities, clipping), rewards scaled by the batch's deviation (Bessel's correction over the
+    replica's completions, each counted once), evaluated every 2 steps: every logged metric within 1e-4 of one
+    process's (the KL against 1e-3 where smaller, examples/grpo_trl.py says why)."""
+    out = run_example(
+        *("--compare", "--cp", "3", "--beta", "0.04", "--iterations", "2", "--scale-rewards", "batch"),
+        *("--eval-steps", "2", "--batch", "6", "--generations", "3"),
+        example=GRPO_EXAMPLE,
+    )
+    assert "GRPOTrainer under CP (C=3, torchrun), qwen3, loss dapo: step 4" in out
+    # 2 generations of 6 (each trained on twice), and 2 evaluations of the 8 prompts x 3
+    assert "replica 0: 60 completions, the same token for token" in out
+    assert "kl (against 1e-03 where smaller): 4 steps" in out and "eval_reward_std: 2 steps" in out
+    assert "clip_ratio/region_mean: 4 steps" in out
+
+
+def test_grpo_trainer_hybrid_on_a_mesh_resumed_from_one_process():
+    """Qwen3.5 (Gated DeltaNet beside full attention) under GRPOTrainer on 4 processes launched by accelerate, 2
+    replicas of C=2, against DDP on 2 processes (each replica samples its DDP process's completions), then the DDP
+    run's checkpoint of step 2 resumed on the 2x2 mesh: the same completions after the resume (the random state of
+    each replica is checkpointed as its process's) and every logged metric within 1e-4."""
+    out = run_example(
+        *("--compare", "--model", "qwen3_5", "--dp", "2", "--launcher", "accelerate", "--beta", "0.04"),
+        *("--stop-cp", "1", "--resume-at", "2"),
+        example=GRPO_EXAMPLE,
+    )
+    assert "GRPOTrainer under CP (C=2 x 2 replicas, accelerate), qwen3_5, loss dapo: step 4" in out
+    assert "replica 1: 16 completions, the same token for token" in out
+    assert "C=1 checkpoint of step 2 resumed at C=2: completions after it" in out
+    assert "replica 1: 8 completions, the same token for token" in out
 
 
 # -- the batch a rank gets -----------------------------------------------------------------------------
@@ -440,3 +475,88 @@ def test_scored_rows_refuse_what_they_cannot_run(ranks):
         assert "rows [0] of the batch have padding between their tokens" in hole
         assert "rows [0] are padded on the left and their first token has a label" in first
         assert "only fused_lm_head=True calls" in logits
+
+
+# -- a replica seen as one process --------------------------------------------------------------------
+
+
+def replica_reductions():
+    import torch.distributed as dist
+
+    import cp_compile
+    from cp_compile.hf.replicas import ReplicaAccelerator, data_parallel_group, one_copy_per_replica
+
+    rank = dist.get_rank()
+    blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    plan = cp_compile.ContextParallel(blocks[rank // 2])
+    group = data_parallel_group(plan, 2)
+    seen = ReplicaAccelerator(object(), rank // 2, 2, group)
+    replica = rank // 2  # the ranks of a replica hold the same values
+    values = torch.arange(3.0) + 10 * replica
+    flags = torch.tensor([replica == 0, True])
+    padded = seen.pad_across_processes(torch.ones(2 + replica), pad_index=-1)
+    every = torch.cat([torch.full((1, 2), float(r // 2)) for r in range(4)])
+    diverging = every.clone()
+    diverging[1] += 1  # rank 1 disagrees with rank 0, its replica's first
+    try:
+        one_copy_per_replica(diverging, 2, 2)
+        refused = "no error"
+    except cp_compile.UnsupportedAttention as e:
+        refused = str(e)
+    return (
+        seen.process_index,
+        seen.num_processes,
+        seen.gather(values).tolist(),
+        seen.gather(flags).tolist(),
+        seen.gather(torch.tensor(5.0 + replica)).tolist(),
+        seen.reduce(values, "sum").tolist(),
+        seen.reduce(values, "mean").tolist(),
+        padded.tolist(),
+        one_copy_per_replica(every, 2, 2).tolist(),
+        refused,
+    )
+
+
+def test_a_replica_reduces_as_one_process_of_r(ranks):
+    """On a 2x2 mesh each rank sees its replica as one process of 2: its index, gathers, sums and means over one rank
+    of each replica (a 0-d value gathered as one element per process, booleans kept), padding to the longest of the
+    replicas; values gathered from every process keep one copy per replica, and copies that differ are refused."""
+    results = ranks(4, replica_reductions)
+    for rank, (index, count, gathered, flags, scalar, total, mean, padded, kept, refused) in enumerate(results):
+        assert (index, count) == (rank // 2, 2)
+        assert gathered == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] and flags == [True, True, False, True]
+        assert scalar == [5.0, 6.0] and total == [10.0, 12.0, 14.0] and mean == [5.0, 6.0, 7.0]
+        assert padded == ([1.0, 1.0, -1.0] if rank < 2 else [1.0, 1.0, 1.0])
+        assert kept == [[0.0, 0.0], [1.0, 1.0]]
+        assert "a reward function must be deterministic" in refused
+
+
+def test_a_trainer_that_generates_refuses_what_its_ranks_cannot_share():
+    """GRPOConfig under CP: vLLM and continuous batching, tools (each rank would call them), a completions table
+    over several replicas and a generation batch without whole groups are refused by name; the generation batch
+    becomes R processes' (TRL sized it for every process)."""
+    from trl import GRPOConfig
+
+    import cp_compile
+    from cp_compile.hf.trainer import _sampling_per_replica
+
+    def config(**kwargs):
+        return GRPOConfig(
+            **{"output_dir": "unused", "use_cpu": True, "report_to": "none", "num_generations": 2, **kwargs}
+        )
+
+    sampling = _sampling_per_replica(config(per_device_train_batch_size=4), replicas=1, size=1, kwargs={})
+    assert sampling.generation_batch_size == 4
+    base = config(per_device_train_batch_size=4)
+    base.generation_batch_size = 4 * 4  # as TRL sizes it on 4 processes: 2 replicas of C=2
+    assert _sampling_per_replica(base, replicas=2, size=2, kwargs={}).generation_batch_size == 8
+    with pytest.raises(cp_compile.UnsupportedAttention, match="vLLM generation"):
+        _sampling_per_replica(config(use_vllm=True), replicas=1, size=2, kwargs={})
+    with pytest.raises(cp_compile.UnsupportedAttention, match="tools="):
+        _sampling_per_replica(config(), replicas=1, size=2, kwargs={"tools": [print]})
+    with pytest.raises(cp_compile.UnsupportedAttention, match="log_completions with several replicas"):
+        _sampling_per_replica(config(log_completions=True), replicas=2, size=2, kwargs={})
+    odd = config(per_device_train_batch_size=3, num_generations=3)
+    odd.num_generations = 2  # 3 completions per replica cannot hold pairs
+    with pytest.raises(ValueError, match="whole groups of 2 generations"):
+        _sampling_per_replica(odd, replicas=1, size=1, kwargs={})

@@ -16,6 +16,7 @@ process, then gives each replica's gradient once.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -125,12 +126,13 @@ class ScoredRows:
     """``with ScoredRows(plan, models):`` each call of one of ``models`` with ``fused_lm_head=True`` on padded
     rows runs packed and sharded over ``plan``, and returns its per-token outputs whole (module docstring).
 
-    The model calls must be made inside ``with plan:`` and, when a backward recomputes them (activation
-    checkpointing), inside ``with plan.packed(PackedRows(mask).cu_seqlens):`` too."""
+    The model calls must be made inside ``with plan:``; each runs inside ``with plan.packed(cu):`` of its rows, and
+    a backward that recomputes it (activation checkpointing) must run inside ``with plan.packed(cu):`` too
+    (``PackedRows.of(input_ids, attention_mask).cu_seqlens``)."""
 
     def __init__(self, plan: ContextParallel, models: list[torch.nn.Module]):
         self.plan, self.models = plan, models
-        self._calls: list[tuple[PackedRows, int, Optional[Tensor]]] = []
+        self._calls: list[tuple[PackedRows, int, Optional[Tensor], contextlib.ExitStack]] = []
         self._handles: list[Any] = []
 
     def __enter__(self) -> ScoredRows:
@@ -146,6 +148,8 @@ class ScoredRows:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for *_, in_force in reversed(self._calls):  # calls that raised before their forward hook
+            in_force.close()
         self._calls.clear()
 
     def _shard(self, model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -188,11 +192,15 @@ class ScoredRows:
         }
         local = shard_batch(self.plan, packed)
         local["num_items_in_batch"] = (targets != IGNORE_INDEX).sum()
-        self._calls.append((rows, width, kwargs.get("num_items_in_batch")))
+        # a hybrid's convolutions and scans read the documents from the plan
+        in_force = contextlib.ExitStack()
+        in_force.enter_context(self.plan.packed(rows.cu_seqlens))
+        self._calls.append((rows, width, kwargs.get("num_items_in_batch"), in_force))
         return (), {**{key: kwargs[key] for key in _PASSED if key in kwargs}, **local}
 
     def _gather(self, model, args: tuple, kwargs: dict, output):
-        rows, width, num_items_in_batch = self._calls.pop()
+        rows, width, num_items_in_batch, in_force = self._calls.pop()
+        in_force.close()
         order = rows.gathered_order(self.plan.world_size)
         fields = {
             name: gather_rows(self.plan, rows, order, value, width)

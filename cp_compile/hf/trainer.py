@@ -1,4 +1,5 @@
-"""``transformers.Trainer`` and TRL's ``SFTTrainer`` and ``DPOTrainer`` under context parallelism, by subclassing.
+"""``transformers.Trainer`` and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`` under context parallelism, by
+subclassing.
 
 ``ContextParallelMixin`` goes first in the bases of a trainer class::
 
@@ -31,13 +32,22 @@ A trainer that scores padded rows itself (TRL's ``DPOTrainer``: a batch without 
 ``completion_mask``) keeps its own loss and metrics: its model calls run sharded, each row a packed document, and
 give their per-token outputs back whole on every rank of the replica (``rows.ScoredRows``).
 
-Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes at another.
+A trainer that samples completions and scores them itself (TRL's ``GRPOTrainer``) generates outside the plan, each
+rank of a replica the replica's completions with the replica's random state (the same tokens on each), scores them
+sharded as above, and computes its advantages, loss and metrics seeing the replica as one process
+(``replicas.ReplicaAccelerator``): its gathers and reductions then count each completion once.
+
+Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes at another (the random state of a
+replica saved under the name of the process it stands for).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import shutil
+import tempfile
 from typing import Any, Optional
 
 import torch
@@ -47,6 +57,7 @@ from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
 from .families import family_of
+from .replicas import ReplicaAccelerator, data_parallel_group, one_copy_per_replica
 from .rows import PackedRows, ScoredRows
 
 
@@ -61,8 +72,13 @@ class ContextParallelMixin:
 
     Raises:
         ValueError: a plan whose group is not a block of consecutive ranks (as ``init_device_mesh(..., (dp, cp))``
-            makes), or ``torch_compile_mode`` set (the plan's backend takes no mode).
-        UnsupportedAttention: at a step, a batch CP cannot run exactly (padded rows, an unknown per-token entry).
+            makes), ``torch_compile_mode`` set (the plan's backend takes no mode), or, for a trainer that generates
+            (GRPOTrainer), a replica's generation batch without whole groups of ``num_generations``.
+        UnsupportedAttention: at a step, a batch CP cannot run exactly (padded rows, an unknown per-token entry); for
+            a trainer that generates, at construction, what every rank of a replica would run once per completion
+            (vLLM, tools, rollout functions) and ``torch_compile``, and at a step, reward functions that give a
+            replica's ranks different rewards.
+        TypeError: a trainer that generates without the methods the mixin overrides there (another TRL version).
     """
 
     def __init__(self, *args, plan: Optional[ContextParallel] = None, **kwargs):
@@ -76,6 +92,24 @@ class ContextParallelMixin:
             )
         self.plan = plan if plan is not None else ContextParallel(dist.new_group(list(range(dist.get_world_size()))))
         self._replica, self._replicas = _replica_of(self.plan)
+        # a trainer that samples completions and scores them itself (TRL's GRPOTrainer)
+        self._samples_completions = hasattr(type(self), "_generate_and_score_completions")
+        self._rolled_out: Optional[dict[str, Any]] = None  # the step's inputs, generated before the plan is entered
+        if self._samples_completions:
+            # GRPOTrainer documents no extension point for its sampling and its reductions: the methods the mixin
+            # overrides there must be the trainer's
+            trainer = super()  # the next class's methods (a comprehension has no super() of its own)
+            missing = [name for name in _SAMPLER_METHODS if not hasattr(trainer, name)]
+            if missing:
+                raise TypeError(
+                    f"{type(self).__name__} generates completions (it has _generate_and_score_completions) but not "
+                    f"{missing}: a TRL version ContextParallelMixin does not know (it is tried with TRL 1.16)"
+                )
+            trainer_args = _sampling_per_replica(trainer_args, self._replicas, self.plan.world_size, kwargs)
+            if "args" in kwargs:
+                kwargs["args"] = trainer_args
+            else:
+                args = (args[0], trainer_args, *args[2:])
         self._compile_backend = None
         if trainer_args.torch_compile:
             if trainer_args.torch_compile_mode is not None:
@@ -112,6 +146,13 @@ class ContextParallelMixin:
         if self._compile_backend is not None:
             self.cp_backend = self.plan.backend(self._compile_backend)
             self.model.compile(backend=self.cp_backend)
+        self._data_parallel = None
+        if self._samples_completions:
+            from accelerate.utils import set_seed
+
+            self._data_parallel = data_parallel_group(self.plan, self._replicas)
+            # GRPOTrainer seeds each process apart (its own completions); the ranks of a replica sample as one process
+            set_seed(trainer_args.seed + self._replica)
 
     # -- data: one replica per CP group ---------------------------------------------------------------
     def get_cp_size(self) -> int:
@@ -157,11 +198,56 @@ class ContextParallelMixin:
         return stack
 
     def training_step(self, model, inputs, *args, **kwargs):
+        if self._samples_completions:
+            return self._training_step_on_completions(model, inputs, *args, **kwargs)
         # backward inside the plan too: activation checkpointing (SFTConfig's default) recomputes attention there
         with self._under_plan(inputs):
             return super().training_step(model, inputs, *args, **kwargs)
 
+    def _training_step_on_completions(self, model, inputs, *args, **kwargs):
+        """GRPOTrainer's step: completions sampled outside the plan (``model.generate`` on the replica's prompts,
+        the same on each of its ranks), then the step inside it, and the backward in its rows' documents."""
+        model.train()  # as the step begins: GRPOTrainer reads the mode when it generates
+        self._rolled_out = self._prepare_inputs(inputs)
+        rows = torch.cat([self._rolled_out["prompt_mask"], self._rolled_out["completion_mask"]], 1)
+        try:
+            with self.plan, self.plan.packed(PackedRows(rows).cu_seqlens):
+                return super().training_step(model, self._rolled_out, *args, **kwargs)
+        finally:
+            self._rolled_out = None
+
+    def _prepare_inputs(self, inputs):
+        if not self._samples_completions:
+            return super()._prepare_inputs(inputs)
+        if inputs is self._rolled_out:  # the step's, prepared before the plan was entered
+            return inputs
+        with self._seen_per_replica():
+            return super()._prepare_inputs(inputs)
+
+    @contextlib.contextmanager
+    def _seen_per_replica(self):
+        """The trainer's accelerator as the process a replica stands for sees it (``replicas.ReplicaAccelerator``)."""
+        accelerator = self.accelerator
+        self.accelerator = ReplicaAccelerator(accelerator, self._replica, self._replicas, self._data_parallel)
+        try:
+            yield
+        finally:
+            self.accelerator = accelerator
+
+    def _calculate_rewards(self, *args, **kwargs):
+        """GRPOTrainer's rewards of every process's completions: one copy per replica, as R processes gather them."""
+        every = super()._calculate_rewards(*args, **kwargs)
+        return one_copy_per_replica(every, self.plan.world_size, self._replicas)
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """GRPOTrainer's scoring calls (policy, old policy, reference model): sharded, their outputs whole."""
+        with self.plan, ScoredRows(self.plan, [self.accelerator.unwrap_model(model)]):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._samples_completions:  # its model calls are sharded by _get_per_token_logps_and_entropies
+            with self._seen_per_replica():
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if _scores_rows(inputs):
             return self._compute_loss_on_rows(model, inputs, return_outputs, num_items_in_batch)
         if num_items_in_batch is None:
@@ -218,7 +304,9 @@ class ContextParallelMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""
-        if _scores_rows(inputs):  # the trainer's own step, its model calls sharded by compute_loss
+        if self._samples_completions or _scores_rows(
+            inputs
+        ):  # the trainer's own step, its model calls sharded by compute_loss
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not prediction_loss_only:
             raise UnsupportedAttention(
@@ -233,6 +321,28 @@ class ContextParallelMixin:
             share = model(**local).loss.detach()
         dist.all_reduce(share, group=self.plan.group)
         return share, None, None
+
+    # -- checkpoints: the random state of each replica, as a run of R processes keeps it ----------------------
+    def _rng_file(self) -> str:
+        return "rng_state.pth" if self._replicas == 1 else f"rng_state_{self._replica}.pth"
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """The ranks of a replica draw alike (GRPOTrainer samples completions with it): its first rank saves the
+        replica's state under the name the process it stands for would use, so a run resumes at any C."""
+        with tempfile.TemporaryDirectory() as scratch:
+            super()._save_rng_state(scratch)
+            if self.plan.rank == 0:
+                (saved,) = os.listdir(scratch)
+                os.makedirs(output_dir, exist_ok=True)
+                shutil.move(os.path.join(scratch, saved), os.path.join(output_dir, self._rng_file()))
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, self._rng_file())):
+            return super()._load_rng_state(checkpoint)
+        with tempfile.TemporaryDirectory() as scratch:  # named as the trainer reads it for this process
+            mine = "rng_state.pth" if dist.get_world_size() == 1 else f"rng_state_{dist.get_rank()}.pth"
+            shutil.copy(os.path.join(checkpoint, self._rng_file()), os.path.join(scratch, mine))
+            super()._load_rng_state(scratch)
 
     # evaluation gathers each rank's loss from every process; a replica's ranks hold the same value
     def _gather_replicas(self, tensor):
@@ -249,6 +359,45 @@ class ContextParallelMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = gather
+
+
+# GRPOTrainer's methods that the mixin overrides: its batch preparation (where it samples), its rewards gathered from
+# every process, and its scoring calls.
+_SAMPLER_METHODS = ("_prepare_inputs", "_calculate_rewards", "_get_per_token_logps_and_entropies")
+
+
+def _sampling_per_replica(trainer_args, replicas: int, size: int, kwargs: dict):
+    """GRPOConfig with the generation batch of R processes (TRL sizes it for every process; here a replica reads
+    the batches of one), or an error for what its ranks cannot share."""
+    refused = {
+        "use_vllm": "vLLM generation",
+        "use_transformers_continuous_batching": "continuous-batching generation",
+        "torch_compile": "torch_compile (generation runs outside the plan, which a compiled model cannot)",
+    }
+    unsupported = [what for name, what in refused.items() if getattr(trainer_args, name, False)]
+    unsupported += [f"{name}=" for name in ("tools", "environment_factory", "rollout_func") if kwargs.get(name)]
+    if replicas > 1 and getattr(trainer_args, "log_completions", False):
+        unsupported.append("log_completions with several replicas (the table gathers each completion C times)")
+    if unsupported:
+        raise UnsupportedAttention(
+            f"not supported for a trainer that generates under context parallelism: {', '.join(unsupported)}. Each "
+            "rank of a replica generates the replica's completions itself, so what runs once per completion "
+            "(a tool call, a request to a server) would run C times"
+        )
+    generation_batch = trainer_args.generation_batch_size // size
+    batches = [(generation_batch, trainer_args.num_generations, "generation batch")]
+    if trainer_args.do_eval and trainer_args.eval_strategy != "no":
+        groups = trainer_args.num_generations_eval or trainer_args.num_generations
+        batches.append((trainer_args.per_device_eval_batch_size * replicas, groups, "evaluation batch"))
+    for batch, groups, what in batches:
+        if batch % groups:
+            raise ValueError(
+                f"under context parallelism the {what} of the {replicas} replica(s) ({batch} completions) must hold "
+                f"whole groups of {groups} generations: a replica reads the batches of one process"
+            )
+    sampling = copy.copy(trainer_args)
+    sampling.generation_batch_size = generation_batch
+    return sampling
 
 
 def _scores_rows(inputs: dict[str, Any]) -> bool:
