@@ -106,10 +106,7 @@ class ContextParallelMixin:
                     f"{missing}: a TRL version ContextParallelMixin does not know (it is tried with TRL 1.16)"
                 )
             trainer_args = _sampling_per_replica(trainer_args, self._replicas, self.plan.world_size, kwargs)
-            if "args" in kwargs:
-                kwargs["args"] = trainer_args
-            else:
-                args = (args[0], trainer_args, *args[2:])
+            args = _with_trainer_args(args, kwargs, trainer_args)
         self._compile_backend = None
         if trainer_args.torch_compile:
             if trainer_args.torch_compile_mode is not None:
@@ -130,10 +127,7 @@ class ContextParallelMixin:
             # the trainer's accelerator would compile the wrapped model with a backend of its own
             trainer_args = copy.copy(trainer_args)
             trainer_args.torch_compile, trainer_args.torch_compile_backend = False, None
-            if "args" in kwargs:
-                kwargs["args"] = trainer_args
-            else:
-                args = (args[0], trainer_args, *args[2:])
+            args = _with_trainer_args(args, kwargs, trainer_args)
         super().__init__(*args, **kwargs)
         if self.accelerator.num_processes != dist.get_world_size():
             raise RuntimeError(
@@ -359,6 +353,15 @@ class ContextParallelMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = gather
+
+
+def _with_trainer_args(args: tuple, kwargs: dict, trainer_args) -> tuple:
+    """The trainer's positional arguments with ``trainer_args`` in place of its ``args`` (put in ``kwargs`` when
+    given there)."""
+    if "args" in kwargs:
+        kwargs["args"] = trainer_args
+        return args
+    return (args[0], trainer_args, *args[2:])
 
 
 # GRPOTrainer's methods that the mixin overrides: its batch preparation (where it samples), its rewards gathered from
