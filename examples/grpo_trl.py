@@ -90,6 +90,7 @@ def train(opts) -> None:
         scale_rewards=opts.scale_rewards,
         top_entropy_quantile=opts.entropy_quantile,
         num_iterations=opts.iterations,
+        steps_per_generation=opts.steps_per_generation,
         bf16=False,
         # how GRPOTrainer loads the reference model (beta above 0): from the policy's files
         model_init_kwargs={"attn_implementation": "cp_compile", "dtype": torch.float32},
@@ -135,6 +136,8 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
     worker += ["--generations", str(opts.generations), "--completion", str(opts.completion)]
     worker += ["--beta", str(opts.beta), "--scale-rewards", opts.scale_rewards]
     worker += ["--entropy-quantile", str(opts.entropy_quantile), "--iterations", str(opts.iterations)]
+    if opts.steps_per_generation:
+        worker += ["--steps-per-generation", str(opts.steps_per_generation)]
     run_script(worker + list(extra), processes, opts.launcher)
     replicas = processes // cp
     scored = [json.loads(Path(f"{out}.completions{r}").read_text()) for r in range(replicas)]
@@ -185,6 +188,12 @@ def main() -> int:
         type=int,
         default=1,
         help="GRPOConfig.num_iterations (above 1: each batch trained on again, scored by the old policy, clipped)",
+    )
+    p.add_argument(
+        "--steps-per-generation",
+        type=int,
+        default=None,
+        help="GRPOConfig.steps_per_generation (default: --accum; above it, a generation shuffled and split over steps)",
     )
     p.add_argument("--scale-rewards", default="group", help="GRPOConfig.scale_rewards: group, batch or none")
     p.add_argument("--entropy-quantile", type=float, default=1.0, help="GRPOConfig.top_entropy_quantile")
