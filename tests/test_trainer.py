@@ -531,6 +531,34 @@ def test_a_replica_reduces_as_one_process_of_r(ranks):
         assert "a reward function must be deterministic" in refused
 
 
+def diverging_completions():
+    import types
+
+    import torch.distributed as dist
+
+    import cp_compile
+    from cp_compile.hf import ContextParallelMixin
+
+    class Sampler(ContextParallelMixin):  # the mixin's check alone: it runs before the trainer's rewards
+        pass
+
+    sampler = Sampler.__new__(Sampler)
+    sampler.plan = cp_compile.ContextParallel()
+    sampler.accelerator = types.SimpleNamespace(device=torch.device("cpu"))
+    try:
+        sampler._calculate_rewards([], [], [], [[5, 6, dist.get_rank()]])
+        return "no error"
+    except cp_compile.UnsupportedAttention as e:
+        return str(e)
+
+
+def test_ranks_of_a_replica_that_sampled_differently_are_refused(ranks):
+    """Completions that differ between the ranks of a replica (generation not deterministic on the device) stop the
+    step on every rank before they are scored as one batch."""
+    for message in ranks(2, diverging_completions):
+        assert "sampled different completions" in message
+
+
 def test_a_trainer_that_generates_refuses_what_its_ranks_cannot_share():
     """GRPOConfig under CP: vLLM and continuous batching, tools (each rank would call them), a completions table
     over several replicas and a generation batch without whole groups are refused by name; the generation batch

@@ -48,11 +48,13 @@ import copy
 import os
 import shutil
 import tempfile
+import zlib
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..comm.agree import every_rank
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
@@ -228,9 +230,21 @@ class ContextParallelMixin:
         finally:
             self.accelerator = accelerator
 
-    def _calculate_rewards(self, *args, **kwargs):
-        """GRPOTrainer's rewards of every process's completions: one copy per replica, as R processes gather them."""
-        every = super()._calculate_rewards(*args, **kwargs)
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """GRPOTrainer's rewards of every process's completions: one copy per replica, as R processes gather them.
+
+        Raises:
+            UnsupportedAttention: the ranks of the replica sampled different completions (a generation that is not
+                deterministic on this device); they would score different rows as one batch.
+        """
+        digest = zlib.crc32(repr(completion_ids_list).encode())
+        if len({rank[0] for rank in every_rank([digest], self.plan.group, self.accelerator.device)}) > 1:
+            raise UnsupportedAttention(
+                "the ranks of a context-parallel replica sampled different completions from the same prompts and "
+                "random state: generation is not deterministic on this device (make it so, e.g. "
+                "torch.use_deterministic_algorithms(True))"
+            )
+        every = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         return one_copy_per_replica(every, self.plan.world_size, self._replicas)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
