@@ -312,9 +312,8 @@ class ContextParallelMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the replica's loss on every rank of it (the mean over the whole batch's tokens)."""
-        if self._samples_completions or _scores_rows(
-            inputs
-        ):  # the trainer's own step, its model calls sharded by compute_loss
+        scores_itself = self._samples_completions or _scores_rows(inputs)
+        if scores_itself:  # the trainer's own step, its model calls sharded by compute_loss
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if not prediction_loss_only:
             raise UnsupportedAttention(
@@ -332,7 +331,7 @@ class ContextParallelMixin:
 
     # -- checkpoints: the random state of each replica, as a run of R processes keeps it ----------------------
     def _rng_file(self) -> str:
-        return "rng_state.pth" if self._replicas == 1 else f"rng_state_{self._replica}.pth"
+        return _rng_file_of(self._replica, self._replicas)
 
     def _save_rng_state(self, output_dir: str) -> None:
         """The ranks of a replica draw alike (GRPOTrainer samples completions with it): its first rank saves the
@@ -348,7 +347,7 @@ class ContextParallelMixin:
         if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, self._rng_file())):
             return super()._load_rng_state(checkpoint)
         with tempfile.TemporaryDirectory() as scratch:  # named as the trainer reads it for this process
-            mine = "rng_state.pth" if dist.get_world_size() == 1 else f"rng_state_{dist.get_rank()}.pth"
+            mine = _rng_file_of(dist.get_rank(), dist.get_world_size())
             shutil.copy(os.path.join(checkpoint, self._rng_file()), os.path.join(scratch, mine))
             super()._load_rng_state(scratch)
 
@@ -367,6 +366,11 @@ class ContextParallelMixin:
             return super().evaluation_loop(*args, **kwargs)
         finally:
             self.gather_function = gather
+
+
+def _rng_file_of(process: int, processes: int) -> str:
+    """The file ``Trainer`` keeps the random state of process ``process`` of ``processes`` in."""
+    return "rng_state.pth" if processes == 1 else f"rng_state_{process}.pth"
 
 
 def _with_trainer_args(args: tuple, kwargs: dict, trainer_args) -> tuple:
