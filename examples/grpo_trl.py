@@ -120,7 +120,9 @@ def train(opts) -> None:
     if rank % opts.cp == 0:  # the completions of each replica (of each process without CP)
         Path(f"{opts.out}.completions{rank // opts.cp}").write_text(json.dumps(_SCORED))
     if trainer.is_world_process_zero():
-        Path(opts.out).write_text(json.dumps({"history": trainer.state.log_history}))
+        # how the completions were generated: sharded (cp_compile.hf.generate), or why every rank ran them whole
+        route = getattr(trainer, "generated_whole", "one process") or "sharded"
+        Path(opts.out).write_text(json.dumps({"history": trainer.state.log_history, "generation": route}))
     del trainer  # before the process groups (examples/sft_trl.py says why)
     gc.collect()
     if dist.is_initialized():
@@ -222,6 +224,8 @@ def main() -> int:
     cp = metrics(history)
     last = max(cp["loss"])
     print(f"GRPOTrainer under CP ({where}, {opts.launcher}), {opts.model}, loss {opts.loss_type}: step {last}")
+    route = json.loads((work / "cp.json").read_text())["generation"]
+    print(f"  completions generated {'sharded' if route == 'sharded' else f'whole on every rank: {route}'}")
     for name, values in sorted(cp.items()):
         print(f"  {name:36s} {values[max(values)]: .6g}")
     worst, same = 0.0, True
@@ -264,6 +268,8 @@ def main() -> int:
             plot(opts.plot, curves, f"TRL GRPOTrainer, {where}: logged loss against one process")
     if not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
+    if opts.compare:
+        print(f"largest relative difference of a logged metric from one process's: {worst:.2e}")
     if not same:
         print("FAIL: a replica sampled other completions than one process")
         return 1

@@ -206,6 +206,95 @@ def test_generate_matches_one_process(ranks, world_size):
             assert longest["window_bytes"] == longest["one_process_window_bytes"] / 7 * slots
 
 
+def _left_padded(lengths: list) -> tuple:
+    """A batch of ``_prompt(n)`` for each n of ``lengths``, padded on the left (pad id 0) to the longest."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :], mask[row, width - n :] = _prompt(n)[0], 1
+    return ids, mask
+
+
+def hf_batch_parity(arch: str, lengths: list, new: int, sample: bool):
+    """cp_compile.hf.generate of a left-padded batch against "sdpa" generate of the same batch on one process:
+    tokens, logits, and the bytes of full-attention K/V this rank keeps against one process's."""
+    from test_hf import rel_err, tiny_model
+
+    import cp_compile
+    import cp_compile.hf
+
+    plan = cp_compile.ContextParallel()
+    model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    ids, mask = _left_padded(lengths)
+    kwargs = dict(
+        attention_mask=mask,
+        pad_token_id=0,
+        max_new_tokens=new,
+        do_sample=sample,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    torch.manual_seed(5)
+    ref = reference.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    with plan:
+        out = cp_compile.hf.generate(model, ids, **kwargs)
+    full = [i for i, layer in enumerate(ref.cache.layers) if not layer.is_sliding]
+    return dict(
+        same_tokens=torch.equal(out.sequences, ref.sequences),
+        logits_err=rel_err(torch.stack(out.logits), torch.stack(ref.logits)),
+        cache_bytes=sum(out.cache.layers[i].nbytes for i in full),
+        one_process_bytes=sum(ref.cache.layers[i].keys.nbytes * 2 for i in full),
+    )
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_left_padded_batch_generates_as_one_process(ranks, world_size):
+    """Four prompts of 9, 1, 30 and 5 tokens padded on the left, 24 new tokens each, sampled (one draw for the batch
+    per step, as one process) and greedy; Llama, Qwen2 (a sliding-window layer), Mistral (every layer a window of 8).
+    Each row is prefilled sharded on its own; no slot holds padding, so a rank keeps about 1/C of the batch's K/V."""
+    for arch, sample in (("llama", True), ("qwen2", False), ("mistral", True)):
+        for result in ranks(world_size, hf_batch_parity, arch, [9, 1, 30, 5], 24, sample, timeout=600):
+            assert result["same_tokens"] and result["logits_err"] < 1e-5, (arch, result)
+            # one process: 4 rows of 53 slots; a rank: 4 rows of 54 // C + 4 slots (3 of slack, 1 scratch)
+            if result["one_process_bytes"]:
+                assert result["cache_bytes"] <= result["one_process_bytes"] * (54 // world_size + 4) / 53, result
+
+
+def why_batches_are_refused(families: list) -> dict:
+    """``hf.generate.why_not_batched`` for the model sweep's tiny config of each family (no generation runs)."""
+    import cp_compile
+    from cp_compile.hf.generate import why_not_batched
+    from cp_compile.tools.bench import model_configs, model_run
+
+    plan = cp_compile.ContextParallel()
+    reasons = {}
+    for family in families:
+        config, cls, _ = model_configs.tiny_config(family)
+        reasons[family] = why_not_batched(model_run._build(cls, config, "cp_compile"), plan)
+    return reasons
+
+
+def test_a_batch_is_refused_where_its_rows_cannot_share_one_cache(ranks):
+    expected = {
+        "llama": None,
+        "qwen3_5": None,
+        "deepseek_v32": "indexed sparse attention",
+        "gemma3n_text": "shares its keys",
+        "mamba": "keep states alone",
+        "rwkv": "keeps no cache",
+        "xlnet": "whole",
+    }
+    (reasons,) = ranks(1, why_batches_are_refused, list(expected))
+    for family, text in expected.items():
+        if text is None:
+            assert reasons[family] is None, (family, reasons[family])
+        else:
+            assert reasons[family] is not None and text in reasons[family], (family, reasons[family])
+
+
 def update_without_kwargs_parity(family: str, prompts: list, new: int, compiled: bool = False):
     """A family whose attention calls cache.update(k, v, layer_idx) without its kwargs, from the model sweep's tiny
     config: cp_compile.hf.generate against "sdpa" generate on one process (tokens, logits), and the graphs a compiled
@@ -388,8 +477,9 @@ def refusals():
             ("num_return_sequences", dict(num_return_sequences=2, do_sample=True)),
             ("penalty_alpha", dict(penalty_alpha=0.6, top_k=4)),
             ("max_time", dict(max_time=10.0)),
-            ("padding", dict(attention_mask=torch.tensor([[0] + [1] * 8]))),
-            ("batch", dict(ids=ids.repeat(2, 1))),
+            ("padding", dict(attention_mask=torch.tensor([[1] * 8 + [0]]))),
+            ("batch", dict(ids=ids.repeat(2, 1), cache=cp_compile.hf.ShardedCache(model.config, 16))),
+            ("batch without a cache", dict(ids=ids.repeat(2, 1), use_cache=False)),
             ("small cache", dict(cache=cp_compile.hf.ShardedCache(model.config, 10))),
         ]:
             refused(name, lambda: generate(**kwargs))
@@ -425,8 +515,9 @@ def test_what_generation_under_cp_refuses(ranks):
         "num_return_sequences": "several sequences",
         "penalty_alpha": "contrastive search",
         "max_time": "wall-clock",
-        "padding": "padded prompt",
-        "batch": "batch of prompts",
+        "padding": "padding must be on the left",
+        "batch": "made from its rows",
+        "batch without a cache": "batch of prompts: the generation keeps no cache",
         "small cache": "max_cache_len=13",
         "model.generate": r"cp_compile.hf.generate",
         "other prompts": "different prompts",

@@ -599,6 +599,38 @@ def test_generate_token_for_token(ranks, world_size):
             assert result["status"] == "exact", (family, result)
 
 
+def generate_a_left_padded_batch(family: str, lengths: list) -> tuple:
+    """A left-padded batch sampled with one seed, against the family's own attention on one process: the rows'
+    convolution and recurrent states, each from its own sharded prefill, decoded as one batch."""
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(1, 50, (n,), generator=torch.Generator().manual_seed(n))
+        mask[row, width - n :] = 1
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=True, return_dict_in_generate=True)
+    torch.manual_seed(5)
+    ref = reference.generate(ids, output_logits=True, **kwargs)
+    torch.manual_seed(5)
+    with cp_compile.ContextParallel():
+        out = cp_compile.hf.generate(model, ids, output_logits=True, **kwargs)
+    logits = max(float((a - b).norm() / b.norm()) for a, b in zip(out.logits, ref.logits))
+    return torch.equal(out.sequences, ref.sequences), logits
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])  # linear-attention layers; Mamba beside attention
+def test_a_left_padded_batch_generates_as_one_process(ranks, family, world_size):
+    for same, logits in ranks(world_size, generate_a_left_padded_batch, family, [9, 1, 30, 5]):
+        assert same and logits < TOL, (family, logits)
+
+
 class _StopAtLength:
     """A user's stopping rule that reads the whole sequence: stops once it holds ``length`` tokens."""
 

@@ -61,14 +61,41 @@ def test_no_family_is_wrong_and_every_failure_is_known(rows):
     """A transformers upgrade that breaks a family, or a new family cp_compile gets wrong, fails here."""
     from cp_compile.tools.bench import models
 
+    phases = ("train", "generate", "batch")
     bad = {
-        name: (row["train"]["status"], row["generate"]["status"], models.detail(row))
+        name: (*(row[phase]["status"] for phase in phases), models.detail(row))
         for name, row in rows.items()
-        if {row["train"]["status"], row["generate"]["status"]}
-        - {"exact", "refused", "reference-failed", KNOWN.get(name)}
+        if {row[phase]["status"] for phase in phases} - {"exact", "refused", "reference-failed", KNOWN.get(name)}
     }
     assert not bad, bad
-    assert not [name for name, row in rows.items() if "wrong" in (row["train"]["status"], row["generate"]["status"])]
+    assert not [name for name, row in rows.items() if "wrong" in [row[phase]["status"] for phase in phases]]
+
+
+# a batch of left-padded prompts generated together from one sharded cache: full and sliding-window attention, soft
+# caps, sinks, MLA, and hybrids' convolution and recurrent states stacked per row
+BATCH_EXACT = ["llama", "qwen2", "mistral", "phimoe", "gemma2", "gpt_oss", "deepseek_v3", "ctrl", "qwen3_5_text"]
+BATCH_EXACT += ["qwen3_next", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "zamba"]
+# refused with the reason: indexer keys per sequence, learned positions that count padding, chunks that count padding,
+# layers sharing keys, states alone
+BATCH_REFUSED = {
+    "deepseek_v32": "indexed sparse attention",
+    "llama4_text": "chunked attention",
+    "gemma3n_text": "shares its keys",
+    "mamba2": "keep states alone",
+    "bloom": "WholeKVCache",
+}
+
+
+@pytest.mark.parametrize("family", BATCH_EXACT)
+def test_a_left_padded_batch_generates_exactly(rows, family):
+    row = rows[family]["batch"]
+    assert row["status"] == "exact" and row["first_diff"] is None and row["tokens"] == 4 * 12, row
+
+
+@pytest.mark.parametrize("family", sorted(BATCH_REFUSED))
+def test_a_batch_is_refused_with_its_reason(rows, family):
+    row = rows[family]["batch"]
+    assert row["status"] == "refused" and BATCH_REFUSED[family] in row["detail"], row
 
 
 @pytest.mark.parametrize("family", MUST_BE_EXACT)

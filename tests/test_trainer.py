@@ -117,8 +117,8 @@ def test_dpo_trainer_hybrid_on_a_mesh_with_precomputed_reference():
 
 
 def test_grpo_trainer_at_c3_with_reference_model_clipped_and_evaluated():
-    """TRL's GRPOTrainer at C=3 on tiny Qwen3: 3 completions per prompt sampled by every rank of the replica (the
-    same tokens as one process's), a reference model (beta > 0, the KL term), each batch trained on twice (the old
+    """TRL's GRPOTrainer at C=3 on tiny Qwen3: 3 completions per prompt generated sharded over the replica's ranks
+    (the same tokens as one process's), a reference model (beta > 0, the KL term), each batch trained on twice (the old
     policy's log-probabilities, clipping), rewards scaled by the batch's deviation (Bessel's correction over the
     replica's completions, each counted once), evaluated every 2 steps: every logged metric within 1e-4 of one
     process's (the KL against 1e-3 where smaller, examples/grpo_trl.py says why)."""
@@ -128,6 +128,7 @@ def test_grpo_trainer_at_c3_with_reference_model_clipped_and_evaluated():
         example=GRPO_EXAMPLE,
     )
     assert "GRPOTrainer under CP (C=3, torchrun), qwen3, loss dapo: step 4" in out
+    assert "completions generated sharded" in out  # cp_compile.hf.generate of the replica's left-padded prompts
     # 2 generations of 6 (each trained on twice), and 2 evaluations of the 8 prompts x 3
     assert "replica 0: 60 completions, the same token for token" in out
     assert "kl (against 1e-03 where smaller): 4 steps" in out and "eval_reward_std: 2 steps" in out
@@ -145,6 +146,7 @@ def test_grpo_trainer_hybrid_on_a_mesh_resumed_from_one_process():
         example=GRPO_EXAMPLE,
     )
     assert "GRPOTrainer under CP (C=2 x 2 replicas, accelerate), qwen3_5, loss dapo: step 4" in out
+    assert "completions generated sharded" in out
     assert "replica 1: 16 completions, the same token for token" in out
     assert "C=1 checkpoint of step 2 resumed at C=2: completions after it" in out
     assert "replica 1: 8 completions, the same token for token" in out

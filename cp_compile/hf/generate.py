@@ -9,7 +9,7 @@ already holds those tokens, so everything after the prefill (logits
 processors, sampling, stopping criteria, streamers, compiled decoding with a
 compileable cache) is transformers' own code, unchanged. A model of linear layers alone,
 whose cache has no length for ``generate`` to slice the prompt by, continues through
-``_continue_prefilled``, transformers' decoding loop started from the prompt's last token.
+``continued.continue_prefilled``, transformers' decoding loop started from the prompt's last token.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import sys
 import warnings
 from typing import Optional
 
@@ -34,11 +35,13 @@ from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel
 from .attention import NAME
+from .batched import cache_of_rows, why_not_in_rows
 from .cache import ShardedCache, drop_handed_step
 from .checks import model_calls_unfollowed, one_model_call_followed, prepare
+from .continued import continue_prefilled
 from .families import family_of
 from .family_caches import sharded_cache
-from .forward import same_tokens_on_every_rank
+from .forward import padding_kept_out, same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -66,18 +69,23 @@ def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
             f"cp_compile.hf.generate needs a model loaded with attn_implementation={NAME!r} "
             f"(it has {model.config._attn_implementation!r})"
         )
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise UnsupportedAttention(
-            f"cp_compile.hf.generate takes one prompt, input_ids [1, P]; got "
-            f"{tuple(input_ids.shape)} (a batch of prompts is not supported)"
-        )
+    if input_ids.dim() != 2:
+        raise UnsupportedAttention(f"cp_compile.hf.generate takes input_ids [B, P]; got {tuple(input_ids.shape)}")
     for name, what in _REFUSED.items():
         value = generate_kwargs.get(name, getattr(config, name, None))
         if value not in (None, 1, 0):
             raise UnsupportedAttention(f"cp_compile.hf.generate: {what} ({name}={value!r}) is not supported")
     mask = generate_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise UnsupportedAttention("cp_compile.hf.generate: a padded prompt (zeros in attention_mask) is not supported")
+    if mask is None:
+        return
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} is not the shape of input_ids {tuple(input_ids.shape)}")
+    real = mask.bool()
+    if not bool(real[:, -1].all()) or not bool((real[:, 1:] >= real[:, :-1]).all()):
+        raise UnsupportedAttention(
+            "cp_compile.hf.generate: padding must be on the left, each row's tokens last (padding_side='left'), "
+            "and every row needs a token"
+        )
 
 
 def _max_tokens(config, prompt: int) -> int:
@@ -128,63 +136,6 @@ def _same_on_every_rank(plan: ContextParallel, ids: Tensor) -> bool:
     return bool((gather_dim0(mine[None], plan.group_name, plan.world_size) == mine).all())
 
 
-class _SeesWholeSequence:
-    """A logits processor list or stopping criteria list called with the prompt's prefilled tokens put back in
-    front of the ids it is given, so that what reads the sequence (repetition penalties, lengths, a user's own
-    rules) sees what one process's ``generate`` shows it."""
-
-    def __init__(self, inner, prefix: Tensor):
-        self.inner, self.prefix = inner, prefix
-
-    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs):
-        return self.inner(torch.cat([self.prefix, input_ids], 1), scores, **kwargs)
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    @property
-    def max_length(self):
-        return self.inner.max_length
-
-
-def _continue_prefilled(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus=False,
-    streamer=None,
-    **model_kwargs,
-):
-    """``generate()``'s decoding loop (passed as its ``custom_generate``) for a model of linear layers alone,
-    whose cache holds the state after all but the prompt's last token.
-
-    ``generate()`` slices the prompt by the cache's length only when some layer has one; a recurrent state has
-    none, so it would feed the whole prompt again. transformers' own loop runs here from the last prompt token
-    instead, with processors and criteria built for the whole prompt; the prefix goes back on the result."""
-    prefix = input_ids[:, :-1]
-    if model_kwargs.get("attention_mask") is not None:  # all ones (checked): one column per token fed
-        model_kwargs["attention_mask"] = model_kwargs["attention_mask"][:, -1:]
-    result = type(model)._sample(
-        model,
-        input_ids[:, -1:],
-        logits_processor=_SeesWholeSequence(logits_processor, prefix),
-        stopping_criteria=_SeesWholeSequence(stopping_criteria, prefix),
-        generation_config=generation_config,
-        synced_gpus=synced_gpus,
-        streamer=streamer,
-        **model_kwargs,
-    )
-    if isinstance(result, Tensor):
-        return torch.cat([prefix, result], 1)
-    result.sequences = torch.cat([prefix, result.sequences], 1)
-    return result
-
-
 class SameTokensOnEveryRank(StoppingCriteria):
     """Hands each step's new tokens to the cache's ``Agreement``; they ride on the next step's first gather.
 
@@ -208,7 +159,10 @@ def keeps_no_cache(model, generate_kwargs: dict, config) -> bool:
     """Whether ``model.generate`` runs ``model`` without a transformers cache: asked to (``use_cache=False``, or a
     config that turns the cache off: MPT), or a model whose forward takes none (RWKV keeps a state of its own, OpenAI
     GPT nothing)."""
-    if not generate_kwargs.get("use_cache", config.use_cache):
+    asked = generate_kwargs.get("use_cache", config.use_cache)
+    if asked is None:  # unset (TRL's GenerationConfig): the model's generation config, then transformers' default
+        asked = getattr(model.generation_config, "use_cache", None)
+    if asked is False:
         return True
     parameters = inspect.signature(model.forward).parameters
     return not any(name in parameters for name in ("cache", "past_key_values"))
@@ -338,6 +292,64 @@ def _generate_whole(model, plan: ContextParallel, input_ids: Tensor, generate_kw
         return _StepsAgreed(plan).generate(model, input_ids, generate_kwargs)
 
 
+def why_not_batched(model, plan: ContextParallel, generate_kwargs: Optional[dict] = None) -> Optional[str]:
+    """Why ``generate`` cannot take a batch of (left-padded) prompts for ``model``, or None when it can."""
+    generate_kwargs = generate_kwargs or {}
+    family = family_of(model)
+    if family.generated_whole is not None:
+        return family.generated_whole
+    if keeps_no_cache(model, generate_kwargs, _generation_config(model, generate_kwargs)):
+        return "the generation keeps no cache"
+    if any(not call.causal for call in family.gathered.values()):
+        return "its prompt attends both ways"
+    if any(call.sharded_inside for call in family.gathered.values()):
+        return "its model cuts each sequence into patches of its own"
+    modeling = sys.modules[type(model).__module__]
+    if getattr(model.config, "is_decoder", None) is False and hasattr(modeling, "create_bidirectional_mask"):
+        return "an encoder's model (is_decoder=False) builds a bidirectional mask from the padding itself"
+    if family.fresh_states is not None:
+        return "it keeps states on its modules, one sequence's"
+    cache = sharded_cache(model, 1, plan)  # its layers allocate nothing until they are written
+    if all(cache.is_linear):
+        return "its layers keep states alone"
+    why = why_not_in_rows(cache)
+    if why is not None:
+        return why
+    # one process counts the padding into these positions; a row prefilled on its own would not
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no position_ids (one process counts each row's padding into its positions)"
+    if "chunked_attention" in (getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()):
+        return "chunked attention (one process counts each row's padding into its chunks)"
+    return None
+
+
+def _generate_rows(model, plan: ContextParallel, input_ids: Tensor, config, generate_kwargs: dict):
+    """``generate`` for a batch of prompts, left-padded: each prompt's real tokens but the last are prefilled
+    sharded on their own (``hf.batched``), then ``model.generate`` decodes the batch from the rows' stacked cache,
+    sampling every row at once as one process does."""
+    mask = generate_kwargs.get("attention_mask")
+    lengths = [input_ids.shape[1]] * input_ids.shape[0] if mask is None else mask.sum(1).tolist()
+    longest = _max_tokens(config, input_ids.shape[1])
+    prepare(model)
+    rows = []
+    for row, length in enumerate(lengths):
+        rows.append(sharded_cache(model, longest, plan))
+        if length > 1:
+            sharded_prefill(model, plan, rows[-1], input_ids[row : row + 1, -length:-1])
+    cache = cache_of_rows(plan, rows, input_ids.shape[1] - 1)
+    criteria = StoppingCriteriaList(
+        [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
+    )
+    try:
+        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank(), padding_kept_out():
+            result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+    finally:
+        drop_handed_step()
+    if cache.agreement.finish():
+        raise RuntimeError(_RANKS_DIFFERED)
+    return result
+
+
 def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kwargs):
     """``model.generate(input_ids, **generate_kwargs)`` under context parallelism, inside ``with plan:``.
 
@@ -348,8 +360,12 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     sampling (seed every rank the same) are supported; every new token is compared across the
     ranks, and ranks that differ all raise. A family that builds every step for its whole call
     (XLNet, Reformer: ``Family.generated_whole``) generates whole on every rank, C times its
-    compute, and warns. Beam search, several sequences per prompt, assisted decoding, contrastive
-    search, DoLa, ``max_time``, a batch of prompts and padding raise ``UnsupportedAttention``.
+    compute, and warns. ``input_ids [B, P]`` with ``attention_mask`` padded on the left is a batch
+    of prompts: each prompt is prefilled sharded on its own and the batch decoded together from
+    one cache (``hf.batched``), sampled as one process samples it; a family whose rows cannot
+    share one cache raises ``UnsupportedAttention`` with the reason (``why_not_batched``). Beam
+    search, several sequences per prompt, assisted decoding, contrastive search, DoLa,
+    ``max_time`` and right padding raise ``UnsupportedAttention``.
     """
     plan = active_plan()
     if plan is None:
@@ -363,6 +379,14 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
             "prompt, the same on every rank"
         )
     why_whole = family_of(model).generated_whole
+    mask = generate_kwargs.get("attention_mask")
+    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
+        why_not = why_not_batched(model, plan, generate_kwargs) or (
+            "the batch's cache is made from its rows (pass no cache)" if cache is not None else None
+        )
+        if why_not is not None:
+            raise UnsupportedAttention(f"cp_compile.hf.generate of a batch of prompts: {why_not}")
+        return _generate_rows(model, plan, input_ids, config, generate_kwargs)
     if why_whole is not None:
         if cache is not None:
             raise ValueError(
@@ -404,7 +428,7 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
     # fast path, would cost as much host time per step as the step's own Python
     if all_linear and input_ids.shape[1] > 1:
-        generate_kwargs["custom_generate"] = _continue_prefilled
+        generate_kwargs["custom_generate"] = continue_prefilled
     try:
         with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
             with prompt_call.on() if prompt_call is not None else contextlib.nullcontext():

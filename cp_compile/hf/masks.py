@@ -35,7 +35,7 @@ from ..active import active_plan
 from ..errors import UnsupportedAttention
 from .cache import runs_indexers_under_cp, runs_mixers_under_cp
 from .families import MIXER_LAYER_TYPES
-from .forward import count_call, in_gathered_module
+from .forward import count_call, in_gathered_module, padding_is_kept_out
 
 
 @dataclass(frozen=True)
@@ -275,6 +275,7 @@ def mask(*args, **kwargs):
         padding is not None
         and not isinstance(padding, MaskSpec)
         and not torch.compiler.is_compiling()
+        and not padding_is_kept_out()
         and not bool(padding.all())
     ):
         raise UnsupportedAttention(

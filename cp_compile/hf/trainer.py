@@ -45,9 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import tempfile
+import warnings
 import zlib
 from typing import Any, Optional
 
@@ -59,6 +61,7 @@ from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
 from .families import family_of
+from .generate import generate, why_not_batched
 from .replicas import ReplicaAccelerator, data_parallel_group, one_copy_per_replica
 from .rows import PackedRows, ScoredRows
 
@@ -97,6 +100,8 @@ class ContextParallelMixin:
         # a trainer that samples completions and scores them itself (TRL's GRPOTrainer)
         self._samples_completions = hasattr(type(self), "_generate_and_score_completions")
         self._rolled_out: Optional[dict[str, Any]] = None  # the step's inputs, generated before the plan is entered
+        # why a trainer that generates (GRPOTrainer) runs its generation whole on every rank; None: it is sharded
+        self.generated_whole: Optional[str] = None
         if self._samples_completions:
             # GRPOTrainer documents no extension point for its sampling and its reductions: the methods the mixin
             # overrides there must be the trainer's
@@ -149,6 +154,14 @@ class ContextParallelMixin:
             self._data_parallel = data_parallel_group(self.plan, self._replicas)
             # GRPOTrainer seeds each process apart (its own completions); the ranks of a replica sample as one process
             set_seed(trainer_args.seed + self._replica)
+            self.generated_whole = why_not_batched(self.accelerator.unwrap_model(self.model), self.plan)
+            if self.generated_whole is not None:
+                warnings.warn(
+                    f"{type(self).__name__}: every rank of a replica generates its completions whole (C times the "
+                    f"compute, one process's cache), since cp_compile.hf.generate cannot take a batch here: "
+                    f"{self.generated_whole}",
+                    stacklevel=2,
+                )
 
     # -- data: one replica per CP group ---------------------------------------------------------------
     def get_cp_size(self) -> int:
@@ -201,8 +214,8 @@ class ContextParallelMixin:
             return super().training_step(model, inputs, *args, **kwargs)
 
     def _training_step_on_completions(self, model, inputs, *args, **kwargs):
-        """GRPOTrainer's step: completions sampled outside the plan (``model.generate`` on the replica's prompts,
-        the same on each of its ranks), then the step inside it, and the backward in its rows' documents."""
+        """GRPOTrainer's step: completions sampled (``_generate_single_turn``) before the plan is entered for the
+        step, then the step inside it, and the backward in its rows' documents."""
         model.train()  # as the step begins: GRPOTrainer reads the mode when it generates
         self._rolled_out = self._prepare_inputs(inputs)
         rows = torch.cat([self._rolled_out["prompt_mask"], self._rolled_out["completion_mask"]], 1)
@@ -211,6 +224,19 @@ class ContextParallelMixin:
                 return super().training_step(model, self._rolled_out, *args, **kwargs)
         finally:
             self._rolled_out = None
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """GRPOTrainer's generation: the policy's ``generate``, which TRL calls on the replica's left-padded prompts,
+        is ``cp_compile.hf.generate`` under the plan for the call (each rank prefills 1/C of every prompt and keeps
+        1/C of its cache; every rank samples the batch as one process does)."""
+        if self.generated_whole is not None:
+            return super()._generate_single_turn(*args, **kwargs)
+        policy = self.accelerator.unwrap_model(self.model)
+        policy.generate = functools.partial(_generate_under, self.plan, policy)  # this instance, for this call
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            del policy.generate
 
     def _prepare_inputs(self, inputs):
         if not self._samples_completions:
@@ -368,6 +394,17 @@ class ContextParallelMixin:
             self.gather_function = gather
 
 
+def _generate_under(plan: ContextParallel, model, input_ids, **generate_kwargs):
+    """``model.generate`` as the mixin sets it on the policy for TRL's call: ``cp_compile.hf.generate``, which calls
+    the model's own ``generate`` (the instance's is set aside for the call)."""
+    sharded = model.__dict__.pop("generate")
+    try:
+        with plan:
+            return generate(model, input_ids, **generate_kwargs)
+    finally:
+        model.generate = sharded
+
+
 def _rng_file_of(process: int, processes: int) -> str:
     """The file ``Trainer`` keeps the random state of process ``process`` of ``processes`` in."""
     return "rng_state.pth" if processes == 1 else f"rng_state_{process}.pth"
@@ -384,7 +421,12 @@ def _with_trainer_args(args: tuple, kwargs: dict, trainer_args) -> tuple:
 
 # GRPOTrainer's methods that the mixin overrides: its batch preparation (where it samples), its rewards gathered from
 # every process, and its scoring calls.
-_SAMPLER_METHODS = ("_prepare_inputs", "_calculate_rewards", "_get_per_token_logps_and_entropies")
+_SAMPLER_METHODS = (
+    "_prepare_inputs",
+    "_generate_single_turn",
+    "_calculate_rewards",
+    "_get_per_token_logps_and_entropies",
+)
 
 
 def _sampling_per_replica(trainer_args, replicas: int, size: int, kwargs: dict):
@@ -393,7 +435,7 @@ def _sampling_per_replica(trainer_args, replicas: int, size: int, kwargs: dict):
     refused = {
         "use_vllm": "vLLM generation",
         "use_transformers_continuous_batching": "continuous-batching generation",
-        "torch_compile": "torch_compile (generation runs outside the plan, which a compiled model cannot)",
+        "torch_compile": "torch_compile (GRPO's generation and scoring are not compiled under CP yet)",
     }
     unsupported = [what for name, what in refused.items() if getattr(trainer_args, name, False)]
     unsupported += [f"{name}=" for name in ("tools", "environment_factory", "rollout_func") if kwargs.get(name)]

@@ -48,7 +48,8 @@ def cached_attention(
     tag: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``q [B, Hq, Lq, D]`` (the same on every rank) at positions ``q_pos [Lq]`` against this rank's
-    cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]``; returns the attention over every
+    cache ``k [B, Hkv, L, D], v [B, Hkv, L, Dv]`` at ``k_pos [L]`` (or ``[B, Lq]`` and ``[B, L]``: each row's own
+    positions, rows of different lengths); returns the attention over every
     rank's cache, (out in q's dtype, lse in the accumulator dtype), and every rank's ``tag [n]`` (in the
     accumulator dtype) as ``[C, n]``: a few numbers that ride on the collective, for checks between ranks
     that then cost no collective of their own (``inference.cache.Agreement``). Collective: every rank of
@@ -106,10 +107,11 @@ def check_cached_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Ten
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    if q_pos.shape != (q.shape[2],) or k_pos.shape != (k.shape[2],):
+    shared = q_pos.shape == (q.shape[2],) and k_pos.shape == (k.shape[2],)
+    if not shared and (q_pos.shape != (q.shape[0], q.shape[2]) or k_pos.shape != (k.shape[0], k.shape[2])):
         raise ValueError(
-            f"positions must be 1-D, one per query ({q.shape[2]}) and per cache slot ({k.shape[2]}); "
-            f"got {tuple(q_pos.shape)} and {tuple(k_pos.shape)}"
+            f"positions must be one per query ({q.shape[2]}) and per cache slot ({k.shape[2]}), the same for every "
+            f"row or [B, L] for each row's own; got {tuple(q_pos.shape)} and {tuple(k_pos.shape)}"
         )
     if acc_dtype(q.dtype) != acc_dtype(k.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k.dtype}")

@@ -20,14 +20,23 @@ EMPTY_POSITION = 2**62
 def positions_visible(q_pos: Tensor, k_pos: Tensor, left: int, chunk: int = 0) -> Tensor:
     """[Lq, Lk] bool: a key is visible to a query when it is not after it and, with ``left >= 0``,
     at most ``left`` positions before it (transformers' window ``w`` is ``left = w - 1``) and, with
-    ``chunk > 0``, in the same chunk of ``chunk`` positions (Llama 4's chunked attention)."""
-    behind = q_pos[:, None] - k_pos[None, :]
+    ``chunk > 0``, in the same chunk of ``chunk`` positions (Llama 4's chunked attention). Positions of each
+    row of a batch (``q_pos [B, Lq]``, ``k_pos [B, Lk]``: rows of different lengths) give ``[B, Lq, Lk]``."""
+    behind = q_pos[..., :, None] - k_pos[..., None, :]
     visible = behind >= 0
     if left >= 0:
         visible &= behind <= left
     if chunk > 0:
-        visible &= (q_pos[:, None] // chunk) == (k_pos[None, :] // chunk)
+        visible &= (q_pos[..., :, None] // chunk) == (k_pos[..., None, :] // chunk)
     return visible
+
+
+def _per_folded_row(visible: Tensor, group: int) -> Tensor:
+    """``positions_visible``'s mask for the rows of ``_fold_groups``: ``[G*Lq, Lk]``, or ``[B, 1, G*Lq, Lk]`` for
+    positions per batch row."""
+    if visible.dim() == 2:
+        return visible.repeat(group, 1)
+    return visible.repeat(1, group, 1).unsqueeze(1)
 
 
 def positions_attn(
@@ -61,7 +70,7 @@ def positions_attn(
         rows = slice(start, start + rows_per_block)
         n = q[:, :, rows].shape[2]
         qg = _fold_groups(q[:, :, rows].to(dt), hkv)
-        visible = positions_visible(q_pos[rows], k_pos, left, chunk).repeat(group, 1)
+        visible = _per_folded_row(positions_visible(q_pos[..., rows], k_pos, left, chunk), group)
         if fused:
             out, lse = _fused_masked(qg, keys, values, visible, scale)
         else:
@@ -86,15 +95,21 @@ def every_key_attn(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
 
 def visible_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(out in q's dtype, lse in the accumulator dtype) of ``q [B, Hq, Lq, D]`` against ``k, v`` (GQA) where
-    ``visible [Lq, Lk]``, every row seeing some key, as plain torch ops that a compiler lowers whole: SDPA for the
-    output, the log-sum-exp from the scores beside it, which a compiled graph drops where nothing reads it."""
+    ``visible [Lq, Lk]`` (or ``[B, Lq, Lk]``), every row seeing some key, as plain torch ops that a compiler lowers
+    whole: SDPA for the output, the log-sum-exp from the scores beside it, which a compiled graph drops where nothing
+    reads it."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=visible if visible.dim() == 2 else visible[:, None],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     b, hq, lq, _ = q.shape
     dt = acc_dtype(q.dtype)
     scores = torch.matmul(_fold_groups(q.to(dt), k.shape[1]), k.to(dt).transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores.masked_fill(~visible.repeat(hq // k.shape[1], 1), float("-inf")), dim=-1)
+    lse = torch.logsumexp(scores.masked_fill(~_per_folded_row(visible, hq // k.shape[1]), float("-inf")), dim=-1)
     return out, lse.reshape(b, hq, lq)
 
 

@@ -202,26 +202,58 @@ def _generate(model, reference, group) -> dict:
     """Greedy generation after a PROMPT-token prompt: cp_compile.hf.generate against model.generate."""
     import torch
 
+    prompt = torch.randint(first_id(model.config), ID_RANGE, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    return _generated_against(model, reference, group, prompt, {})
+
+
+# the batch phase's prompts, padded on the left to the longest: lengths that split unevenly over 2C chunks, and one
+# token (a row with nothing to prefill)
+BATCH_PROMPTS = (PROMPT, 1, PROMPT // 3, 5)
+
+
+def _generate_batch(model, reference, group) -> dict:
+    """Greedy generation of a batch of BATCH_PROMPTS, padded on the left: cp_compile.hf.generate against
+    model.generate of the same batch; ``refused`` with the reason where a batch cannot share one sharded cache."""
+    import torch
+
+    import cp_compile
+    from cp_compile.hf.generate import why_not_batched
+
+    why = why_not_batched(model, cp_compile.ContextParallel(group))
+    if why is not None:
+        return {"status": "refused", "detail": f"a batch: {why}"}
+    pad = first_id(model.config)
+    prompts = torch.full((len(BATCH_PROMPTS), max(BATCH_PROMPTS)), pad)
+    mask = torch.zeros_like(prompts)
+    for row, length in enumerate(BATCH_PROMPTS):
+        ids = torch.randint(pad, ID_RANGE, (length,), generator=torch.Generator().manual_seed(2 + row))
+        prompts[row, -length:], mask[row, -length:] = ids, 1
+    return _generated_against(model, reference, group, prompts, dict(attention_mask=mask, pad_token_id=pad))
+
+
+def _generated_against(model, reference, group, prompts, extra: dict) -> dict:
+    import torch
+
     import cp_compile
     import cp_compile.hf
 
-    prompt = torch.randint(first_id(model.config), ID_RANGE, (1, PROMPT), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True, **extra)
     try:
         reference.eval()
         with torch.no_grad():
-            ref = reference.generate(prompt, **kwargs)
+            ref = reference.generate(prompts, **kwargs)
     except Exception as e:  # noqa: BLE001
         return _reference_failed(e)
     plan = cp_compile.ContextParallel(group)
     try:
         model.eval()
         with plan, torch.no_grad():
-            out = cp_compile.hf.generate(model, prompt, **kwargs)
+            out = cp_compile.hf.generate(model, prompts, **kwargs)
     except Exception as e:  # noqa: BLE001
         status, detail = outcome(e)
         return {"status": status, "detail": detail}
-    mine, theirs = out.sequences[0, PROMPT:].tolist(), ref.sequences[0, PROMPT:].tolist()
+    width = prompts.shape[1]
+    mine, theirs = out.sequences[:, width:].flatten().tolist(), ref.sequences[:, width:].flatten().tolist()
     steps = min(len(out.logits), len(ref.logits))
     logits = _rel(torch.stack(out.logits[:steps]), torch.stack(ref.logits[:steps])) if steps else 0.0
     first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
@@ -236,6 +268,9 @@ def _generate(model, reference, group) -> dict:
     }
 
 
+PHASES = ("train", "generate", "batch")  # a batch: left-padded prompts generated together
+
+
 def family_on_rank(name: str, group_timeout: float = GROUP_TIMEOUT_S) -> dict:
     """Runs on every rank: build the family's tiny model twice (CP, reference), then both phases.
 
@@ -247,7 +282,7 @@ def family_on_rank(name: str, group_timeout: float = GROUP_TIMEOUT_S) -> dict:
 
     import cp_compile.hf  # noqa: F401  (registers attn_implementation="cp_compile")
 
-    groups = [dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout)) for _ in range(2)]
+    groups = [dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout)) for _ in PHASES]
     try:
         with _quiet(), contextlib.redirect_stdout(io.StringIO()):  # some model code prints
             return _family(name, groups)
@@ -284,7 +319,7 @@ def _family(name: str, groups) -> dict:
     except Exception as e:  # noqa: BLE001
         failed = _reference_failed(e)
         failed["detail"] = failed["detail"].replace("one process:", "building the tiny model:", 1)
-        return {**row, "train": failed, "generate": dict(failed)}
+        return {**row, **{phase: dict(failed) for phase in PHASES}}
     try:
         model = _build(cls, config, "cp_compile")
         model.load_state_dict(reference.state_dict())
@@ -296,13 +331,13 @@ def _family(name: str, groups) -> dict:
                 f"transformers cannot build {cls.__name__} with attn_implementation='cp_compile': the model "
                 f"looks its attention classes up by name ({detail}); cp_compile never runs"
             )
-        return {**row, "train": {"status": status, "detail": detail}, "generate": {"status": status, "detail": detail}}
+        return {**row, **{phase: {"status": status, "detail": detail} for phase in PHASES}}
     row.update(
         parameters=sum(p.numel() for p in model.parameters()),
         route=family_of(model).route,
         takes_position_ids="position_ids" in inspect.signature(type(model).forward).parameters,
     )
-    for phase, run, group in (("train", _train, groups[0]), ("generate", _generate, groups[1])):
+    for phase, run, group in zip(PHASES, (_train, _generate, _generate_batch), groups):
         row[phase] = run(model, reference, group)
         # every rank waits here for the others to finish the phase (on the default group, whose timeout outlasts a
         # phase group's): a rank that raised early must not start the next phase's collectives while another still

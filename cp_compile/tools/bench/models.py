@@ -20,7 +20,10 @@ On C local gloo ranks (one warm ``RankPool`` for the whole sweep), with
   magnitude of the reference's);
 - **generate**: ``cp_compile.hf.generate(model, prompt, max_new_tokens=12,
   do_sample=False)`` after a 37-token prompt against ``model.generate`` on
-  one process: the tokens (and the logits of every step).
+  one process: the tokens (and the logits of every step);
+- **batch**: the same for a batch of four prompts (37, 1, 12 and 5 tokens)
+  padded on the left and generated together, or ``refused`` with the reason a
+  batch cannot share one sharded cache (``hf.generate.why_not_batched``).
 
 Each phase is ``exact`` (within ``TOL``), ``refused`` (one of cp_compile's
 own errors: ``UnsupportedAttention``, ``LocalAttentionError``, or a
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 from .model_configs import FAMILY_TIMEOUT_S, NEW, PROMPT, STATUSES, TOL, causal_lm_families, skip_reason
-from .model_run import _first_line, family_on_rank, seq_len
+from .model_run import PHASES, _first_line, family_on_rank, seq_len
 
 # --- the sweep, on the caller's side ------------------------------------------------------------------------
 
@@ -120,9 +123,9 @@ def run_family(run: Callable, name: str, timeout: float = FAMILY_TIMEOUT_S) -> d
         else:
             detail = f"{type(e).__name__}: {_first_line(e)}"
         phase = {"status": "failed", "detail": detail}
-        return {"family": name, "train": phase, "generate": dict(phase), "seconds": time.perf_counter() - start}
-    row = {k: v for k, v in per_rank[0].items() if k not in ("train", "generate")}
-    for phase in ("train", "generate"):
+        return {"family": name, **{p: dict(phase) for p in PHASES}, "seconds": time.perf_counter() - start}
+    row = {k: v for k, v in per_rank[0].items() if k not in PHASES}
+    for phase in PHASES:
         row[phase] = _merge_phase([r[phase] for r in per_rank])
     row["seconds"] = time.perf_counter() - start
     return row
@@ -156,27 +159,30 @@ def detail(row: dict) -> str:
         text = train["detail"]
     else:
         text = f"train: {describe_phase(train)}; generate: {describe_phase(gen)}"
+    batch = row["batch"]
+    if batch.get("detail") != train.get("detail"):  # a failure before the phases says the same for all three
+        text += f"; batch: {describe_phase(batch)}"
     return f"{text} [{row['note']}]" if row.get("note") else text
 
 
-COLUMNS = (26, 16, 16)
+COLUMNS = (26, 16, 16, 16)
 
 
 def table_header() -> str:
-    return f"{'family':<{COLUMNS[0]}} {'train':<{COLUMNS[1]}} {'generate':<{COLUMNS[2]}} detail"
+    return f"{'family':<{COLUMNS[0]}} {'train':<{COLUMNS[1]}} {'generate':<{COLUMNS[2]}} {'batch':<{COLUMNS[3]}} detail"
 
 
 def table_row(row: dict) -> str:
     return (
         f"{row['family']:<{COLUMNS[0]}} {_status(row, 'train'):<{COLUMNS[1]}} "
-        f"{_status(row, 'generate'):<{COLUMNS[2]}} {detail(row)}"
+        f"{_status(row, 'generate'):<{COLUMNS[2]}} {_status(row, 'batch'):<{COLUMNS[3]}} {detail(row)}"
     )
 
 
 def summary(rows: list[dict]) -> str:
     ran = [r for r in rows if not r.get("skipped")]
     parts = [f"{len(rows)} families: {len(ran)} run, {len(rows) - len(ran)} skipped"]
-    for phase in ("train", "generate"):
+    for phase in PHASES:
         counts = {s: sum(r[phase]["status"] == s for r in ran) for s in STATUSES}
         parts.append(f"{phase}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
     return "; ".join(parts)
@@ -202,12 +208,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"*{summary(rows)}.*",
         "",
-        "| Family | Train | Generate | Route | Detail |",
-        "|---|---|---|---|---|",
+        "| Family | Train | Generate | Batch | Route | Detail |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {_route(row)} | "
-        f"{cell(detail(row))} |"
+        f"| `{row['family']}` | {_status(row, 'train')} | {_status(row, 'generate')} | {_status(row, 'batch')} | "
+        f"{_route(row)} | {cell(detail(row))} |"
         for row in rows
     ]
     return "\n".join(lines) + "\n"
@@ -274,8 +280,4 @@ def main(args: argparse.Namespace) -> int:
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-    return (
-        1
-        if any(not r.get("skipped") and "wrong" in (r["train"]["status"], r["generate"]["status"]) for r in rows)
-        else 0
-    )
+    return 1 if any(not r.get("skipped") and "wrong" in [r[phase]["status"] for phase in PHASES] for r in rows) else 0
