@@ -2,8 +2,8 @@
 
 A plan's sharded prefill takes one sequence (its padding-free packed layout has no padding mask), so
 ``cp_compile.hf.generate`` given a batch prefills each prompt's real tokens on its own, into a single-row
-cache, and ``cache_of_rows`` stacks those rows into the cache that ``model.generate`` then decodes the batch
-with: each attention layer an ``inference.rows.RowsShard`` (every row its own positions and round robin), each
+cache, and ``CacheOfRows`` stacks those rows, one at a time, into the cache that ``model.generate`` then decodes
+the batch with: each attention layer an ``inference.rows.RowsShard`` (every row its own positions and round robin), each
 convolution or recurrent state the rows' states stacked on the batch dimension. The padding is in no cache
 slot and in no state, which is what one process's padding mask achieves.
 """
@@ -63,29 +63,50 @@ def _stack_states(target: ReplicatedLinearLayer, rows: list[ReplicatedLinearLaye
         target.device, target.dtype = held[0].device, held[0].dtype
 
 
-def _rows_layer(plan: ContextParallel, rows: list, width: int):
-    first = rows[0]
-    if isinstance(first, ShardedLayer):
-        if isinstance(first, ShardedHybridLayer):
-            layer = ShardedHybridRowsLayer(plan, first.max_tokens, first.window, first.number_of_states)
-            _stack_states(layer, rows)
-        else:
-            layer = ShardedRowsLayer(plan, first.max_tokens, first.window)
-        layer.take_rows(rows, width)
-        layer.is_initialized = layer.keys is not None
-        return layer
-    if isinstance(first, ReplicatedLinearLayer):
-        layer = ReplicatedLinearLayer(plan, first.number_of_states)
-        _stack_states(layer, rows)
-        return layer
-    return first  # nothing kept
+def _rows_layer(plan: ContextParallel, first, batch: int, width: int):
+    """The batch's layer in the place of ``first``, one sequence's layer."""
+    if isinstance(first, ShardedHybridLayer):
+        layer = ShardedHybridRowsLayer(plan, first.max_tokens, first.window, first.number_of_states)
+    elif isinstance(first, ShardedLayer):
+        layer = ShardedRowsLayer(plan, first.max_tokens, first.window)
+    elif isinstance(first, ReplicatedLinearLayer):
+        return ReplicatedLinearLayer(plan, first.number_of_states)
+    else:
+        return first  # nothing kept
+    layer.start_rows(batch, width)
+    return layer
 
 
-def cache_of_rows(plan: ContextParallel, rows: list[ShardedCache], width: int) -> ShardedCache:
-    """One cache for the batch of ``rows`` (single-row caches, each prefilled with one prompt, or empty for a
-    one-token prompt), standing for a left-padded batch whose ``width`` tokens the model is told it holds."""
-    cache = rows[0]
-    cache.layers = [_rows_layer(plan, [row.layers[i] for row in rows], width) for i in range(len(cache.layers))]
-    for index, layer in enumerate(cache.layers):
-        layer.agreement, layer.index = cache.agreement, index
-    return cache
+class CacheOfRows:
+    """One cache for a batch of ``batch`` sequences, standing for a left-padded batch whose ``width`` tokens the
+    model is told it holds; ``add`` takes each sequence's single-row cache in turn (prefilled, or empty for a
+    one-token prompt), whose K/V are copied into the batch's buffers and freed at once."""
+
+    def __init__(self, plan: ContextParallel, batch: int, width: int):
+        self.plan, self.batch, self.width = plan, batch, width
+        self.first: Optional[ShardedCache] = None
+        self.layers: list = []
+        self.rows: list[list] = []  # per layer, each sequence's layer (its K/V freed; its states kept)
+
+    def add(self, single: ShardedCache) -> None:
+        if self.first is None:
+            self.first = single
+            self.layers = [_rows_layer(self.plan, layer, self.batch, self.width) for layer in single.layers]
+            self.rows = [[] for _ in single.layers]
+        row = len(self.rows[0])
+        for layer, mine, rows in zip(self.layers, single.layers, self.rows):
+            if isinstance(layer, RowsShard):
+                layer.take_row(row, mine)
+                layer.is_initialized = layer.keys is not None
+            rows.append(mine)
+
+    def cache(self) -> ShardedCache:
+        """The batch's cache, once every sequence was added (the first sequence's cache, its layers replaced)."""
+        cache = self.first
+        for layer, rows in zip(self.layers, self.rows):
+            if isinstance(layer, ReplicatedLinearLayer):
+                _stack_states(layer, rows)
+        cache.layers = self.layers
+        for index, layer in enumerate(cache.layers):
+            layer.agreement, layer.index = cache.agreement, index
+        return cache

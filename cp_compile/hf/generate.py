@@ -35,7 +35,7 @@ from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
 from ..plan import ContextParallel
 from .attention import NAME
-from .batched import cache_of_rows, why_not_in_rows
+from .batched import CacheOfRows, why_not_in_rows
 from .cache import ShardedCache, drop_handed_step
 from .checks import model_calls_unfollowed, one_model_call_followed, prepare
 from .continued import continue_prefilled
@@ -331,12 +331,13 @@ def _generate_rows(model, plan: ContextParallel, input_ids: Tensor, config, gene
     lengths = [input_ids.shape[1]] * input_ids.shape[0] if mask is None else mask.sum(1).tolist()
     longest = _max_tokens(config, input_ids.shape[1])
     prepare(model)
-    rows = []
+    rows = CacheOfRows(plan, len(lengths), input_ids.shape[1] - 1)
     for row, length in enumerate(lengths):
-        rows.append(sharded_cache(model, longest, plan))
+        single = sharded_cache(model, longest, plan)
         if length > 1:
-            sharded_prefill(model, plan, rows[-1], input_ids[row : row + 1, -length:-1])
-    cache = cache_of_rows(plan, rows, input_ids.shape[1] - 1)
+            sharded_prefill(model, plan, single, input_ids[row : row + 1, -length:-1])
+        rows.add(single)
+    cache = rows.cache()
     criteria = StoppingCriteriaList(
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
     )

@@ -1,8 +1,8 @@
 """A KV cache shard for a batch of sequences of different lengths (left-padded prompts decoded together).
 
 Each row is first a ``CacheShard`` of its own: its prompt, padding left out, is prefilled sharded as one
-sequence, so row b's slots carry row b's positions from 0. ``RowsShard.take_rows`` stacks those rows on
-the batch dimension, with the bookkeeping that ``CacheShard`` keeps as scalars (tokens seen, where round
+sequence, so row b's slots carry row b's positions from 0. ``RowsShard.take_row`` copies each such row into
+its place on the batch dimension, with the bookkeeping that ``CacheShard`` keeps as scalars (tokens seen, where round
 robin starts, this rank's next slot) kept per row, so that decoding appends one token to every row in one
 step: token p of row b goes to rank ``(p - start_b) % C``, as the row's own shard would have placed it.
 Attention masks by each row's own positions (``cp::cached_attention`` with ``[B, L]`` positions); padding
@@ -21,31 +21,39 @@ from .cache import CacheShard, Step
 
 
 class RowsShard(CacheShard):
-    """``CacheShard`` whose rows are sequences of their own lengths; made by ``take_rows``, then appended to."""
+    """``CacheShard`` whose rows are sequences of their own lengths; filled by ``start_rows`` and ``take_row``,
+    then appended to."""
 
     # the padded batch's width the model was told the cache holds (transformers slices its next input by it)
     width = 0
 
-    def take_rows(self, rows: list[CacheShard], width: int) -> None:
-        """Stack ``rows`` (one single-row shard per sequence, as sharded prefills left them; a row whose prompt was
-        one token holds nothing) as this shard's batch; ``width``: the tokens of the padded batch they stand for."""
-        held = [row for row in rows if row.keys is not None]
-        device = held[0].keys.device if held else torch.device("cpu")
-        self.positions = torch.stack([row.positions.to(device) for row in rows])
+    def start_rows(self, batch: int, width: int) -> None:
+        """Hold ``batch`` rows, each empty until ``take_row`` (a one-token prompt's row stays so: nothing to
+        prefill); ``width``: the tokens of the padded batch they stand for."""
+        self.positions = torch.full((batch, self.capacity + 1), EMPTY_POSITION, dtype=torch.int64)
         for name in ("seen", "_append_start", "_append_slot"):
-            setattr(self, name, torch.stack([getattr(row, name).to(device) for row in rows]))
-        self._rank = self._rank.to(device)
-        if held:
-            template = held[0]
-            self.keys = torch.cat([r.keys if r.keys is not None else torch.zeros_like(template.keys) for r in rows])
-            self.values = torch.cat(
-                [r.values if r.values is not None else torch.zeros_like(template.values) for r in rows]
-            )
+            setattr(self, name, torch.zeros(batch, dtype=torch.int64))
         self.width = width
         self.host_seen = width
 
+    def take_row(self, row: int, shard: CacheShard) -> None:
+        """Copy ``shard`` (one sequence, as its sharded prefill left it) into row ``row``, and free its K/V: rows
+        added one at a time keep one row's copy at most beside the batch's buffers."""
+        if shard.keys is None:
+            return
+        if self.keys is None:
+            batch = self.positions.shape[0]
+            self.keys = shard.keys.new_zeros(batch, *shard.keys.shape[1:])
+            self.values = shard.values.new_zeros(batch, *shard.values.shape[1:])
+            for name in ("positions", "_rank", "seen", "_append_start", "_append_slot"):
+                setattr(self, name, getattr(self, name).to(shard.keys.device))
+        self.keys[row], self.values[row] = shard.keys[0], shard.values[0]
+        for name in ("positions", "seen", "_append_start", "_append_slot"):
+            getattr(self, name)[row] = getattr(shard, name)
+        shard.keys = shard.values = None
+
     def prefill(self, k: Tensor, v: Tensor, positions: Tensor, tokens: int) -> None:
-        raise ValueError("a cache of rows is made from prefilled rows (RowsShard.take_rows), not prefilled itself")
+        raise ValueError("a cache of rows is made from prefilled rows (RowsShard.take_row), not prefilled itself")
 
     def stored(self) -> int:
         return self.width
