@@ -91,6 +91,8 @@ def train(opts) -> None:
         top_entropy_quantile=opts.entropy_quantile,
         num_iterations=opts.iterations,
         steps_per_generation=opts.steps_per_generation,
+        log_completions=opts.log_completions,
+        num_completions_to_print=1,
         bf16=False,
         # how GRPOTrainer loads the reference model (beta above 0): from the policy's files
         model_init_kwargs={"attn_implementation": "cp_compile", "dtype": torch.float32},
@@ -122,7 +124,11 @@ def train(opts) -> None:
     if trainer.is_world_process_zero():
         # how the completions were generated: sharded (cp_compile.hf.generate), or why every rank ran them whole
         route = getattr(trainer, "generated_whole", "one process") or "sharded"
-        Path(opts.out).write_text(json.dumps({"history": trainer.state.log_history, "generation": route}))
+        # the completions table GRPOTrainer keeps for log_completions (its last generation batch)
+        table = {key: list(trainer._logs[key]) for key in ("prompt", "completion", "advantages")}
+        table["rewards"] = {name: list(values) for name, values in trainer._logs["rewards"].items()}
+        out = {"history": trainer.state.log_history, "generation": route, "table": table}
+        Path(opts.out).write_text(json.dumps(out))
     del trainer  # before the process groups (examples/sft_trl.py says why)
     gc.collect()
     if dist.is_initialized():
@@ -140,6 +146,8 @@ def launch(opts, *, processes: int, cp: int, out: Path, output_dir: Path, extra=
     worker += ["--entropy-quantile", str(opts.entropy_quantile), "--iterations", str(opts.iterations)]
     if opts.steps_per_generation:
         worker += ["--steps-per-generation", str(opts.steps_per_generation)]
+    if opts.log_completions:
+        worker += ["--log-completions"]
     run_script(worker + list(extra), processes, opts.launcher)
     replicas = processes // cp
     scored = [json.loads(Path(f"{out}.completions{r}").read_text()) for r in range(replicas)]
@@ -177,6 +185,18 @@ def same_completions(run: list, reference: list, after: int = -1) -> bool:
     return True
 
 
+def same_table(mine: Path, reference: Path) -> bool:
+    """Whether the completions table (``log_completions``) of a run under CP holds one process's rows: the same
+    prompts and completions in the same order, rewards and advantages equal (they are fp32 numbers of the same
+    completions)."""
+    ours, theirs = (json.loads(path.read_text())["table"] for path in (mine, reference))
+    same = ours == theirs
+    rows = len(theirs["completion"])
+    verdict = "the same as" if same else "NOT the same as"
+    print(f"completions table (log_completions): {rows} rows, {verdict} one process's")
+    return same
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_compared_run_options(p)
@@ -200,6 +220,11 @@ def main() -> int:
     p.add_argument("--scale-rewards", default="group", help="GRPOConfig.scale_rewards: group, batch or none")
     p.add_argument("--entropy-quantile", type=float, default=1.0, help="GRPOConfig.top_entropy_quantile")
     p.add_argument("--model", choices=("llama", "qwen3", "qwen3_5"), default="qwen3", help="Qwen3.5 is a hybrid")
+    p.add_argument(
+        "--log-completions",
+        action="store_true",
+        help="GRPOConfig.log_completions; with --compare, the completions table against one process's",
+    )
     opts = p.parse_args()
     if opts.worker:
         train(opts)
@@ -243,6 +268,8 @@ def main() -> int:
             compare(label(name, opts.beta), cp[name], reference[name], floors(name, opts.beta, reference[name]))
             for name in sorted(cp)
         )
+        if opts.log_completions:
+            same = same_table(work / "cp.json", work / "reference.json") and same
         curves = {"one process": reference["loss"], f"CP {where}": cp["loss"]}
         if opts.resume_at:
             stopped = work / ("cp" if stop_cp == opts.cp else "reference")

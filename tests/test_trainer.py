@@ -139,12 +139,16 @@ def test_grpo_trainer_hybrid_on_a_mesh_resumed_from_one_process():
     """Qwen3.5 (Gated DeltaNet beside full attention) under GRPOTrainer on 4 processes launched by accelerate, 2
     replicas of C=2, against DDP on 2 processes (each replica samples its DDP process's completions), then the DDP
     run's checkpoint of step 2 resumed on the 2x2 mesh: the same completions after the resume (the random state of
-    each replica is checkpointed as its process's) and every logged metric within 1e-4."""
+    each replica is checkpointed as its process's), every logged metric within 1e-4, and the completions table of
+    log_completions one process's."""
     out = run_example(
         *("--compare", "--model", "qwen3_5", "--dp", "2", "--launcher", "accelerate", "--beta", "0.04"),
-        *("--stop-cp", "1", "--resume-at", "2"),
+        *("--stop-cp", "1", "--resume-at", "2", "--log-completions"),
         example=GRPO_EXAMPLE,
     )
+    # GRPOTrainer's completions table: each completion once, in one process's order (gathered C times from every
+    # process, the first rank of each replica kept)
+    assert "completions table (log_completions): 8 rows, the same as one process's" in out
     assert "GRPOTrainer under CP (C=2 x 2 replicas, accelerate), qwen3_5, loss dapo: step 4" in out
     assert "completions generated sharded" in out
     assert "replica 1: 16 completions, the same token for token" in out
@@ -562,9 +566,9 @@ def test_ranks_of_a_replica_that_sampled_differently_are_refused(ranks):
 
 
 def test_a_trainer_that_generates_refuses_what_its_ranks_cannot_share():
-    """GRPOConfig under CP: vLLM and continuous batching, tools (each rank would call them), a completions table
-    over several replicas and a generation batch without whole groups are refused by name; the generation batch
-    becomes R processes' (TRL sized it for every process)."""
+    """GRPOConfig under CP: vLLM and continuous batching, tools (each rank would call them), torch_compile and a
+    generation batch without whole groups are refused by name; the generation batch becomes R processes' (TRL sized
+    it for every process)."""
     from trl import GRPOConfig
 
     import cp_compile
@@ -584,8 +588,8 @@ def test_a_trainer_that_generates_refuses_what_its_ranks_cannot_share():
         _sampling_per_replica(config(use_vllm=True), replicas=1, size=2, kwargs={})
     with pytest.raises(cp_compile.UnsupportedAttention, match="tools="):
         _sampling_per_replica(config(), replicas=1, size=2, kwargs={"tools": [print]})
-    with pytest.raises(cp_compile.UnsupportedAttention, match="log_completions with several replicas"):
-        _sampling_per_replica(config(log_completions=True), replicas=2, size=2, kwargs={})
+    with pytest.raises(cp_compile.UnsupportedAttention, match="torch_compile"):
+        _sampling_per_replica(config(torch_compile=True), replicas=1, size=2, kwargs={})
     odd = config(per_device_train_batch_size=3, num_generations=3)
     odd.num_generations = 2  # 3 completions per replica cannot hold pairs
     with pytest.raises(ValueError, match="whole groups of 2 generations"):

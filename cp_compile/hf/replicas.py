@@ -10,6 +10,8 @@ the process it stands for computes in a run of R processes without CP (one proce
 
 from __future__ import annotations
 
+import contextlib
+from collections import defaultdict, deque
 from typing import Any, Optional
 
 import torch
@@ -96,3 +98,37 @@ def one_copy_per_replica(every: Tensor, size: int, replicas: int) -> Tensor:
 
 
 __all__ = ["ReplicaAccelerator", "data_parallel_group", "one_copy_per_replica"]
+
+
+# What TRL's GRPOTrainer keeps for its completions table from tensors the mixin already reduced to one copy per
+# replica (the rewards, and the advantages computed from them); the rest of its ``_logs`` it gathers from every
+# process with accelerate's ``gather_object``: C copies of each replica's
+_ONE_COPY_PER_REPLICA = ("rewards", "advantages")
+
+
+@contextlib.contextmanager
+def completions_logged_once(trainer, size: int):
+    """Inside, ``trainer._logs`` (GRPOTrainer's completions table, deques of a bounded length) is a fresh unbounded
+    copy; after, what was logged there goes to the trainer's own, each completion once: of the entries gathered
+    from every process, those of each replica's first rank. Bounded deques would drop the start of C copies."""
+    kept = trainer._logs
+    trainer._logs = {
+        key: defaultdict(deque) if isinstance(value, defaultdict) else deque() for key, value in kept.items()
+    }
+    try:
+        yield
+    finally:
+        logged, trainer._logs = trainer._logs, kept
+        for key, value in logged.items():
+            columns = value.items() if isinstance(value, defaultdict) else [(None, value)]
+            for column, entries in columns:
+                once = list(entries) if key in _ONE_COPY_PER_REPLICA else _first_of_each_replica(entries, size)
+                (kept[key] if column is None else kept[key][column]).extend(once)
+
+
+def _first_of_each_replica(entries, size: int) -> list:
+    """The entries an all-gather over every process returned (each rank's, in rank order), those of the ranks
+    that are first in their replica."""
+    entries, processes = list(entries), dist.get_world_size()
+    per_rank = len(entries) // processes
+    return [e for rank in range(0, processes, size) for e in entries[rank * per_rank : (rank + 1) * per_rank]]

@@ -62,7 +62,7 @@ from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
 from .families import family_of
 from .generate import generate, why_not_batched
-from .replicas import ReplicaAccelerator, data_parallel_group, one_copy_per_replica
+from .replicas import ReplicaAccelerator, completions_logged_once, data_parallel_group, one_copy_per_replica
 from .rows import PackedRows, ScoredRows
 
 
@@ -243,7 +243,7 @@ class ContextParallelMixin:
             return super()._prepare_inputs(inputs)
         if inputs is self._rolled_out:  # the step's, prepared before the plan was entered
             return inputs
-        with self._seen_per_replica():
+        with self._seen_per_replica(), completions_logged_once(self, self.plan.world_size):
             return super()._prepare_inputs(inputs)
 
     @contextlib.contextmanager
@@ -439,8 +439,6 @@ def _sampling_per_replica(trainer_args, replicas: int, size: int, kwargs: dict):
     }
     unsupported = [what for name, what in refused.items() if getattr(trainer_args, name, False)]
     unsupported += [f"{name}=" for name in ("tools", "environment_factory", "rollout_func") if kwargs.get(name)]
-    if replicas > 1 and getattr(trainer_args, "log_completions", False):
-        unsupported.append("log_completions with several replicas (the table gathers each completion C times)")
     if unsupported:
         raise UnsupportedAttention(
             f"not supported for a trainer that generates under context parallelism: {', '.join(unsupported)}. Each "
