@@ -1,10 +1,10 @@
-"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``step``, ``models`` and
-``mixers``, ``indexed`` and ``gpu-check``."""
+"""Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``generate-batch``, ``step``,
+``models``, ``mixers``, ``indexed`` and ``gpu-check``."""
 
 import argparse
 import sys
 
-from .tools import bench, demo, generate, gpu_check
+from .tools import bench, demo, generate, generate_batch, gpu_check
 from .tools.bench import accuracy, indexed, mixers, models, step
 
 # command -> (its module, its help); each module gives add_arguments(parser) and main(args)
@@ -18,6 +18,10 @@ COMMANDS = {
     "generate": (
         generate,
         "Hugging Face generate under CP vs one process: tokens, prefill tokens/s, decode ms/token, cache memory",
+    ),
+    "generate-batch": (
+        generate_batch,
+        "a batch of left-padded prompts generated together under CP vs one process: tokens, seconds, K/V per rank",
     ),
     "step": (
         step,

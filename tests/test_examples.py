@@ -35,6 +35,23 @@ def test_train_packed_example(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_generate_batch_command():
+    """``python -m cp_compile generate-batch`` on a small model with a window layer: the rows' tokens match one
+    process's (it exits 1 otherwise), and each rank holds less K/V than one process."""
+    args = ["-C", "2", "-P", "40,1,17", "--new", "6", "--arch", "qwen2", "--hidden", "64", "--layers", "2"]
+    run = subprocess.run(
+        [sys.executable, "-m", "cp_compile", "generate-batch", *args, "--window", "8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    row = run.stdout.strip().splitlines()[-1].split()
+    assert row[:2] == ["2", "True"], run.stdout
+    assert float(row[4]) < float(row[6]), run.stdout  # K/V per rank against one process's (MB)
+
+
 def test_generate_command(tmp_path):
     """``python -m cp_compile generate`` on a small model: it exits 1 if any token differs from one process."""
     out, plot = tmp_path / "rows.json", tmp_path / "generate.png"
