@@ -32,10 +32,11 @@ A trainer that scores padded rows itself (TRL's ``DPOTrainer``: a batch without 
 ``completion_mask``) keeps its own loss and metrics: its model calls run sharded, each row a packed document, and
 give their per-token outputs back whole on every rank of the replica (``rows.ScoredRows``).
 
-A trainer that samples completions and scores them itself (TRL's ``GRPOTrainer``) generates outside the plan, each
-rank of a replica the replica's completions with the replica's random state (the same tokens on each), scores them
-sharded as above, and computes its advantages, loss and metrics seeing the replica as one process
-(``replicas.ReplicaAccelerator``): its gathers and reductions then count each completion once.
+A trainer that samples completions and scores them itself (TRL's ``GRPOTrainer``) generates them sharded
+(``cp_compile.hf.generate`` of the replica's left-padded prompts, every rank sampling with the replica's random
+state: the same tokens on each, one process's), scores them sharded as above, and computes its advantages, loss
+and metrics seeing the replica as one process (``replicas.ReplicaAccelerator``): its gathers and reductions then
+count each completion once.
 
 Checkpoints hold nothing that depends on C: a run saved at one CP degree resumes at another (the random state of a
 replica saved under the name of the process it stands for).
