@@ -485,6 +485,10 @@ def refusals():
             refused(name, lambda: generate(**kwargs))
         refused("model.generate", lambda: model.generate(ids, max_new_tokens=4))  # the prompt would not be sharded
         refused("other prompts", lambda: generate(ids=_prompt(9) + dist.get_rank()))
+        # the same ids, padding on one rank alone: the mask decides the route (a batch's), so it is agreed too
+        other_mask = torch.ones(1, 9, dtype=torch.long)
+        other_mask[0, 0] = dist.get_rank() == 0
+        refused("other masks", lambda: generate(attention_mask=other_mask))
         torch.manual_seed(dist.get_rank())  # sampling seeded differently on each rank
         refused(
             "other seeds",
@@ -521,6 +525,7 @@ def test_what_generation_under_cp_refuses(ranks):
         "small cache": "max_cache_len=13",
         "model.generate": r"cp_compile.hf.generate",
         "other prompts": "different prompts",
+        "other masks": "different prompts",
         "other seeds": "different tokens",
         "other stops": "stopped at different steps",
         "own attention": "layers [1] of the ShardedCache",

@@ -120,8 +120,6 @@ class _Steps:
         self.on_every_rank = False
         # a module runs over the gathered sequence: the attention it calls runs as on one process
         self.in_gathered_module = False
-        # a batch of prompts decoded from a cache that holds none of their padding (``hf.batched``)
-        self.padding_kept_out = False
 
 
 _STEPS = _Steps()
@@ -169,21 +167,6 @@ def same_tokens_on_every_rank(same: bool = True):
         yield
     finally:
         _STEPS.on_every_rank = before
-
-
-@contextlib.contextmanager
-def padding_kept_out():
-    """Decoding a left-padded batch whose cache holds each row's tokens alone: the padding mask that
-    ``model.generate`` passes says nothing the cache's positions do not (``masks.mask`` accepts it)."""
-    before, _STEPS.padding_kept_out = _STEPS.padding_kept_out, True
-    try:
-        yield
-    finally:
-        _STEPS.padding_kept_out = before
-
-
-def padding_is_kept_out() -> bool:
-    return _STEPS.padding_kept_out
 
 
 def documents_in_force(plan: ContextParallel, given: Optional[Tensor]) -> Optional[Tensor]:

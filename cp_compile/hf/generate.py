@@ -41,7 +41,7 @@ from .checks import model_calls_unfollowed, one_model_call_followed, prepare
 from .continued import continue_prefilled
 from .families import family_of
 from .family_caches import sharded_cache
-from .forward import padding_kept_out, same_tokens_on_every_rank
+from .forward import same_tokens_on_every_rank
 
 # generate() options refused by name: they need more than one sequence, a cache that can roll back, or
 # decisions that may differ between ranks (a wall-clock limit stops each rank after its own count of tokens).
@@ -337,16 +337,32 @@ def _generate_rows(model, plan: ContextParallel, input_ids: Tensor, config, gene
         if length > 1:
             sharded_prefill(model, plan, single, input_ids[row : row + 1, -length:-1])
         rows.add(single)
-    cache = rows.cache()
+    return _decoded(model, plan, input_ids, rows.cache(), generate_kwargs)
+
+
+def _decoded(
+    model, plan: ContextParallel, input_ids: Tensor, cache: ShardedCache, generate_kwargs: dict, prompt_call=None
+):
+    """``model.generate`` from ``cache`` (prefilled, or left to generate's first call, ``prompt_call``), every step
+    agreed between the ranks; every rank raises where they differed."""
     criteria = StoppingCriteriaList(
         [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
     )
+    # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
+    # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
+    # fast path, would cost as much host time per step as the step's own Python
     try:
-        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank(), padding_kept_out():
-            result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
+        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
+            with prompt_call.on() if prompt_call is not None else contextlib.nullcontext():
+                result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
     finally:
         drop_handed_step()
-    if cache.agreement.finish():
+    # a model of linear layers alone decodes with no collective to carry the agreement: its tokens are compared once
+    sequences = result if isinstance(result, Tensor) else result.sequences
+    # so does a model whose decoding made no gather (its attention reads the whole K/V every rank keeps)
+    silent = all(cache.is_linear) or not cache.agreement.per_query
+    differs = silent and not _same_on_every_rank(plan, sequences)
+    if cache.agreement.finish() or differs:
         raise RuntimeError(_RANKS_DIFFERED)
     return result
 
@@ -373,14 +389,15 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         raise ValueError("cp_compile.hf.generate runs inside `with plan:`")
     config = _generation_config(model, generate_kwargs)
     _check(model, input_ids, generate_kwargs, config)
-    # the first collective: what follows may raise on the prompt's length, which a rank's other prompt would change
-    if not _same_on_every_rank(plan, input_ids):
+    # the first collective: what follows may raise on the prompt's length, which a rank's other prompt would change,
+    # and takes the route of a batch by the mask, which a rank's other mask would change
+    mask = generate_kwargs.get("attention_mask")
+    if not _same_on_every_rank(plan, input_ids if mask is None else torch.cat([input_ids, mask.to(input_ids)], 1)):
         raise ValueError(
-            "cp_compile.hf.generate: the ranks passed different prompts; input_ids must be the whole "
-            "prompt, the same on every rank"
+            "cp_compile.hf.generate: the ranks passed different prompts; input_ids (and attention_mask) must be the "
+            "whole prompt, the same on every rank"
         )
     why_whole = family_of(model).generated_whole
-    mask = generate_kwargs.get("attention_mask")
     if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
         why_not = why_not_batched(model, plan, generate_kwargs) or (
             "the batch's cache is made from its rows (pass no cache)" if cache is not None else None
@@ -422,25 +439,6 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     prompt_call = _EveryStepSharded(model, plan, cache) if both_ways and not one_rank else None
     if input_ids.shape[1] > 1 and not cache.holds_tokens() and not one_rank and prompt_call is None:
         sharded_prefill(model, plan, cache, input_ids[:, :-1])
-    criteria = StoppingCriteriaList(
-        [*(generate_kwargs.pop("stopping_criteria", None) or []), SameTokensOnEveryRank(cache)]
-    )
-    # the steps are checked by the criterion (every layer's attention ran through "cp_compile"); the guard's
-    # mode, which sees every torch call, and the model-call hooks, which take every module call off torch's
-    # fast path, would cost as much host time per step as the step's own Python
     if all_linear and input_ids.shape[1] > 1:
         generate_kwargs["custom_generate"] = continue_prefilled
-    try:
-        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
-            with prompt_call.on() if prompt_call is not None else contextlib.nullcontext():
-                result = model.generate(input_ids, cache=cache, stopping_criteria=criteria, **generate_kwargs)
-    finally:
-        drop_handed_step()
-    # a model of linear layers alone decodes with no collective to carry the agreement: its tokens are compared once
-    sequences = result if isinstance(result, Tensor) else result.sequences
-    # so does a model whose decoding made no gather (its attention reads the whole K/V every rank keeps)
-    silent = all_linear or not cache.agreement.per_query
-    differs = silent and not _same_on_every_rank(plan, sequences)
-    if cache.agreement.finish() or differs:
-        raise RuntimeError(_RANKS_DIFFERED)
-    return result
+    return _decoded(model, plan, input_ids, cache, generate_kwargs, prompt_call)

@@ -35,7 +35,7 @@ from ..active import active_plan
 from ..errors import UnsupportedAttention
 from .cache import runs_indexers_under_cp, runs_mixers_under_cp
 from .families import MIXER_LAYER_TYPES
-from .forward import count_call, in_gathered_module, padding_is_kept_out
+from .forward import count_call, in_gathered_module, plan_of_shards
 
 
 @dataclass(frozen=True)
@@ -271,11 +271,13 @@ def mask(*args, **kwargs):
             "or call the model with use_cache=False"
         )
     padding = kwargs.get("attention_mask")  # a MaskSpec: prepared by generate for the model's builders (this decides)
+    # while cp_compile.hf.generate decodes (every rank the same tokens: no plan of shards), padding comes only from a
+    # left-padded batch whose cache holds each row's own tokens (``hf.batched``): the positions mask it already
     if (
         padding is not None
         and not isinstance(padding, MaskSpec)
         and not torch.compiler.is_compiling()
-        and not padding_is_kept_out()
+        and plan_of_shards() is not None
         and not bool(padding.all())
     ):
         raise UnsupportedAttention(
