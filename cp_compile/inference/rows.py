@@ -24,16 +24,13 @@ class RowsShard(CacheShard):
     """``CacheShard`` whose rows are sequences of their own lengths; filled by ``start_rows`` and ``take_row``,
     then appended to."""
 
-    # the padded batch's width the model was told the cache holds (transformers slices its next input by it)
-    width = 0
-
     def start_rows(self, batch: int, width: int) -> None:
         """Hold ``batch`` rows, each empty until ``take_row`` (a one-token prompt's row stays so: nothing to
         prefill); ``width``: the tokens of the padded batch they stand for."""
         self.positions = torch.full((batch, self.capacity + 1), EMPTY_POSITION, dtype=torch.int64)
         for name in ("seen", "_append_start", "_append_slot"):
             setattr(self, name, torch.zeros(batch, dtype=torch.int64))
-        self.width = width
+        # the padded batch's width, which the model is told the cache holds (transformers slices its next input by it)
         self.host_seen = width
 
     def take_row(self, row: int, shard: CacheShard) -> None:
@@ -56,7 +53,7 @@ class RowsShard(CacheShard):
         raise ValueError("a cache of rows is made from prefilled rows (RowsShard.take_row), not prefilled itself")
 
     def stored(self) -> int:
-        return self.width
+        return self.host_seen  # the padded width: each row's own count is on the device, per row
 
     def written(self) -> Optional[int]:
         return None  # each row holds its own number of slots: attention masks every row by its positions
@@ -67,13 +64,12 @@ class RowsShard(CacheShard):
         if self.keys is None:
             self._allocate(k, v)
         length = k.shape[2]
-        if self.width + length > self.max_tokens:
+        if self.host_seen + length > self.max_tokens:
             raise ValueError(
-                f"the cache holds {self.max_tokens} tokens a row; the padded rows are {self.width} long and "
+                f"the cache holds {self.max_tokens} tokens a row; the padded rows are {self.host_seen} long and "
                 f"{length} more arrived (make the cache for the generation's max_length)"
             )
-        self.width += length
-        self.host_seen = self.width
+        self.host_seen += length
         new = self.seen[:, None] + torch.arange(length, device=self.seen.device)
         turn = new - self._append_start[:, None]
         mine = turn % self.world_size == self._rank

@@ -152,7 +152,7 @@ def fused_masked_attn(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: f
     """(out, lse) of a block where ``visible [Lq, Lk]``, as one call of CPU's fused kernel (``fused_masked_ready``);
     every row must see a key. For short blocks whose tiles would each cost a call and a merge."""
     b, hq, lq, _ = q.shape
-    out, lse = _fused_masked(_fold_groups(q, k.shape[1]), k, v, visible.repeat(hq // k.shape[1], 1), scale)
+    out, lse = _fused_masked(_fold_groups(q, k.shape[1]), k, v, _per_folded_row(visible, hq // k.shape[1]), scale)
     return out.reshape(b, hq, lq, v.shape[-1]), lse.reshape(b, hq, lq)
 
 
