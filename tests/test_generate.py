@@ -206,16 +206,6 @@ def test_generate_matches_one_process(ranks, world_size):
             assert longest["window_bytes"] == longest["one_process_window_bytes"] / 7 * slots
 
 
-def _left_padded(lengths: list) -> tuple:
-    """A batch of ``_prompt(n)`` for each n of ``lengths``, padded on the left (pad id 0) to the longest."""
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :], mask[row, width - n :] = _prompt(n)[0], 1
-    return ids, mask
-
-
 def hf_batch_parity(arch: str, lengths: list, new: int, sample: bool):
     """cp_compile.hf.generate of a left-padded batch against "sdpa" generate of the same batch on one process:
     tokens, logits, and the bytes of full-attention K/V this rank keeps against one process's."""
@@ -227,7 +217,9 @@ def hf_batch_parity(arch: str, lengths: list, new: int, sample: bool):
     plan = cp_compile.ContextParallel()
     model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
     reference.load_state_dict(model.state_dict())
-    ids, mask = _left_padded(lengths)
+    from cp_compile.tools.generate_batch import left_padded
+
+    ids, mask = left_padded([_prompt(n)[0] for n in lengths])  # pad id 0
     kwargs = dict(
         attention_mask=mask,
         pad_token_id=0,

@@ -605,15 +605,12 @@ def generate_a_left_padded_batch(family: str, lengths: list) -> tuple:
     import cp_compile
     import cp_compile.hf
     from cp_compile.tools.bench import model_configs, model_run
+    from cp_compile.tools.generate_batch import left_padded
 
     config, cls, _ = model_configs.tiny_config(family)
     model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(1, 50, (n,), generator=torch.Generator().manual_seed(n))
-        mask[row, width - n :] = 1
+    seeded = (torch.Generator().manual_seed(n) for n in lengths)
+    ids, mask = left_padded([torch.randint(1, 50, (n,), generator=g) for n, g in zip(lengths, seeded)])
     kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=True, return_dict_in_generate=True)
     torch.manual_seed(5)
     ref = reference.generate(ids, output_logits=True, **kwargs)

@@ -18,14 +18,19 @@ from .generate import DTYPES, add_size_arguments, build_model, comma_ints
 from .launch import RankPool
 
 
-def _batch(args) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(args.prompts)
-    ids = torch.zeros(len(args.prompts), width, dtype=torch.long)
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` (1-D token ids) as one batch padded on the left with ``pad``: (input_ids, attention_mask)."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, length in enumerate(args.prompts):
-        prompt = torch.randint(1, args.vocab, (length,), generator=torch.Generator().manual_seed(length))
-        ids[row, width - length :], mask[row, width - length :] = prompt, 1
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
     return ids, mask
+
+
+def _batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    seeded = (torch.Generator().manual_seed(length) for length in args.prompts)
+    return left_padded([torch.randint(1, args.vocab, (n,), generator=g) for n, g in zip(args.prompts, seeded)])
 
 
 def _timed(args, attn: str, generate) -> tuple[float, list, int]:

@@ -219,15 +219,16 @@ def _generate_batch(model, reference, group) -> dict:
     import cp_compile
     from cp_compile.hf.generate import why_not_batched
 
+    from ..generate_batch import left_padded
+
     why = why_not_batched(model, cp_compile.ContextParallel(group))
     if why is not None:
         return {"status": "refused", "detail": f"a batch: {why}"}
     pad = first_id(model.config)
-    prompts = torch.full((len(BATCH_PROMPTS), max(BATCH_PROMPTS)), pad)
-    mask = torch.zeros_like(prompts)
-    for row, length in enumerate(BATCH_PROMPTS):
-        ids = torch.randint(pad, ID_RANGE, (length,), generator=torch.Generator().manual_seed(2 + row))
-        prompts[row, -length:], mask[row, -length:] = ids, 1
+    seeded = (torch.Generator().manual_seed(2 + row) for row in range(len(BATCH_PROMPTS)))
+    prompts, mask = left_padded(
+        [torch.randint(pad, ID_RANGE, (n,), generator=g) for n, g in zip(BATCH_PROMPTS, seeded)], pad
+    )
     return _generated_against(model, reference, group, prompts, dict(attention_mask=mask, pad_token_id=pad))
 
 
