@@ -97,8 +97,6 @@ def one_copy_per_replica(every: Tensor, size: int, replicas: int) -> Tensor:
     return copies[:, 0].reshape(-1, *every.shape[1:])
 
 
-__all__ = ["ReplicaAccelerator", "data_parallel_group", "one_copy_per_replica"]
-
 
 # What TRL's GRPOTrainer keeps for its completions table from tensors the mixin already reduced to one copy per
 # replica (the rewards, and the advantages computed from them); the rest of its ``_logs`` it gathers from every
@@ -132,3 +130,6 @@ def _first_of_each_replica(entries, size: int) -> list:
     entries, processes = list(entries), dist.get_world_size()
     per_rank = len(entries) // processes
     return [e for rank in range(0, processes, size) for e in entries[rank * per_rank : (rank + 1) * per_rank]]
+
+
+__all__ = ["ReplicaAccelerator", "completions_logged_once", "data_parallel_group", "one_copy_per_replica"]
