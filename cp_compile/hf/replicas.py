@@ -97,7 +97,6 @@ def one_copy_per_replica(every: Tensor, size: int, replicas: int) -> Tensor:
     return copies[:, 0].reshape(-1, *every.shape[1:])
 
 
-
 # What TRL's GRPOTrainer keeps for its completions table from tensors the mixin already reduced to one copy per
 # replica (the rewards, and the advantages computed from them); the rest of its ``_logs`` it gathers from every
 # process with accelerate's ``gather_object``: C copies of each replica's
