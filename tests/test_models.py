@@ -30,10 +30,13 @@ GENERATED_WHOLE = ["xlnet", "reformer"]
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
 # sequence sharded, as one process runs it whole
 GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
-# attention of their own that reads the mask tensor (ALiBi besides: BLOOM, MPT; Doge's dynamic mask): over the
-# gathered sequence with the mask one process builds for it; they generate from a cache whose K/V every rank keeps
-# whole (MPT's config turns the cache off: every step runs the whole sequence sharded)
-READING_THE_MASK = ["bloom", "mpt", "xglm", "gpt_neox_japanese", "doge"]
+# attention of their own that reads the mask tensor (Doge's dynamic mask besides): over the gathered sequence with the
+# mask one process builds for it; they generate from a cache whose K/V every rank keeps whole
+READING_THE_MASK = ["xglm", "gpt_neox_japanese", "doge"]
+# ALiBi's attention of its own: projections on the shard, the bias as one more key dimension, attention by the
+# schedules; BLOOM generates from a cache sharded over the ranks (MPT's config turns the cache off: every step runs
+# the whole sequence sharded)
+ALIBI = ["bloom", "mpt"]
 # CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens: both
 # phases (its prompt prefilled whole by generate()'s own first call, sharded)
 READING_THE_MASK += ["cpmant"]
@@ -82,7 +85,8 @@ BATCH_REFUSED = {
     "llama4_text": "chunked attention",
     "gemma3n_text": "shares its keys",
     "mamba2": "keep states alone",
-    "bloom": "WholeKVCache",
+    "xglm": "WholeKVCache",
+    "bloom": "no position_ids",
 }
 
 
@@ -96,6 +100,14 @@ def test_a_left_padded_batch_generates_exactly(rows, family):
 def test_a_batch_is_refused_with_its_reason(rows, family):
     row = rows[family]["batch"]
     assert row["status"] == "refused" and BATCH_REFUSED[family] in row["detail"], row
+
+
+@pytest.mark.parametrize("family", ALIBI)
+def test_alibi_runs_through_the_schedules(rows, family):
+    row = rows[family]
+    assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
+    assert row["generate"]["status"] == "exact" and row["generate"]["first_diff"] is None, row["generate"]
+    assert "ALiBi as one more key dimension" in row["route"] and "gathered" not in row["route"], row["route"]
 
 
 @pytest.mark.parametrize("family", MUST_BE_EXACT)

@@ -332,7 +332,9 @@ def attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     count_call()
-    check_layer_types(module.config)
+    config = getattr(module, "config", None)  # a module of attention of its own has none (``hf.own_attention``)
+    if config is not None:
+        check_layer_types(config)
     step = kwargs.pop(CACHE_STEP, None)  # (layer, what its new tokens attend to) from ShardedCache.update
     if step is None:
         step = step_handed_with(key)  # an update called without the attention kwargs

@@ -49,6 +49,7 @@ from .forward import InFlight, ModelCall, in_flight
 from .gathered import hook_gathered_modules
 from .indexed import hook_indexers
 from .mixers import wrap_loaded_families
+from .own_attention import reroute_own_attention
 
 
 def _transformers_model(module):
@@ -69,12 +70,14 @@ _PREPARED: weakref.WeakSet = weakref.WeakSet()  # the models whose modules have 
 
 def prepare(model) -> None:
     """Prepares ``model`` for its calls under a plan, once: the mixer functions of its family's modeling module wrapped
-    (imported after the plan was entered, too), the hooks of the gathered route and of the indexers on its modules."""
+    (imported after the plan was entered, too), the hooks of the gathered route and of the indexers on its modules, the
+    forwards of its modules of attention of their own."""
     if model in _PREPARED or torch.compiler.is_compiling():
         return
     wrap_loaded_families()
     hook_gathered_modules(model)
     hook_indexers(model)
+    reroute_own_attention(model)
     _PREPARED.add(model)
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .alibi import bloom_attention, bloom_slopes, mpt_attention, mpt_slopes
+
 # layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
 # the gathered sequence)
 MIXER_LAYER_TYPES = (
@@ -77,6 +79,17 @@ class GatheredModule(NamedTuple):
     sharded_inside: tuple[tuple[str, ShardedInside], ...] = ()
 
 
+class OwnAttention(NamedTuple):
+    """A module whose attention is code of its own, run under a plan with its projections on this rank's shard and its
+    attention through the schedules (``hf.own_attention``). ``forward(module, attend, *args, **kwargs)``: the module's
+    forward around ``attend``; ``slopes(module)``: its ALiBi slopes, per head (fp32); ``anchor_last``: the bias of a key
+    is counted from the call's last key (MPT) rather than from position 0 (BLOOM)."""
+
+    forward: Callable
+    slopes: Callable
+    anchor_last: bool = False
+
+
 @dataclass(frozen=True)
 class Family:
     """What ``cp_compile.hf`` does for one family under a plan, besides its attention through ``"cp_compile"``."""
@@ -95,6 +108,8 @@ class Family:
     # a model that keeps its recurrent states on its modules and zeroes them only when given no cache: started anew
     # for each new cache, as its own call would (``f(model)``)
     fresh_states: Optional[Callable] = None
+    # modules whose attention is their own code, by class name: projections on the shard, attention by the schedules
+    own_attention: Mapping[str, OwnAttention] = field(default_factory=dict)
     # why every rank generates whole, as one process does (C times its compute); None: the sharded prefill
     generated_whole: Optional[str] = None
     # its attention masks have no window while its cache layers slide (Moshi): one process attends to every token in
@@ -132,18 +147,12 @@ class Family:
             return route
         if self.wrapped:
             return "attention schedules; convolution halo; scans by all-to-all or state passing"
+        if self.own_attention:
+            names = ", ".join(self.own_attention)
+            return f"attention schedules; {names}: projections on the shard, ALiBi as one more key dimension"
         if self.indexer is not None:
             return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
         return "attention schedules"
-
-
-def _bloom_alibi(module, model, hidden: Tensor, keys: int) -> Tensor:
-    """BLOOM's ALiBi bias over ``keys`` tokens, as its model builds it for a sequence without padding (``hidden``:
-    the module's hidden states, for the batch, dtype and device)."""
-    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
-
-    ones = torch.ones(hidden.shape[0], keys, dtype=torch.long, device=hidden.device)
-    return build_alibi_tensor(ones, module.num_heads, hidden.dtype)
 
 
 def _inkling2_distance(module, model, hidden: Tensor, keys: int) -> Tensor:
@@ -352,20 +361,8 @@ _RECORDS = (
         gathered={"XGLMAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
         why_gathered="attention of its own: scores by matmul plus the mask tensor",
     ),
-    Family(
-        "mpt",
-        gathered={"MptAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
-        why_gathered="attention of its own: scores by matmul plus its ALiBi bias, built for its longest sequence",
-    ),
-    Family(
-        "bloom",
-        gathered={
-            "BloomAttention": GatheredModule(
-                ("hidden_states", "residual"), mask="attention_mask", rebuilt=(("alibi", _bloom_alibi),)
-            )
-        },
-        why_gathered="attention of its own: scores by matmul plus the mask tensor and an ALiBi bias its model builds",
-    ),
+    Family("mpt", own_attention={"MptAttention": OwnAttention(mpt_attention, mpt_slopes, anchor_last=True)}),
+    Family("bloom", own_attention={"BloomAttention": OwnAttention(bloom_attention, bloom_slopes)}),
     Family(
         "gpt_neox_japanese",
         gathered={
@@ -412,4 +409,13 @@ def gathered_call(module) -> Optional[GatheredModule]:
     return family_of(module).gathered.get(type(module).__name__)
 
 
-__all__ = ["FAMILIES", "Family", "GatheredModule", "MIXER_LAYER_TYPES", "ShardedInside", "family_of", "gathered_call"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "GatheredModule",
+    "MIXER_LAYER_TYPES",
+    "OwnAttention",
+    "ShardedInside",
+    "family_of",
+    "gathered_call",
+]

@@ -1,0 +1,98 @@
+"""Attention modules whose scores are code of their own (``Family.own_attention``: BLOOM's and MPT's ALiBi), run under a
+plan with their projections on this rank's shard and their attention through ``"cp_compile"``'s attention function.
+
+Such a module cannot hand its attention to transformers' attention interface: it multiplies queries and keys itself.
+Before a model's first call under a plan (``hf.checks.prepare``), each such module's ``forward`` becomes, on the
+instance, a function that runs the class's forward unchanged outside every plan, and inside one the family's forward
+(``OwnAttention.forward``: the module's own projections and output layers) around ``attend`` below:
+
+- the bias of every key (``hf.alibi.bias_columns``) from its global position: this rank's places in the sequence
+  (``cp::sequence_slots``, the rank read at run time, so a compiled graph holds none), or, for tokens every rank holds
+  (decoding), the cache's length onwards;
+- queries, keys and values widened by the bias columns (``hf.alibi.with_bias``), the keys and values stored widened in
+  the cache (a ``ShardedCache``: each rank keeps its share);
+- the attention function registered as ``"cp_compile"`` (looked up in transformers' ``AttentionInterface``), which runs
+  the schedules, the packed documents' kinds, or the cached attention of decoding.
+
+Exact against one process: the same bias bits (fp32 from integer positions, as both families build theirs), added
+to the same scores. MPT anchors its bias at each call's last key, and from a cache re-anchors it at every step; keys
+kept in a cache are compared by later queries with keys stored by other calls, so there they all count from
+position 0: one process's bias plus a constant per query (which the softmax does not see), up to fp32's rounding of
+the bias.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+from ..active import active_plan
+from ..mixers.indexed import sequence_slots
+from .alibi import bias_columns, with_bias
+from .families import OwnAttention, family_of
+from .forward import plan_of_shards, sharding_of
+from .masks import NAME
+
+
+def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
+    """The global positions of the call's tokens ``[L]`` and the number of keys the call attends over."""
+    length = query.shape[2]
+    plan = active_plan()
+    if plan_of_shards() is not None:  # this rank's share of the sequence
+        sharding = sharding_of(plan, None)
+        places = sequence_slots(query.transpose(1, 2), *sharding.op_args)
+        total = length * plan.world_size if sharding.cu_seqlens is None else sharding.cu_seqlens[-1].long()
+        return places, total
+    past = 0 if cache is None else cache.get_seq_length(module.layer_idx)
+    return torch.arange(past, past + length, device=query.device), past + length
+
+
+def _attend(
+    own: OwnAttention,
+    slopes: Tensor,
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask,
+    cache,
+    scale: float,
+    dropout: float,
+) -> Tensor:
+    """``[B, L, H, D]``: the attention of this rank's (or every rank's) queries ``[B, H, L, D]`` with the ALiBi bias."""
+    places, total = _positions(module, query, cache)
+    # from a cache, one anchor for every key it keeps: keys stored by different calls are compared by the same query
+    anchor = total - 1 if own.anchor_last and cache is None else 0
+    columns = bias_columns(slopes.to(query.device), places.to(query.device), anchor, scale, query.dtype)
+    query, key, value_wide = with_bias(query, key, value, columns)
+    if cache is not None:
+        key, value_wide = cache.update(key, value_wide, module.layer_idx)
+    attention = AttentionInterface()[NAME]
+    out, _ = attention(
+        module, query, key, value_wide, mask, dropout=dropout, scaling=scale, use_cache=cache is not None
+    )
+    return out[..., : value.shape[-1]]
+
+
+def _forward(own: OwnAttention, attend, module, original, *args, **kwargs):
+    if active_plan() is None:
+        return original(*args, **kwargs)
+    return own.forward(module, attend, *args, **kwargs)
+
+
+def reroute_own_attention(model) -> None:
+    """Gives each module of ``model`` whose attention is its own code (``Family.own_attention``) the forward of the
+    module docstring, once."""
+    for module in model.modules():
+        own: Optional[OwnAttention] = family_of(module).own_attention.get(type(module).__name__)
+        if own is None or "forward" in module.__dict__:
+            continue
+        attend = functools.partial(_attend, own, own.slopes(module))
+        module.forward = functools.partial(_forward, own, attend, module, type(module).forward.__get__(module))
+
+
+__all__ = ["reroute_own_attention"]

@@ -1,0 +1,224 @@
+"""ALiBi's attention modules (BLOOM, MPT) under CP: their projections on each rank's shard, their attention by the
+schedules with the bias as one more key dimension (``cp_compile.hf.alibi``, ``hf.own_attention``).
+
+Each family's own config and model classes (the model sweep's tiny configs), random weights, against one process: a
+training step in fp64 at C = 1 to 4 (every gradient to 1e-12 of a plan of one rank's), compiled, in bf16 against an
+fp64 reference, and generation from a cache sharded over the ranks."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
+
+FAMILIES = ("bloom", "mpt")
+
+
+def test_bias_columns_carry_the_fp32_bias():
+    """fp64 carries ``bias / scale`` in one column; bf16 in three limbs whose sum is fp32's value of it."""
+    from cp_compile.hf.alibi import bias_columns
+
+    slopes = torch.tensor([2**-0.5, 2**-1, 2**-4.5], dtype=torch.float32)
+    positions = torch.arange(5000, dtype=torch.int64)
+    bias = slopes[:, None] * (positions - 4999).float()[None]
+    wide = bias_columns(slopes, positions, 4999, 0.125, torch.float64)
+    assert wide.shape == (3, 5000, 1) and torch.equal(wide[..., 0], bias.double() / 0.125)
+    limbs = bias_columns(slopes, positions, 4999, 0.125, torch.bfloat16)
+    assert limbs.shape == (3, 5000, 3) and limbs.dtype == torch.bfloat16
+    summed = limbs.float().sum(-1)
+    assert ((summed - bias / 0.125).abs() <= (bias / 0.125).abs() * 2**-22).all()
+    # one bf16 column alone would be off by up to 2^-9 of the bias: the limbs are what makes it fp32
+    assert ((limbs[..., 0].float() - bias / 0.125).abs().max() > 1.0).item()
+
+
+def test_the_widened_dot_product_is_the_scores_plus_the_bias():
+    from cp_compile.hf.alibi import bias_columns, with_bias
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    positions = torch.arange(40)
+    scale = 8**-0.5
+    bias = (slopes[:, None] * positions.float()[None]).double()  # [H, L]: the key's
+    scores = q @ k.transpose(-1, -2) * scale + bias[None, :, None, :]
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    expected = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+    wq, wk, wv = with_bias(q, k, v, bias_columns(slopes, positions, 0, scale, torch.float64))
+    out = torch.nn.functional.scaled_dot_product_attention(wq, wk, wv, is_causal=True, scale=scale)
+    assert wq.shape[-1] == 9 and (out[..., 8] == 0).all()
+    assert (out[..., :8] - expected).abs().max() < 1e-13
+
+
+def _models(family: str, dtype):
+    from cp_compile.tools.bench import model_configs, model_run
+
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    return config, model.to(dtype), reference.to(dtype)
+
+
+def _step(model, ids, labels, items, positions):
+    # neither family reads position_ids; a plan's model call is given them all the same (hf.checks)
+    logits = model(ids, position_ids=positions, use_cache=False).logits
+    wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    loss = torch.nn.functional.cross_entropy(wide, labels.flatten(), ignore_index=-100, reduction="sum") / items
+    loss.backward()
+    return loss
+
+
+def train_step(family: str, dtype_name: str = "float64", mode: str = "eager", length: int = 96) -> dict:
+    """One training step under the plan against one process in the same dtype and in fp64: relative errors of the
+    loss and of the worst gradient (each against its own scale), and the route's modules."""
+    import torch.distributed as dist
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+    from cp_compile.tools.bench import model_configs
+
+    torch._dynamo.reset()
+    dtype = getattr(torch, dtype_name)
+    config, model, reference = _models(family, dtype)
+    exact = _models(family, torch.float64)[2]
+    plan = cp_compile.ContextParallel()
+    seq = -(-length // (2 * plan.world_size)) * 2 * plan.world_size
+    ids = torch.randint(model_configs.first_id(config), 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    items = seq - 1
+    whole = torch.arange(seq)[None]
+    ref_loss, _ = _step(reference, ids, labels, items, whole), _step(exact, ids, labels, items, whole)
+    forward = model if mode == "eager" else torch.compile(model, backend=plan.backend(mode), fullgraph=True)
+    with plan:
+        loss = _step(forward, plan.shard(ids, 1), plan.shard(labels, 1), items, plan.positions(seq)[None])
+    grads = [p.grad.double() for p in model.parameters()]
+    total = torch.cat([loss.detach().double().reshape(1)] + [g.flatten() for g in grads])
+    dist.all_reduce(total)
+
+    def worst(got, against):
+        floor = 1e-6 * max(float(g.abs().max()) for g in against)
+        return max(
+            float((a.view_as(b) - b).abs().max() / max(float(b.abs().max()), floor)) for a, b in zip(got, against)
+        )
+
+    summed = total[1:].split([g.numel() for g in grads])
+    one = [p.grad.double() for p in reference.parameters()]
+    fp64 = [p.grad for p in exact.parameters()]
+    rerouted = sum("forward" in m.__dict__ for m in model.modules())
+    return {
+        "loss": abs(float(total[0]) - float(ref_loss.detach())) / abs(float(ref_loss.detach())),
+        "grads": worst(summed, one),
+        "grads_vs_fp64": worst(summed, fp64),
+        "one_process_vs_fp64": worst(one, fp64),
+        "rerouted": rerouted,
+        "summed": total,
+    }
+
+
+# transformers' BLOOM and MPT take the softmax in fp32 whatever the model's dtype: in fp64 one process is as close to
+# CP as fp32's rounding of the probabilities (with its softmax in fp64, BLOOM's gradients agree to 3e-15)
+ONE_PROCESS_FP64 = 2e-6
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_training_step_is_exact_in_fp64(ranks, world_size):
+    """Against one process (its fp32 softmax bounds the difference), and against a plan of one rank to 1e-12: the
+    schedules, the shards' positions and the bias add nothing that depends on C."""
+    for family in FAMILIES:
+        (alone,) = ranks(1, train_step, family)
+        assert alone["rerouted"] == 2, alone  # the tiny configs' two attention modules
+        assert alone["grads"] < ONE_PROCESS_FP64, (family, alone)
+        for result in ranks(world_size, train_step, family):
+            assert result["loss"] < ONE_PROCESS_FP64 and result["grads"] < ONE_PROCESS_FP64, (family, result)
+            worst = float((result["summed"] - alone["summed"]).abs().max() / alone["summed"].abs().max())
+            assert worst < 1e-12, (family, worst)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_compiled(ranks, world_size):
+    for family in FAMILIES:
+        for result in ranks(world_size, train_step, family, "float64", "aot_eager"):
+            assert result["loss"] < ONE_PROCESS_FP64 and result["grads"] < ONE_PROCESS_FP64, (family, result)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bf16_within_twice_one_process_error(ranks, world_size):
+    """The bias travels as three bf16 limbs (fp32's bits): CP's gradients are as close to fp64's as one process's
+    (BLOOM's own bias is rounded to bf16; MPT keeps its fp32)."""
+    for family in FAMILIES:
+        for result in ranks(world_size, train_step, family, "bfloat16", "eager", 256):
+            assert result["grads_vs_fp64"] <= 2 * result["one_process_vs_fp64"], (family, result)
+
+
+def packed_refusal(family: str) -> str:
+    import cp_compile
+    import cp_compile.hf  # noqa: F401
+
+    _, model, _ = _models(family, torch.float32)
+    plan = cp_compile.ContextParallel()
+    cu = torch.tensor([0, 20, 64])
+    ids = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(0))
+    with plan, plan.packed(cu):
+        try:
+            positions = plan.positions(cu_seqlens=cu)[None]
+            model(plan.shard(ids, 0, cu_seqlens=cu)[None], position_ids=positions, use_cache=False)
+        except cp_compile.UnsupportedAttention as e:
+            return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_packed_documents_are_refused_with_the_reason(ranks, world_size):
+    """Neither model takes position_ids: one process attends across packed documents, which CP would keep apart."""
+    for family in FAMILIES:
+        for said in ranks(world_size, packed_refusal, family):
+            assert "without the packed documents' positions" in said, said
+
+
+def generate_from_a_sharded_cache(family: str, prompt: int) -> dict:
+    """Greedy generation with the cache on (MPT's config has it off) against one process: tokens, logits, the cache
+    class, and its keys and values per rank against one process's."""
+    import cp_compile
+    import cp_compile.hf
+
+    config, model, reference = _models(family, torch.float32)
+    model.eval(), reference.eval()
+    ids = torch.randint(0, 100, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    kwargs = dict(max_new_tokens=16, do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = reference.generate(ids, **kwargs)
+        with cp_compile.ContextParallel() as plan:
+            out = cp_compile.hf.generate(model, ids, **kwargs)
+    from cp_compile.hf.cache import ShardedCache
+
+    cache = out.past_key_values
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+    whole = sum(layer.keys.numel() + layer.values.numel() for layer in ref.past_key_values.layers)
+    logits = torch.stack(out.logits).double()
+    expected = torch.stack(ref.logits).double()
+    return {
+        "same": torch.equal(out.sequences, ref.sequences),
+        "logits": float((logits - expected).abs().max() / expected.abs().max()),
+        "sharded": isinstance(cache, ShardedCache),
+        "cache_ratio": held / whole,
+        "world_size": plan.world_size,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_generation_keeps_a_share_of_the_cache(ranks, world_size):
+    for family in FAMILIES:
+        for result in ranks(world_size, generate_from_a_sharded_cache, family, 200):
+            assert result["same"] and result["logits"] < 1e-5 and result["sharded"], (family, result)
+            if world_size == 2:
+                assert result["cache_ratio"] <= 0.6, (family, result)
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_sampled_generation_with_processors(ranks, world_size):
+    """BLOOM sampled with repetition penalties, n-gram bans and a stopping rule, prompts of 1 and 30 tokens (the
+    first decoded from an empty cache), as one process with the same seed; ranks seeded differently all raise."""
+    from test_hf_hybrids import generate_reading_the_sequence
+
+    for results in ranks(world_size, generate_reading_the_sequence, "bloom", [1, 30]):
+        *runs, refusal = results
+        for same, new, err in runs:
+            assert same and new == 20 and err < 1e-5, runs
+        assert "different tokens" in refusal, refusal
