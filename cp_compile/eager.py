@@ -207,6 +207,7 @@ def varlen_attention(
     chunk: int = 0,
     softcap: float = 0.0,
     return_lse: bool = False,
+    across_documents: bool = False,
 ):
     """CP attention over packed documents. Differentiable.
 
@@ -217,7 +218,10 @@ def varlen_attention(
     ``chunk > 0`` limits each query to keys in its own chunk of ``chunk``
     positions of its document (chunked attention); ``softcap > 0`` caps every
     score at ``softcap * tanh(score / softcap)``; ``return_lse`` also returns
-    the log-sum-exp ``[T_local, H]`` (fp32; fp64 for fp64 input), differentiable.
+    the log-sum-exp ``[T_local, H]`` (fp32; fp64 for fp64 input), differentiable;
+    ``across_documents`` lets the documents see each other as one sequence (the
+    window over positions in the packed row, the tokens still sharded as
+    documents): what a model whose mask ignores the documents computes.
     ``schedule`` is ``"allgather"``, ``"ring"``, ``"ulysses"`` (query heads
     must divide by C), ``"hybrid"`` (``group`` a 2-D (ring, a2a) DeviceMesh;
     query heads must divide by its a2a size) or ``"auto"``: the cost model's
@@ -240,7 +244,9 @@ def varlen_attention(
                 q, k, v, cu_seqlens, resolve_group(group_name_of(group)).size(), (left, right), machine
             )[0]
         check_schedule_name(schedule)
-        settings = PackedSettings(left, right, chunk, softcap)
+        if across_documents and chunk:
+            raise ValueError("across_documents with chunk: chunks are counted within documents")
+        settings = PackedSettings(left, right, chunk, softcap, int(across_documents))
         call = Call("packed", schedule_groups(group, schedule), False, "packed", softmax_scale(q, scale), settings)
     heads = schedule in HEAD_SCHEDULES  # they exchange [B, H, S, D]: packed tensors travel as [1, H, T, D]
     qkv = (bhsd(q), bhsd(k), bhsd(v)) if heads else (q, k, v)

@@ -141,26 +141,14 @@ def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 
-@pytest.mark.parametrize("world_size", [3])
-def test_modules_reading_the_mask_over_the_gathered_sequence(ranks, world_size):
-    """Attention modules of their own that read the mask tensor (XGLM adds it; GPT-NeoX-Japanese gathers its RoPE's cos
-    and sin too): each given the mask one process builds for the whole sequence (C = 2: the model sweep). On packed
-    documents with position_ids alone: GPT-NeoX-Japanese passes them to its mask, which keeps each document to
-    itself; XGLM does not, and its one-process mask reads across documents."""
-    for family in ("xglm", "gpt_neox_japanese"):
-        _check(ranks(world_size, train_step, family, "eager", None), family)
-    for family in ("gpt_neox_japanese", "xglm"):
-        _check(ranks(2, train_step, family, "eager", [1, 7, 19, 13]), ("packed", family))
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_modules_reading_the_mask_generate(ranks, world_size):
-    """Their cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill stores the gathered
-    prompt's, decoding runs the module as one process does, given the step's mask. Sampled, prompts of 1 and 30
+    """Doge's and CPM-Ant's cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill stores the
+    gathered prompt's, decoding runs the module as one process does, given the step's mask. Sampled, prompts of 1 and 30
     tokens, against one process with the same seed; decoding makes no collective, so the ranks' tokens are compared
     once at the end, and ranks seeded differently all raise. CPM-Ant's prompt attends both ways: generate()'s own
     first call prefills it whole, sharded."""
-    for family in ("gpt_neox_japanese", "cpmant"):
+    for family in ("doge", "cpmant"):
         for results in ranks(world_size, generate_reading_the_sequence, family, [1, 30]):
             *runs, refusal = results
             for same, new, err in runs:

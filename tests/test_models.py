@@ -30,13 +30,13 @@ GENERATED_WHOLE = ["xlnet", "reformer"]
 # transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
 # sequence sharded, as one process runs it whole
 GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
-# attention of their own that reads the mask tensor (Doge's dynamic mask besides): over the gathered sequence with the
-# mask one process builds for it; they generate from a cache whose K/V every rank keeps whole
-READING_THE_MASK = ["xglm", "gpt_neox_japanese", "doge"]
-# ALiBi's attention of its own: projections on the shard, the bias as one more key dimension, attention by the
-# schedules; BLOOM generates from a cache sharded over the ranks (MPT's config turns the cache off: every step runs
-# the whole sequence sharded)
-ALIBI = ["bloom", "mpt"]
+# attention of its own that reads the mask tensor, with its dynamic mask: over the gathered sequence with the mask one
+# process builds for it; it generates from a cache whose K/V every rank keeps whole
+READING_THE_MASK = ["doge"]
+# attention of their own: projections on the shard, attention by the schedules (ALiBi's bias as one more key
+# dimension), generation from a cache sharded over the ranks (MPT's config turns the cache off: every step runs the
+# whole sequence sharded)
+OWN_ATTENTION = ["bloom", "mpt", "xglm", "gpt_neox_japanese"]
 # CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens: both
 # phases (its prompt prefilled whole by generate()'s own first call, sharded)
 READING_THE_MASK += ["cpmant"]
@@ -78,6 +78,7 @@ def test_no_family_is_wrong_and_every_failure_is_known(rows):
 # caps, sinks, MLA, and hybrids' convolution and recurrent states stacked per row
 BATCH_EXACT = ["llama", "qwen2", "mistral", "phimoe", "gemma2", "gpt_oss", "deepseek_v3", "ctrl", "qwen3_5_text"]
 BATCH_EXACT += ["qwen3_next", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "zamba"]
+BATCH_EXACT += ["xglm", "gpt_neox_japanese"]  # attention of their own, through the schedules
 # refused with the reason: indexer keys per sequence, learned positions that count padding, chunks that count padding,
 # layers sharing keys, states alone
 BATCH_REFUSED = {
@@ -85,7 +86,7 @@ BATCH_REFUSED = {
     "llama4_text": "chunked attention",
     "gemma3n_text": "shares its keys",
     "mamba2": "keep states alone",
-    "xglm": "WholeKVCache",
+    "doge": "WholeKVCache",
     "bloom": "no position_ids",
 }
 
@@ -102,12 +103,12 @@ def test_a_batch_is_refused_with_its_reason(rows, family):
     assert row["status"] == "refused" and BATCH_REFUSED[family] in row["detail"], row
 
 
-@pytest.mark.parametrize("family", ALIBI)
-def test_alibi_runs_through_the_schedules(rows, family):
+@pytest.mark.parametrize("family", OWN_ATTENTION)
+def test_attention_of_their_own_runs_through_the_schedules(rows, family):
     row = rows[family]
     assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
     assert row["generate"]["status"] == "exact" and row["generate"]["first_diff"] is None, row["generate"]
-    assert "ALiBi as one more key dimension" in row["route"] and "gathered" not in row["route"], row["route"]
+    assert "projections on the shard" in row["route"] and "gathered" not in row["route"], row["route"]
 
 
 @pytest.mark.parametrize("family", MUST_BE_EXACT)

@@ -80,10 +80,13 @@ from .masks import NAME, MaskSpec, check_layer_types
 __all__ = ["NAME", "attention"]
 
 
-def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpec) -> Optional[Tensor]:
+def _documents(
+    plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpec, across: bool = False
+) -> Optional[Tensor]:
     """Global cu_seqlens of packed documents, or None for one sequence per row: ``cu_seq_lens_q`` (which flash
     attention keeps apart on one process), else those of ``with plan.packed(cu)`` or of the model call's shard
-    (``forward.documents_in_force``) where the model's mask keeps them apart."""
+    (``forward.documents_in_force``) where the model's mask keeps them apart, or where the documents see each other
+    (``across``: the caller knows its model's one-process attention reads across them)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
@@ -110,7 +113,13 @@ def _documents(plan: ContextParallel, query: Tensor, kwargs: dict, spec: MaskSpe
             f"the model got {query.shape[2]} tokens; call the model inside `with plan.packed(cu)` for the batch being "
             "run, or outside every such block for one sequence per row"
         )
-    if not torch.compiler.is_compiling() and not spec.documents and cu.shape[0] > 2 and _restart_here(plan, cu):
+    if (
+        not across
+        and not torch.compiler.is_compiling()
+        and not spec.documents
+        and cu.shape[0] > 2
+        and _restart_here(plan, cu)
+    ):
         error = UnsupportedAttention(
             f"{spec.model or 'the model'} builds its attention mask without the packed documents' positions, so one "
             "process attends across the documents where CP would keep them apart; pass the packed row's "
@@ -353,6 +362,8 @@ def attention(
             "use_cache=False"
         )
     indices = kwargs.pop("indices", None)  # the keys a sparse-attention indexer chose for each query (DSA)
+    # a module of attention of its own whose one-process mask ignores packed documents (``hf.own_attention``)
+    across = bool(kwargs.pop("across_documents", False))
     if step is not None and step[1] is not None:
         variant = _variant(module, query, query, attention_mask, dropout, is_causal, kwargs)
         index = module.layer_idx if shared else None  # a reused layer's gather is its own in the step's count
@@ -363,7 +374,8 @@ def attention(
     causal, window = variant.spec.causal, variant.spec.window
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape
-    cu = _documents(plan, query, kwargs, variant.spec)
+    cu = _documents(plan, query, kwargs, variant.spec, across)
+    across = across and cu is not None  # rows as documents never see each other
     whole = window is None or window >= local * plan.world_size  # the window sees everything
     if cu is None and whole and not variant.needs_kind:
         # compiled, torch's attention call, which plan.backend() rewrites
@@ -389,7 +401,7 @@ def attention(
     left = -1 if window is None or whole else int(window) - 1  # transformers: key visible when q - k < window
     window_size = (left, 0 if causal else -1)
     q, k, v = (t.transpose(1, 2).reshape(batch * local, t.shape[1], t.shape[3]) for t in (query, key, value))
-    if variant.needs_kind or not torch.compiler.is_compiling():
+    if variant.needs_kind or across or not torch.compiler.is_compiling():
         from ..eager import varlen_attention
 
         group = (plan.group_name, *plan.mesh_groups) if plan.mesh_groups else plan.group_name
@@ -406,6 +418,7 @@ def attention(
             chunk=variant.spec.chunk or 0,
             softcap=variant.softcap,
             return_lse=True,
+            across_documents=across,
         )
         out = _fold_sinks(out, lse, variant.sinks, 1)
     else:  # rewritten by plan.backend() (varlen_attn has no CPU kernel of its own)

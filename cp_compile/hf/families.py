@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .alibi import bloom_attention, bloom_slopes, mpt_attention, mpt_slopes
+from .own_forwards import (
+    bloom_attention,
+    bloom_slopes,
+    gpt_neox_japanese_attention,
+    mpt_attention,
+    mpt_slopes,
+    xglm_attention,
+)
 
 # layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
 # the gathered sequence)
@@ -82,12 +89,14 @@ class GatheredModule(NamedTuple):
 class OwnAttention(NamedTuple):
     """A module whose attention is code of its own, run under a plan with its projections on this rank's shard and its
     attention through the schedules (``hf.own_attention``). ``forward(module, attend, *args, **kwargs)``: the module's
-    forward around ``attend``; ``slopes(module)``: its ALiBi slopes, per head (fp32); ``anchor_last``: the bias of a key
-    is counted from the call's last key (MPT) rather than from position 0 (BLOOM)."""
+    forward around ``attend``; ``slopes(module)``: its ALiBi slopes, per head (fp32), or None; ``anchor_last``: the bias
+    of a key is counted from the call's last key (MPT) rather than from position 0 (BLOOM); ``across_documents``: its
+    model builds its mask without packed documents' positions, so one process attends across them."""
 
     forward: Callable
-    slopes: Callable
+    slopes: Optional[Callable] = None
     anchor_last: bool = False
+    across_documents: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,8 @@ class Family:
             return "attention schedules; convolution halo; scans by all-to-all or state passing"
         if self.own_attention:
             names = ", ".join(self.own_attention)
-            return f"attention schedules; {names}: projections on the shard, ALiBi as one more key dimension"
+            bias = ", ALiBi as one more key dimension" if any(own.slopes for own in self.own_attention.values()) else ""
+            return f"attention schedules; {names}: projections on the shard{bias}"
         if self.indexer is not None:
             return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
         return "attention schedules"
@@ -356,21 +366,12 @@ _RECORDS = (
         generated_whole="each XLNet step passes a permutation mask over every pair of the step's tokens and a query "
         "stream for the one token it predicts, which its model builds for its own whole call",
     ),
-    Family(
-        "xglm",
-        gathered={"XGLMAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
-        why_gathered="attention of its own: scores by matmul plus the mask tensor",
-    ),
-    Family("mpt", own_attention={"MptAttention": OwnAttention(mpt_attention, mpt_slopes, anchor_last=True)}),
-    Family("bloom", own_attention={"BloomAttention": OwnAttention(bloom_attention, bloom_slopes)}),
+    Family("mpt", own_attention={"MptAttention": OwnAttention(mpt_attention, mpt_slopes, True, True)}),
+    Family("bloom", own_attention={"BloomAttention": OwnAttention(bloom_attention, bloom_slopes, False, True)}),
+    Family("xglm", own_attention={"XGLMAttention": OwnAttention(xglm_attention, across_documents=True)}),
     Family(
         "gpt_neox_japanese",
-        gathered={
-            "GPTNeoXJapaneseAttention": GatheredModule(
-                ("hidden_states", "position_ids", "position_embeddings"), mask="attention_mask"
-            )
-        },
-        why_gathered="attention of its own: scores by matmul plus the mask tensor",
+        own_attention={"GPTNeoXJapaneseAttention": OwnAttention(gpt_neox_japanese_attention)},
     ),
     Family(
         "zaya",

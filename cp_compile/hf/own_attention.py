@@ -32,10 +32,10 @@ from transformers import AttentionInterface
 
 from ..active import active_plan
 from ..mixers.indexed import sequence_slots
-from .alibi import bias_columns, with_bias
 from .families import OwnAttention, family_of
 from .forward import plan_of_shards, sharding_of
 from .masks import NAME
+from .own_forwards import bias_columns, with_bias
 
 
 def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
@@ -53,7 +53,7 @@ def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
 
 def _attend(
     own: OwnAttention,
-    slopes: Tensor,
+    slopes: Optional[Tensor],
     module,
     query: Tensor,
     key: Tensor,
@@ -63,17 +63,28 @@ def _attend(
     scale: float,
     dropout: float,
 ) -> Tensor:
-    """``[B, L, H, D]``: the attention of this rank's (or every rank's) queries ``[B, H, L, D]`` with the ALiBi bias."""
-    places, total = _positions(module, query, cache)
-    # from a cache, one anchor for every key it keeps: keys stored by different calls are compared by the same query
-    anchor = total - 1 if own.anchor_last and cache is None else 0
-    columns = bias_columns(slopes.to(query.device), places.to(query.device), anchor, scale, query.dtype)
-    query, key, value_wide = with_bias(query, key, value, columns)
+    """``[B, L, H, D]``: the attention of this rank's (or every rank's) queries ``[B, H, L, D]``, with the ALiBi bias
+    where the module has one."""
+    value_wide = value
+    if slopes is not None:
+        places, total = _positions(module, query, cache)
+        # from a cache, one anchor for every key it keeps: keys stored by different calls meet the same query
+        anchor = total - 1 if own.anchor_last and cache is None else 0
+        columns = bias_columns(slopes.to(query.device), places.to(query.device), anchor, scale, query.dtype)
+        query, key, value_wide = with_bias(query, key, value, columns)
     if cache is not None:
         key, value_wide = cache.update(key, value_wide, module.layer_idx)
     attention = AttentionInterface()[NAME]
     out, _ = attention(
-        module, query, key, value_wide, mask, dropout=dropout, scaling=scale, use_cache=cache is not None
+        module,
+        query,
+        key,
+        value_wide,
+        mask,
+        dropout=dropout,
+        scaling=scale,
+        use_cache=cache is not None,
+        across_documents=own.across_documents,
     )
     return out[..., : value.shape[-1]]
 
@@ -91,7 +102,7 @@ def reroute_own_attention(model) -> None:
         own: Optional[OwnAttention] = family_of(module).own_attention.get(type(module).__name__)
         if own is None or "forward" in module.__dict__:
             continue
-        attend = functools.partial(_attend, own, own.slopes(module))
+        attend = functools.partial(_attend, own, None if own.slopes is None else own.slopes(module))
         module.forward = functools.partial(_forward, own, attend, module, type(module).forward.__get__(module))
 
 

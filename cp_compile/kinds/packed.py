@@ -66,12 +66,15 @@ def check_packed_args(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None
 @dataclass(frozen=True)
 class PackedSettings(Settings):
     """A packed call's window (left, right; -1 unbounded, right = 0 causal), and when set the chunk size (keys
-    visible only inside the query's chunk of ``chunk`` positions of its document) and the logit soft-cap."""
+    visible only inside the query's chunk of ``chunk`` positions of its document), the logit soft-cap, and ``across``
+    = 1: the documents see each other, as one sequence (the window over positions in the packed row), while the
+    tokens stay where the documents' layout put them (a model whose one-process mask ignores the documents)."""
 
     left: int
     right: int
     chunk: int = 0
     softcap: float = 0.0
+    across: int = 0
 
 
 def bhsd(t: Tensor) -> Tensor:
@@ -104,8 +107,23 @@ def _chunked(runs: tuple[Segment, ...], chunk: int) -> tuple[Segment, ...]:
     return tuple(pieces)
 
 
-def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int, right: int, chunk: int = 0) -> tuple:
-    """The tiles of the queries' unit against the keys ``units`` names, from cu_seqlens and the rank."""
+def _one_sequence(runs: tuple[Segment, ...], cu: list[int]) -> tuple[Segment, ...]:
+    """Runs of the documents as runs of one sequence: each at its position in the packed row."""
+    return tuple(Segment(run.row, 0, cu[run.doc] + run.pos, run.length) for run in runs)
+
+
+def unit_tiles(
+    q: Tensor,
+    k: Tensor,
+    cu_seqlens: Tensor,
+    units: Units,
+    left: int,
+    right: int,
+    chunk: int = 0,
+    across: bool = False,
+) -> tuple:
+    """The tiles of the queries' unit against the keys ``units`` names, from cu_seqlens and the rank; ``across``: the
+    documents as one sequence."""
     cu = check_cu_seqlens(cu_seqlens)
     local = packed_local_len(cu, units.world_size)
     if q.shape[0] != local * units.a2a:
@@ -118,13 +136,17 @@ def unit_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, units: Units, left: int
     if k.shape[0] != expected:
         raise ValueError(f"k/v have {k.shape[0]} tokens; expected {expected} for step {units.step}")
     k_runs = sequence_segments(cu) if units.gathered else _unit_runs(cu, units.k_unit, units)
-    return plan_tiles(_chunked(_unit_runs(cu, units.q_unit, units), chunk), _chunked(k_runs, chunk), left, right)
+    q_runs = _unit_runs(cu, units.q_unit, units)
+    if across:
+        q_runs, k_runs = _one_sequence(q_runs, cu), _one_sequence(k_runs, cu)
+    return plan_tiles(_chunked(q_runs, chunk), _chunked(k_runs, chunk), left, right)
 
 
 def _call_tiles(q: Tensor, k: Tensor, extra: list, units: Units, call: Call) -> tuple[tuple, float]:
     """(tiles, soft-cap) of one packed call, from its options."""
     settings = call.settings
-    return unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk), settings.softcap
+    tiles = unit_tiles(q, k, extra[0], units, settings.left, settings.right, settings.chunk, bool(settings.across))
+    return tiles, settings.softcap
 
 
 class Packed(Kind):

@@ -1,5 +1,7 @@
-"""ALiBi's attention modules (BLOOM, MPT) under a plan: their projections on this rank's shard, their attention through
-the schedules, the bias as one more dimension of the dot product.
+"""Attention modules of their own code under a plan (``Family.own_attention``): each family's forward runs the module's
+own projections and output layers on this rank's shard around ``attend``, which ``hf.own_attention`` supplies
+(positions, cache, the attention function): BLOOM and MPT (ALiBi), XGLM (queries scaled before their product),
+GPT-NeoX-Japanese (partial RoPE).
 
 ALiBi adds ``slope_h * (j - anchor)`` to every score of key ``j``: a bias of the key alone, the same for every query
 of a call (BLOOM anchors at position 0, MPT at the call's last key). A bias of the key alone is one more term of the
@@ -10,9 +12,6 @@ plain attention of a head dim a column or three wider, and the ring moves ``1/D`
 The bias is computed as both families compute theirs, in fp32 from integer positions (the same bits in fp64), and
 carried in the input's dtype; fp16 and bf16 carry it as three limbs (hi, mid, lo: fp32's 24 bits), which the
 kernels' fp32 accumulation adds back together.
-
-Each family's forward here runs the module's own projections and output layers around ``attend``, which
-``hf.own_attention`` supplies (positions, columns, cache, the attention function).
 """
 
 from __future__ import annotations
@@ -121,4 +120,65 @@ def mpt_attention(
     return module.out_proj(context.reshape(batch, length, -1)), None
 
 
-__all__ = ["bias_columns", "bloom_attention", "bloom_slopes", "limbs_for", "mpt_attention", "mpt_slopes", "with_bias"]
+def xglm_attention(
+    module, attend: Attend, hidden_states: Tensor, key_value_states=None, cache=None, attention_mask=None, **_
+):
+    """``XGLMAttention.forward`` under a plan: its queries scaled before their product with the keys."""
+    if key_value_states is not None:
+        raise UnsupportedAttention(
+            "XGLMAttention under context parallelism: cross-attention (add_cross_attention) is not supported"
+        )
+    batch, length, _ = hidden_states.shape
+
+    def heads(t: Tensor) -> Tensor:
+        return t.view(batch, length, -1, module.head_dim).transpose(1, 2)
+
+    query = heads(module.q_proj(hidden_states) * module.scaling)
+    key, value = heads(module.k_proj(hidden_states)), heads(module.v_proj(hidden_states))
+    dropout = module.dropout if module.training else 0.0
+    context = attend(module, query, key, value, attention_mask, cache, 1.0, dropout)
+    return module.out_proj(context.reshape(batch, length, module.embed_dim)), None
+
+
+def gpt_neox_japanese_attention(
+    module,
+    attend: Attend,
+    hidden_states: Tensor,
+    attention_mask=None,
+    position_ids=None,
+    layer_past=None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    position_embeddings=None,
+    **_,
+):
+    """``GPTNeoXJapaneseAttention.forward`` under a plan: RoPE on the first ``rotary_ndims`` of each head (cos and sin
+    of the global positions its model was given)."""
+    if output_attentions:
+        raise UnsupportedAttention(
+            "GPTNeoXJapaneseAttention under context parallelism: output_attentions is not supported"
+        )
+    batch, length, _ = hidden_states.shape
+    heads, size, rotary = module.num_attention_heads, module.head_size, module.rotary_ndims
+    qkv = module.query_key_value(hidden_states).view(batch, length, heads, 3 * size).permute(0, 2, 1, 3)
+    query, key, value = qkv[..., :size], qkv[..., size : 2 * size], qkv[..., 2 * size :]
+    cos, sin = position_embeddings
+    query_rot, key_rot = _modeling(module).apply_rotary_pos_emb(query[..., :rotary], key[..., :rotary], cos, sin)
+    query = torch.cat([query_rot, query[..., rotary:]], -1)
+    key = torch.cat([key_rot, key[..., rotary:]], -1)
+    dropout = module.attention_dropout.p if module.training else 0.0
+    context = attend(module, query, key, value, attention_mask, layer_past, 1.0 / module.norm_factor, dropout)
+    return module.dense(context.reshape(batch, length, heads * size)), None, module.dense_bias
+
+
+__all__ = [
+    "bias_columns",
+    "bloom_attention",
+    "bloom_slopes",
+    "gpt_neox_japanese_attention",
+    "limbs_for",
+    "mpt_attention",
+    "mpt_slopes",
+    "with_bias",
+    "xglm_attention",
+]
