@@ -27,7 +27,7 @@ COVERED = [
     "lfm3",
     "mamba",
     "mamba2",
-    "minimax",  # its lightning attention, a module with code of its own, over the gathered sequence
+    "minimax",  # its lightning attention, a module with code of its own, by state passing
     "nemotron_h",
     "olmo_hybrid",
     "qwen3_5_text",
@@ -183,7 +183,7 @@ def test_generation_no_shard_can_run_runs_whole_on_every_rank(ranks, world_size)
 
 # RecurrentGemma's recurrent block and Zaya's projection run convolutions of their own over the gathered sequence;
 # XLNet's relative positions are built again while Dynamo traces
-COMPILED = ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1", "recurrent_gemma", "zaya", "xlnet"]
+COMPILED = ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1", "recurrent_gemma", "zaya", "xlnet", "minimax"]
 
 
 @pytest.mark.parametrize("family", COMPILED)
@@ -211,7 +211,8 @@ def test_gathered_modules_compiled_on_packed_documents(ranks):
     tokens, zeroed (the real length would be data in the graph; no token of these causal modules sees a later
     one). GPT-NeoX-Japanese's mask keeps each document to itself, as its one-process mask does given positions (the
     ranks cannot agree while Dynamo traces: transformers keeps documents apart wherever positions are passed then);
-    MiniMax's lightning attention loops over blocks of the padded length. A window layer's mask cannot be read
+    MiniMax's lightning attention, a module of its own, takes the all-to-all to heads (state passing reads the
+    documents on the host). A window layer's mask cannot be read
     while tracing: refused by name. (XGLM, whose mask reads across documents, and RWKV were checked the same way by
     hand, and GPT-NeoX-Japanese at C = 3.)"""
     lengths = [1, 7, 19, 13]

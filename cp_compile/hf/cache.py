@@ -236,6 +236,11 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
         self.has_previous_state[state_idx] = True
         return conv_states
 
+    def given_whole(self) -> None:
+        """In a sharded prefill, the layer's states were given whole, the prompt's (a module's own recurrence, over the
+        gathered sequence or by state passing), and it keeps no convolution tail to gather."""
+        self.pending_conv = None
+
     @property
     def nbytes(self) -> int:
         states = [*self.conv_states.values(), *self.recurrent_states.values()]

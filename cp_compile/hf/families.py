@@ -23,6 +23,7 @@ from .own_forwards import (
     bloom_attention,
     bloom_slopes,
     gpt_neox_japanese_attention,
+    minimax_lightning,
     mpt_attention,
     mpt_slopes,
     xglm_attention,
@@ -91,12 +92,22 @@ class OwnAttention(NamedTuple):
     attention through the schedules (``hf.own_attention``). ``forward(module, attend, *args, **kwargs)``: the module's
     forward around ``attend``; ``slopes(module)``: its ALiBi slopes, per head (fp32), or None; ``anchor_last``: the bias
     of a key is counted from the call's last key (MPT) rather than from position 0 (BLOOM); ``across_documents``: its
-    model builds its mask without packed documents' positions, so one process attends across them."""
+    model builds its mask without packed documents' positions, so one process attends across them. ``mixing``:
+    "softmax" attention, or "lightning" (MiniMax's decayed linear attention, by state passing; tokens every rank
+    holds, decoding from the state its cache keeps, run the module's own forward)."""
 
     forward: Callable
     slopes: Optional[Callable] = None
     anchor_last: bool = False
     across_documents: bool = False
+    mixing: str = "softmax"
+
+    @property
+    def how(self) -> str:
+        """The route's words for the models table."""
+        if self.mixing == "lightning":
+            return "projections on the shard, lightning attention by state passing"
+        return "projections on the shard" + (", ALiBi as one more key dimension" if self.slopes else "")
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,8 @@ class Family:
 
     @property
     def mixes_outside_attention(self) -> bool:
-        return self.wrapped or bool(self.gathered)
+        lightning = any(own.mixing != "softmax" for own in self.own_attention.values())
+        return self.wrapped or bool(self.gathered) or lightning
 
     @property
     def keeps_whole_kv(self) -> bool:
@@ -157,9 +169,7 @@ class Family:
         if self.wrapped:
             return "attention schedules; convolution halo; scans by all-to-all or state passing"
         if self.own_attention:
-            names = ", ".join(self.own_attention)
-            bias = ", ALiBi as one more key dimension" if any(own.slopes for own in self.own_attention.values()) else ""
-            return f"attention schedules; {names}: projections on the shard{bias}"
+            return "attention schedules; " + "; ".join(f"{name}: {own.how}" for name, own in self.own_attention.items())
         if self.indexer is not None:
             return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
         return "attention schedules"
@@ -264,8 +274,7 @@ _RECORDS = (
     ),
     Family(
         "minimax",
-        gathered={"MiniMaxLightningAttention": GatheredModule(("hidden_states",), ("position_embeddings",))},
-        why_gathered="lightning attention: a loop over blocks of the sequence inside the module's forward",
+        own_attention={"MiniMaxLightningAttention": OwnAttention(minimax_lightning, mixing="lightning")},
         cache="ShardedMiniMaxCache",
     ),
     Family(

@@ -344,7 +344,7 @@ def _whole_states_from(module, cache, guard: contextlib.ExitStack) -> None:
     if not isinstance(layer, ReplicatedLinearLayer):
         return
     if not family_of(module).wrapped:
-        layer.pending_conv = None
+        layer.given_whole()
         return
     layer.states_whole = True
     guard.callback(setattr, layer, "states_whole", False)

@@ -1,5 +1,6 @@
-"""Attention modules whose scores are code of their own (``Family.own_attention``: BLOOM's and MPT's ALiBi), run under a
-plan with their projections on this rank's shard and their attention through ``"cp_compile"``'s attention function.
+"""Attention modules of code of their own (``Family.own_attention``: BLOOM's and MPT's ALiBi, XGLM, GPT-NeoX-Japanese,
+MiniMax's lightning attention), run under a plan with their projections on this rank's shard and their attention
+through ``"cp_compile"``'s attention function (or, for lightning attention, by state passing: ``mixers.lightning``).
 
 Such a module cannot hand its attention to transformers' attention interface: it multiplies queries and keys itself.
 Before a model's first call under a plan (``hf.checks.prepare``), each such module's ``forward`` becomes, on the
@@ -32,8 +33,10 @@ from transformers import AttentionInterface
 
 from ..active import active_plan
 from ..mixers.indexed import sequence_slots
+from ..mixers.lightning import lightning
+from .cache import ReplicatedLinearLayer
 from .families import OwnAttention, family_of
-from .forward import plan_of_shards, sharding_of
+from .forward import count_call, plan_of_shards, sharding_of
 from .masks import NAME
 from .own_forwards import bias_columns, with_bias
 
@@ -89,8 +92,35 @@ def _attend(
     return out[..., : value.shape[-1]]
 
 
+def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, value: Tensor, cache) -> Tensor:
+    """``[B, L, H, D]``: MiniMax's lightning attention of this rank's tokens over the whole sequence, by state passing
+    (or by the all-to-all to heads: ``plan.scan_route``, and compiled on packed documents); a cache given, from the
+    state it keeps, which it is left with the sequence's (the same on every rank)."""
+    count_call(convs=1, scans=1)  # the module stands for its layer's mixing (``hf.checks``)
+    plan = active_plan()
+    start = None if cache is None else cache.get_linear_cache(module.layer_idx)
+    sharding = sharding_of(plan, None)
+    route = plan.scan_route
+    if route == "auto":  # state passing reads packed documents' tables on the host, outside a compiled graph
+        route = "heads" if torch.compiler.is_compiling() and sharding.cu_seqlens is not None else "states"
+    decay = module.slope_rate.reshape(-1)
+    block = module.block_size
+    out, last = lightning(query, key, value, decay, block, sharding, route, start, final_state=cache is not None)
+    if cache is not None:
+        cache.set_linear_cache(module.layer_idx, last.to(value.dtype))
+        layer = cache.layers[module.layer_idx]
+        if isinstance(layer, ReplicatedLinearLayer):
+            layer.given_whole()
+    return out
+
+
+_MIXING = {"softmax": _attend, "lightning": _lightning}
+
+
 def _forward(own: OwnAttention, attend, module, original, *args, **kwargs):
-    if active_plan() is None:
+    if active_plan() is None or (own.mixing != "softmax" and plan_of_shards() is None):
+        # outside every plan; or tokens every rank holds, which a recurrence runs from its cache's state as one
+        # process does
         return original(*args, **kwargs)
     return own.forward(module, attend, *args, **kwargs)
 
@@ -102,7 +132,7 @@ def reroute_own_attention(model) -> None:
         own: Optional[OwnAttention] = family_of(module).own_attention.get(type(module).__name__)
         if own is None or "forward" in module.__dict__:
             continue
-        attend = functools.partial(_attend, own, None if own.slopes is None else own.slopes(module))
+        attend = functools.partial(_MIXING[own.mixing], own, None if own.slopes is None else own.slopes(module))
         module.forward = functools.partial(_forward, own, attend, module, type(module).forward.__get__(module))
 
 

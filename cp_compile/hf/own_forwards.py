@@ -1,7 +1,8 @@
 """Attention modules of their own code under a plan (``Family.own_attention``): each family's forward runs the module's
 own projections and output layers on this rank's shard around ``attend``, which ``hf.own_attention`` supplies
 (positions, cache, the attention function): BLOOM and MPT (ALiBi), XGLM (queries scaled before their product),
-GPT-NeoX-Japanese (partial RoPE).
+GPT-NeoX-Japanese (partial RoPE), and MiniMax's lightning attention around a decayed linear attention by state
+passing (``mixers.lightning``).
 
 ALiBi adds ``slope_h * (j - anchor)`` to every score of key ``j``: a bias of the key alone, the same for every query
 of a call (BLOOM anchors at position 0, MPT at the call's last key). A bias of the key alone is one more term of the
@@ -120,6 +121,21 @@ def mpt_attention(
     return module.out_proj(context.reshape(batch, length, -1)), None
 
 
+def minimax_lightning(
+    module, mix: Attend, hidden_states: Tensor, position_embeddings=None, attention_mask=None, cache=None, **_
+):
+    """``MiniMaxLightningAttention.forward`` under a plan: its projections, norm, gate and output on the shard around
+    ``mix`` (the decayed linear attention of every rank's tokens, ``[B, L, H, D]``)."""
+    batch, length, _ = hidden_states.shape
+    qkv = module.act_fn(module.qkv_proj(hidden_states))
+    qkv = _modeling(module).apply_mask_to_padding_states(qkv, attention_mask)
+    qkv = qkv.reshape(batch, length, module.num_attention_heads, 3 * module.head_dim)
+    query, key, value = torch.split(qkv, module.head_dim, dim=3)
+    mixed = mix(module, query, key, value, cache).reshape(batch, length, -1)
+    gated = torch.sigmoid(module.output_gate(hidden_states)) * module.norm(mixed)
+    return module.out_proj(gated), None
+
+
 def xglm_attention(
     module, attend: Attend, hidden_states: Tensor, key_value_states=None, cache=None, attention_mask=None, **_
 ):
@@ -177,6 +193,7 @@ __all__ = [
     "bloom_slopes",
     "gpt_neox_japanese_attention",
     "limbs_for",
+    "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",
     "with_bias",

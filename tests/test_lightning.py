@@ -1,0 +1,90 @@
+"""MiniMax's lightning attention (a linear attention with a decay per head) under CP, by state passing
+(``cp_compile.mixers.lightning``; ``hf.own_attention`` for MiniMax's module).
+
+The blockwise computation against the sum it stands for, in fp64; state passing on real gloo ranks, C = 1 to 4, under
+zigzag, contiguous and packed documents (documents of length 1 and 0, chunks shorter than a block), forward, final
+state and every gradient to 1e-12; MiniMax's own model classes trained compiled and generated from the state its
+cache keeps, against one process."""
+
+import pytest
+import torch
+from test_mixers import _errors, _setup, _shard
+
+
+def _summed(q, k, v, decay, state=None):
+    """o_t = sum_{j <= t} exp(-s (t - j)) (q_t . k_j) v_j (+ exp(-s (t + 1)) q_t S): the definition, O(L^2)."""
+    length = q.shape[2]
+    t = torch.arange(length, dtype=q.dtype)
+    behind = t[:, None] - t[None, :]
+    s = decay.to(q.dtype)[:, None, None]
+    weights = torch.where(behind >= 0, torch.exp(-s * behind.clamp(min=0)), 0.0)  # [H, L, L]
+    out = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * weights, v)
+    if state is not None:
+        out = out + torch.matmul(q * torch.exp(-s * (t + 1)[:, None]), state)
+    last = (k * torch.exp(-s * (length - 1 - t)[:, None])).transpose(-1, -2) @ v
+    if state is not None:
+        last = last + torch.exp(-decay.to(q.dtype) * length)[:, None, None] * state
+    return out, last
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 64])
+def test_blocks_are_the_sum(block):
+    from cp_compile.mixers.lightning import decayed_linear_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 23, 5, dtype=torch.float64, generator=g) for _ in range(3))
+    state = torch.randn(2, 3, 5, 5, dtype=torch.float64, generator=g)
+    decay = torch.tensor([0.9, 0.05, 0.3])
+    out, last = decayed_linear_attention(q, k, v, decay, block, state)
+    want, want_last = _summed(q, k, v, decay, state)
+    assert (out - want).abs().max() < 1e-12 * want.abs().max()
+    assert (last - want_last).abs().max() < 1e-12 * want_last.abs().max()
+
+
+def lightning_case(layout_name: str, with_state: bool, block: int, route: str = "states") -> list:
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.lightning import decayed_linear_attention, lightning
+
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(3)
+    b, heads, d = 1, 3, 4
+    f64 = dict(dtype=torch.float64)
+    q, k, v = (torch.randn(b, total, heads, d, **f64, requires_grad=True) for _ in range(3))
+    decay = torch.tensor([0.9, 0.05, 0.3])
+    init = torch.randn(b, heads, d, d, **f64) if with_state else None
+    ref, ref_state = decayed_linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), decay, block, init)
+    ref = ref.transpose(1, 2)
+    dy, ds = torch.randn_like(ref), torch.randn_like(ref_state)
+    ((ref * dy).sum() + (ref_state * ds).sum()).backward()
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in (q, k, v)]
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    out, state = lightning(*local, decay, block, sharding, route, init, final_state=True)
+    # the final state is every rank's: its gradient is counted once, on rank 0
+    ((out * _shard(plan, dy, 1, cu)).sum() + (state * ds).sum() * (plan.rank == 0)).backward()
+    pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, (q, k, v))]
+    errs = _errors(plan, pairs, cu) + [float((state - ref_state).abs().max())]
+    scale = max(float(t.abs().max()) for t in (ref, ref_state, q.grad, k.grad, v.grad))
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("route", ["states", "heads"])
+def test_both_routes_equal_one_process(ranks, world_size, route):
+    """Three heads: at C = 2 and 4 the all-to-all pads them with zero heads."""
+    for case in [("zigzag", False, 4), ("contiguous", True, 3), ("packed", False, 4), ("zigzag", True, 64)]:
+        for errs in ranks(world_size, lightning_case, *case, route=route):
+            assert max(errs) < 1e-12, (case, errs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_minimax_generates_from_the_state_its_cache_keeps(ranks, world_size):
+    """The sharded prefill leaves each lightning layer's cache the whole prompt's state (the chain's last, the same on
+    every rank); decoding runs the module's own step from it. Sampled with processors, prompts of 1 and 30 tokens,
+    against one process with the same seed."""
+    from test_hf_hybrids import generate_reading_the_sequence
+
+    for results in ranks(world_size, generate_reading_the_sequence, "minimax", [1, 30]):
+        *runs, refusal = results
+        for same, new, err in runs:
+            assert same and new == 20 and err < 1e-5, runs
+        assert "different tokens" in refusal, refusal
