@@ -1,11 +1,11 @@
 """Command line: ``python -m cp_compile demo``, ``bench``, ``accuracy``, ``generate``, ``generate-batch``, ``step``,
-``models``, ``mixers``, ``indexed`` and ``gpu-check``."""
+``models``, ``scale``, ``mixers``, ``indexed`` and ``gpu-check``."""
 
 import argparse
 import sys
 
 from .tools import bench, demo, generate, generate_batch, gpu_check
-from .tools.bench import accuracy, indexed, mixers, models, step
+from .tools.bench import accuracy, indexed, mixers, models, scaling, step
 
 # command -> (its module, its help); each module gives add_arguments(parser) and main(args)
 COMMANDS = {
@@ -32,6 +32,11 @@ COMMANDS = {
         models,
         "every decoder-only causal-LM family of the installed transformers under CP vs one process: train step "
         "and generation; table, JSON, Markdown",
+    ),
+    "scale": (
+        scaling,
+        "each family's training step at C = 1, 2, 4 against one process, by route: ms per step and activations "
+        "saved per rank",
     ),
     "mixers": (
         mixers,

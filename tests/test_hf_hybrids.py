@@ -33,7 +33,7 @@ COVERED = [
     "qwen3_5_text",
     "qwen3_next",
     "qwen4_exp_text",  # its attention (a block indexer of its own) and n-gram layers over the gathered sequence
-    "recurrent_gemma",  # its RG-LRU blocks, modules with code of their own, over the gathered sequence
+    "recurrent_gemma",  # its RG-LRU blocks' convolution by the halo and recurrence by state passing
     "zamba",  # Mamba's selective scan once per head
     "zamba2",
     "zaya",  # its q/k/v projection (a convolution and a one-token delay of its own) over the gathered sequence
@@ -181,7 +181,8 @@ def test_generation_no_shard_can_run_runs_whole_on_every_rank(ranks, world_size)
             assert said and all("every rank runs" in message for message in said), said
 
 
-# RecurrentGemma's recurrent block and Zaya's projection run convolutions of their own over the gathered sequence;
+# RecurrentGemma's recurrent block runs its convolution by the halo and its RG-LRU by state passing, Zaya's projection
+# its convolutions over the gathered sequence;
 # XLNet's relative positions are built again while Dynamo traces
 COMPILED = ["qwen3_5_text", "nemotron_h", "lfm2", "falcon_h1", "recurrent_gemma", "zaya", "xlnet", "minimax"]
 
@@ -267,25 +268,25 @@ def recompute_outside_the_plan() -> str:
 
 
 def padding_on_one_rank() -> str:
-    """MiniMax's lightning attention given a padding mask with padding in rank 1's shard alone: every rank raises,
-    none waits in the gather."""
+    """Zaya's q/k/v projection (over the gathered sequence) given a padding mask with padding in rank 1's shard alone:
+    every rank raises, none waits in the gather."""
     import torch.distributed as dist
 
     import cp_compile
     from cp_compile.hf.gathered import hook_gathered_modules
     from cp_compile.tools.bench import model_configs, model_run
 
-    config, cls, _ = model_configs.tiny_config("minimax")
+    config, cls, _ = model_configs.tiny_config("zaya")
     model = model_run._build(cls, config, "cp_compile")
     hook_gathered_modules(model)
-    module = next(m for m in model.modules() if type(m).__name__ == "MiniMaxLightningAttention")
+    module = next(m for m in model.modules() if type(m).__name__ == "ZayaCCAProjection")
     plan = cp_compile.ContextParallel()
     hidden = torch.randn(1, 8, config.hidden_size)
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[0, 0] = int(dist.get_rank() != 1)
     try:
         with plan:
-            module(hidden_states=hidden, position_embeddings=None, attention_mask=mask)
+            module(hidden_states=hidden, cache=None, conv_mask=mask)
     except (cp_compile.UnsupportedAttention, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -375,7 +376,7 @@ def test_what_xlnet_cannot_be_given_is_refused_on_every_rank(ranks):
 def test_padding_on_one_rank_is_refused_on_every_rank(ranks):
     other, own = ranks(2, padding_on_one_rank, timeout=120)
     assert all("ranks [1] refused this call before its first transfer" in m for m in (own, other)), (own, other)
-    assert "UnsupportedAttention" in own and "padding mask (attention_mask)" in own, own
+    assert "UnsupportedAttention" in own and "padding mask (conv_mask)" in own, own
 
 
 def test_a_gathered_module_recomputed_outside_the_plan_raises(ranks):
@@ -709,9 +710,11 @@ def test_explain_lists_the_mixers(ranks):
         assert all(n > 0 for _, n in mixers) and "mixer op(s)" in header, result
 
 
-def test_explain_lists_the_gathered_modules(ranks):
-    """MiniMax's lightning attention, compiled whole (no graph break): one gathered hidden state per linear layer,
-    C-1 shards received."""
+def test_explain_lists_lightning_attention_by_state_passing(ranks):
+    """MiniMax's lightning attention, compiled whole (no graph break): per linear layer, two all-gathers of the
+    summaries of state passing; one rank receives the other's two chunks' decays (2 x 4 heads, fp32) and states
+    (2 x 4 heads x 16 x 16, fp32), whatever the sequence's length."""
     for result in ranks(2, explained_mixers, "minimax"):
         *mixers, header = result
-        assert mixers == [("gathered", 32 * 64 * 4)] and "0 graph break(s)" in header, result
+        assert mixers == [("states", 2 * 4 * 4), ("states", 2 * 4 * 16 * 16 * 4)], result
+        assert "0 graph break(s)" in header, result

@@ -26,6 +26,7 @@ from .own_forwards import (
     minimax_lightning,
     mpt_attention,
     mpt_slopes,
+    recurrent_gemma_steps,
     xglm_attention,
 )
 
@@ -66,7 +67,7 @@ class GatheredModule(NamedTuple):
     unread: tuple[str, ...] = ()
     outputs: tuple[int, ...] = (0,)
     mask: Optional[str] = None
-    # arguments the model built from the shard's own positions (BLOOM's ALiBi bias), built again for the gathered
+    # arguments the model built from the shard's own positions (CPM-Ant's position bias), built again for the gathered
     # sequence (and for a decoding step's keys) by the family's builder: (name, f(module, model, hidden, keys))
     rebuilt: tuple[tuple[str, Callable], ...] = ()
     dim: int = 1
@@ -130,6 +131,9 @@ class Family:
     fresh_states: Optional[Callable] = None
     # modules whose attention is their own code, by class name: projections on the shard, attention by the schedules
     own_attention: Mapping[str, OwnAttention] = field(default_factory=dict)
+    # modules whose token-mixing steps, by class name, are put on the instance for a plan while the module's own
+    # forward runs around them (``hf.own_attention``): ``f(module, sharded, count)``
+    own_steps: Mapping[str, Callable] = field(default_factory=dict)
     # why every rank generates whole, as one process does (C times its compute); None: the sharded prefill
     generated_whole: Optional[str] = None
     # its attention masks have no window while its cache layers slide (Moshi): one process attends to every token in
@@ -146,7 +150,7 @@ class Family:
     @property
     def mixes_outside_attention(self) -> bool:
         lightning = any(own.mixing != "softmax" for own in self.own_attention.values())
-        return self.wrapped or bool(self.gathered) or lightning
+        return self.wrapped or bool(self.gathered) or lightning or bool(self.own_steps)
 
     @property
     def keeps_whole_kv(self) -> bool:
@@ -170,6 +174,9 @@ class Family:
             return "attention schedules; convolution halo; scans by all-to-all or state passing"
         if self.own_attention:
             return "attention schedules; " + "; ".join(f"{name}: {own.how}" for name, own in self.own_attention.items())
+        if self.own_steps:
+            names = ", ".join(self.own_steps)
+            return f"attention schedules; {names}: its convolution by the halo, its recurrence by state passing"
         if self.indexer is not None:
             return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
         return "attention schedules"
@@ -279,9 +286,8 @@ _RECORDS = (
     ),
     Family(
         "recurrent_gemma",
-        # its RG-LRU restarts where position_ids are 0: they are gathered with the tokens
-        gathered={"RecurrentGemmaRecurrentBlock": GatheredModule(("input_states", "position_ids"))},
-        why_gathered="the RG-LRU recurrence and its convolution in the block's own code, states kept on the module",
+        # its RG-LRU restarts where position_ids are 0: a gate of zero there, which the state passing carries
+        own_steps={"RecurrentGemmaRecurrentBlock": recurrent_gemma_steps},
         cache="ShardedCacheOfModuleStates",
         fresh_states=_fresh_module_states,
     ),

@@ -121,11 +121,11 @@ class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
 
 
 class WholeKVCache(ShardedCache):
-    """For families whose attention is code of their own that reads its K/V and its mask as tensors (XGLM, BLOOM,
-    GPT-NeoX-Japanese): every rank keeps the whole sequence's K/V, as one process does, C times the memory of a
-    sharded cache. The sharded prefill runs those modules over the gathered prompt, so each stores the whole
-    prompt's K/V; decoding runs them as one process does, on every rank, with no collective (the ranks' tokens are
-    compared once, at the end)."""
+    """For families whose attention is code of their own that reads its K/V and its mask as tensors, over the gathered
+    sequence (Doge, Inkling, Qwen4-exp, DeepSeek-V4): every rank keeps the whole sequence's K/V, as one process does,
+    C times the memory of a sharded cache. The sharded prefill runs those modules over the gathered prompt, so each
+    stores the whole prompt's K/V; decoding runs them as one process does, on every rank, with no collective (the
+    ranks' tokens are compared once, at the end)."""
 
     is_compileable = False
     keeps_whole_layers = True  # a layer type of the model's own: its own cache class, whole on every rank

@@ -125,10 +125,20 @@ def _forward(own: OwnAttention, attend, module, original, *args, **kwargs):
     return own.forward(module, attend, *args, **kwargs)
 
 
+def _sharded():
+    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding)."""
+    plan = plan_of_shards()
+    return None if plan is None else sharding_of(plan, None)
+
+
 def reroute_own_attention(model) -> None:
     """Gives each module of ``model`` whose attention is its own code (``Family.own_attention``) the forward of the
-    module docstring, once."""
+    module docstring, and each whose steps are (``Family.own_steps``) those steps, once."""
     for module in model.modules():
+        steps = family_of(module).own_steps.get(type(module).__name__)
+        if steps is not None and not module.__dict__.get("_cp_compile_steps"):
+            steps(module, _sharded, count_call)
+            module.__dict__["_cp_compile_steps"] = True
         own: Optional[OwnAttention] = family_of(module).own_attention.get(type(module).__name__)
         if own is None or "forward" in module.__dict__:
             continue

@@ -2,7 +2,8 @@
 own projections and output layers on this rank's shard around ``attend``, which ``hf.own_attention`` supplies
 (positions, cache, the attention function): BLOOM and MPT (ALiBi), XGLM (queries scaled before their product),
 GPT-NeoX-Japanese (partial RoPE), and MiniMax's lightning attention around a decayed linear attention by state
-passing (``mixers.lightning``).
+passing (``mixers.lightning``). RecurrentGemma's recurrent block keeps its own forward: two of its steps are put on
+its instance (``recurrent_gemma_steps``).
 
 ALiBi adds ``slope_h * (j - anchor)`` to every score of key ``j``: a bias of the key alone, the same for every query
 of a call (BLOOM anchors at position 0, MPT at the call's last key). A bias of the key alone is one more term of the
@@ -21,9 +22,14 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UnsupportedAttention
+from ..guard import mixers_over_the_whole_sequence
+from ..mixers.conv import causal_conv1d
+from ..mixers.diagonal import diagonal_scan_states
+from ..mixers.halo import sequence_tail
 
 
 def limbs_for(dtype: torch.dtype) -> int:
@@ -136,6 +142,52 @@ def minimax_lightning(
     return module.out_proj(gated), None
 
 
+def recurrent_gemma_steps(block, sharded: Callable, count: Callable) -> None:
+    """Puts on a ``RecurrentGemmaRecurrentBlock``'s instance its two steps that mix tokens, run under a plan's shard
+    (``sharded()``: its ``Sharding``, None elsewhere) while the block's own forward runs unchanged around them: its
+    convolution (``conv_1d``) by the halo, which also leaves the block the whole sequence's last inputs as its state,
+    and its RG-LRU's scan (``rg_lru._rnn_scan``) by state passing (``mixers.diagonal``), which returns the state after
+    the sequence's last token. Elsewhere (outside every plan, decoding) each runs as the model's own."""
+    conv, lru = block.conv_1d, block.rg_lru
+    conv_forward, scan = conv.forward, lru._rnn_scan
+    width = conv.kernel_size[0]
+
+    def convolution(x: Tensor) -> Tensor:
+        sharding = sharded()
+        with mixers_over_the_whole_sequence():  # the shard with its halo, or tokens every rank holds whole
+            if sharding is None:
+                return conv_forward(x)
+            count(convs=1)
+            out = causal_conv1d(x, conv.weight[:, 0], conv.bias, None, sharding)
+        if block.conv1d_state is not None:  # a prefill that keeps the states
+            block.conv1d_state = sequence_tail(x, 2, width - 1, sharding)
+        return F.pad(out, (0, width - 1))  # the block keeps the first ``L`` outputs of its padded convolution
+
+    def recurrence(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states=None):
+        sharding = sharded()
+        if sharding is None:
+            return scan(hidden_states, recurrent_gate, reset, recurrent_states)
+        if hidden_states.shape[1] == 1:
+            raise UnsupportedAttention(
+                "RecurrentGemma's recurrent block under context parallelism on a shard of one token (which it takes "
+                "for a decoding step): shard a longer sequence, or with load_balance='zigzag'"
+            )
+        if torch.compiler.is_compiling() and sharding.cu_seqlens is not None:
+            raise UnsupportedAttention(
+                "RecurrentGemma's RG-LRU under context parallelism, compiled, on packed documents: state passing "
+                "reads the documents' chunks on the host; run it eagerly"
+            )
+        count(scans=1)
+
+        def from_zero(x: Tensor, a: Tensor):
+            return scan(x, a, torch.zeros(*x.shape[:2], 1, dtype=torch.bool, device=x.device), None)
+
+        return diagonal_scan_states(from_zero, hidden_states, recurrent_gate * ~reset, sharding, recurrent_states)
+
+    conv.forward = convolution
+    lru._rnn_scan = recurrence
+
+
 def xglm_attention(
     module, attend: Attend, hidden_states: Tensor, key_value_states=None, cache=None, attention_mask=None, **_
 ):
@@ -196,6 +248,7 @@ __all__ = [
     "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",
+    "recurrent_gemma_steps",
     "with_bias",
     "xglm_attention",
 ]

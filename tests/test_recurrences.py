@@ -1,10 +1,11 @@
-"""MiniMax's lightning attention (a linear attention with a decay per head) under CP, by state passing
-(``cp_compile.mixers.lightning``; ``hf.own_attention`` for MiniMax's module).
+"""Linear recurrences in modules of their own, by state passing: MiniMax's lightning attention (a linear attention
+with a decay per head: ``cp_compile.mixers.lightning``) and RecurrentGemma's RG-LRU (a diagonal recurrence:
+``mixers.diagonal``), put on the models' modules by ``hf.own_attention``.
 
 The blockwise computation against the sum it stands for, in fp64; state passing on real gloo ranks, C = 1 to 4, under
 zigzag, contiguous and packed documents (documents of length 1 and 0, chunks shorter than a block), forward, final
-state and every gradient to 1e-12; MiniMax's own model classes trained compiled and generated from the state its
-cache keeps, against one process."""
+state and every gradient to 1e-12; the models' own classes trained compiled and generated from the states their
+caches keep, against one process."""
 
 import pytest
 import torch
@@ -88,3 +89,47 @@ def test_minimax_generates_from_the_state_its_cache_keeps(ranks, world_size):
         for same, new, err in runs:
             assert same and new == 20 and err < 1e-5, runs
         assert "different tokens" in refusal, refusal
+
+
+def _diagonal(x, a, state=None):
+    """h_t = a_t * h_{t-1} + x_t, token by token: (h, the last state)."""
+    h = torch.zeros_like(x[:, 0]) if state is None else state
+    out = []
+    for t in range(x.shape[1]):
+        h = a[:, t] * h + x[:, t]
+        out.append(h)
+    return torch.stack(out, 1), h
+
+
+def diagonal_case(layout_name: str, with_state: bool) -> list:
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.diagonal import diagonal_scan_states
+
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(4)
+    f64 = dict(dtype=torch.float64)
+    x = torch.randn(1, total, 6, **f64, requires_grad=True)
+    a = torch.rand(1, total, 6, **f64)
+    a[:, torch.arange(total) % 7 == 3] = 0.0  # resets (the RG-LRU's documents)
+    a.requires_grad_()
+    init = torch.randn(1, 6, **f64) if with_state else None
+    ref, ref_state = _diagonal(x, a, init)
+    dy, ds = torch.randn_like(ref), torch.randn_like(ref_state)
+    ((ref * dy).sum() + (ref_state * ds).sum()).backward()
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in (x, a)]
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    out, state = diagonal_scan_states(_diagonal, *local, sharding, init)
+    ((out * _shard(plan, dy, 1, cu)).sum() + (state * ds).sum() * (plan.rank == 0)).backward()
+    pairs = [(out.detach(), ref.detach(), 1)] + [(mine.grad, t.grad, 1) for mine, t in zip(local, (x, a))]
+    errs = _errors(plan, pairs, cu) + [float((state - ref_state).abs().max())]
+    scale = max(float(t.abs().max()) for t in (ref, ref_state, x.grad, a.grad))
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_a_diagonal_recurrence_by_state_passing(ranks, world_size):
+    """RecurrentGemma's RG-LRU recurrence: gates of zero where documents restart, an entering state, packed
+    documents (their chunks' zero tokens in front decay nothing)."""
+    for case in [("zigzag", False), ("contiguous", True), ("packed", False), ("packed", True)]:
+        for errs in ranks(world_size, diagonal_case, *case):
+            assert max(errs) < 1e-12, (case, errs)
