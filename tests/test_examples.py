@@ -52,6 +52,28 @@ def test_generate_batch_command():
     assert float(row[4]) < float(row[6]), run.stdout  # K/V per rank against one process's (MB)
 
 
+def test_scale_command(tmp_path):
+    """``python -m cp_compile scale`` on a short sequence: a row per C, the activations each rank saves at C = 2 below
+    one process's, BLOOM's route through the schedules."""
+    import json
+
+    out = tmp_path / "scale.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "cp_compile", "scale", "--families", "bloom", "-L", "256", "-C", "2"]
+        + ["--steps", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["family"], r["C"]) for r in rows] == [("bloom", c) for c in (0, 1, 2)], rows
+    assert all("error" not in r for r in rows), rows
+    assert all(r["saved_ratio"] < 0.7 for r in rows if r["C"] == 2), rows
+    assert "ALiBi as one more key dimension" in rows[-1]["route"], rows[-1]
+
+
 def test_generate_command(tmp_path):
     """``python -m cp_compile generate`` on a small model: it exits 1 if any token differs from one process."""
     out, plot = tmp_path / "rows.json", tmp_path / "generate.png"
