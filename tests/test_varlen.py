@@ -131,6 +131,20 @@ def test_tiles_in_sequence_order_equal_per_document_attention(world_size, window
                 assert t.k_len <= t.q_len + window[0] + window[1]
 
 
+@pytest.mark.parametrize("window", [(40, 0), (16, 3), (300, 0)])
+def test_a_long_band_runs_in_blocks_of_queries(window):
+    """A window over runs longer than ``BAND_ROWS``: the band is cut into blocks of queries, each against the keys its
+    window reaches, so that no math-path tile is the run squared; exact against per-document attention."""
+    from cp_compile.kernels.tiles import BAND_ROWS
+
+    def sequence(cu, k, v):
+        return packed.sequence_segments(cu), k, v
+
+    plan, _, _ = _tiles_case([1300, 5, 700], 1, window, [0], sequence)
+    bands = [t for t in plan if t.mask == "band"]
+    assert bands and all(t.q_len <= BAND_ROWS and t.k_len <= t.q_len + sum(window) for t in bands), bands
+
+
 @pytest.mark.parametrize("window", WINDOWS)
 def test_tiles_over_rank_ordered_chunks(window):
     # the Ulysses form: every rank's slots in rank order, queries and keys alike

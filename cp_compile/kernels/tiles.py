@@ -8,8 +8,10 @@ and the columns some row sees, then given the cheapest mask that is exact:
 
 ``none``    every pair visible (other documents' runs never pair)
 ``causal``  top-left causal: query a sees key b <= a
-``band``    a window bounded behind (``left >= 0``): the math path, its size
-            bounded by the window when ``right`` is bounded too
+``band``    a window bounded behind (``left >= 0``): the math path, in blocks of
+            at most ``BAND_ROWS`` queries, each against the keys its window
+            reaches, so that a long run costs its length times the window,
+            not its length squared
 
 A causal tile shifted by ``right`` ahead (``left = -1``: causal, or causal
 plus a few keys ahead) is split into a fully visible part and a top-left
@@ -53,8 +55,13 @@ class Tile(NamedTuple):
     window: tuple[int, int]  # (left, right) as given: what a "band" tile evaluates
 
 
+# queries per block of a band tile (``_tiles``): the math path holds heads x BAND_ROWS x (BAND_ROWS + window) scores
+BAND_ROWS = 256
+
+
 def _tiles(qs: Segment, ks: Segment, left: int, right: int) -> list[Tile]:
-    """The part of (query run, key run) where anything is visible, as at most two tiles."""
+    """The part of (query run, key run) where anything is visible, as at most two tiles (a long band: a few per block
+    of ``BAND_ROWS`` queries)."""
     k_lo, k_hi = ks.pos, ks.pos + ks.length
     q_lo, q_hi = qs.pos, qs.pos + qs.length
     if left >= 0:  # query i sees keys from i - left
@@ -79,6 +86,10 @@ def _tiles(qs: Segment, ks: Segment, left: int, right: int) -> list[Tile]:
             return [tile(q_lo, q_hi, k_lo, k_hi, "causal")]
         # keys before the edge are seen by every query; past it, query q_lo + 1 + a sees a + 1 of them
         return [tile(q_lo, q_hi, k_lo, edge, "none"), tile(q_lo + 1, q_hi, edge, k_hi, "causal")]
+    if left >= 0 and q_hi - q_lo > BAND_ROWS:  # each block of queries against the keys its window reaches
+        blocks = range(q_lo, q_hi, BAND_ROWS)
+        runs = (Segment(qs.row + a - qs.pos, qs.doc, a, min(BAND_ROWS, q_hi - a)) for a in blocks)
+        return [t for run in runs for t in _tiles(run, ks, left, right)]
     return [tile(q_lo, q_hi, k_lo, k_hi, "band")]
 
 
