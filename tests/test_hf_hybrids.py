@@ -192,6 +192,13 @@ def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "minimax"])
+def test_train_compiled_with_activation_checkpointing(ranks, family):
+    """Compiled with every decoder layer checkpointed: the mixers' agreements (ops with a side effect, which a
+    checkpointed region may not recompute) are saved from the forward; their exchanges run again in the backward."""
+    _check(ranks(2, train_step, family, "aot_eager", None, True), family)
+
+
 def compiled_error(family: str) -> str:
     try:
         train_step(family, "aot_eager", None)

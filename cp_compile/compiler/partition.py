@@ -7,6 +7,10 @@ it out of every backward graph:
 - ``save_cp_outputs`` (a joint-graph pass) marks CP forward ops and their
   outputs MUST_SAVE, which the partitioners honour under plain
   ``torch.utils.checkpoint`` regions and SAC policies that would recompute;
+  so are the agreements (``cp::agree`` and its kin: ops with a side effect,
+  which a checkpointed region may not recompute and the partitioner refuses
+  there): they run once, in the forward, and the mixers' own exchanges, pure
+  ops, are recomputed with the region on every rank alike;
 - ``CPPartitioner`` wraps Inductor's min-cut partitioner for
   ``torch._functorch.config.activation_memory_budget < 1``, where the tags are
   not enough: a budget of 0 saves only the graph inputs whatever the tags say,
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..comm import agree  # noqa: F401  (registers the agreements' ops)
 from ..schedules.registry import FORWARD_OPS as CP_FORWARD_OPS
 
 
@@ -43,6 +49,8 @@ def save_cp_outputs(graph: fx.Graph) -> int:
     budgeted = functorch_config.activation_memory_budget < 1.0
     marked = 0
     for node in graph.nodes:
+        if node.op == "call_function" and node.target in _AGREEMENTS:  # run once, in the forward
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         if node.op == "call_function" and node.target in CP_FORWARD_OPS:
             if not budgeted:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -50,6 +58,14 @@ def save_cp_outputs(graph: fx.Graph) -> int:
                 user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
     return marked
+
+
+# the agreements, ops with a side effect (a collective whose result is a check): never recomputed
+_AGREEMENTS = (
+    torch.ops.cp.agree.default,
+    torch.ops.cp.agree_tensors.default,
+    torch.ops.cp.agree_cu_seqlens.default,
+)
 
 
 def _cp_outputs(node: fx.Node) -> list[fx.Node]:

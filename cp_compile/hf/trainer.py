@@ -61,7 +61,6 @@ from ..comm.agree import every_rank
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
-from .families import family_of
 from .generate import generate, why_not_batched
 from .replicas import ReplicaAccelerator, completions_logged_once, data_parallel_group, one_copy_per_replica
 from .rows import PackedRows, ScoredRows
@@ -123,15 +122,6 @@ class ContextParallelMixin:
                     "compiled with the plan's backend, which takes no mode"
                 )
             self._compile_backend = trainer_args.torch_compile_backend or "inductor"
-            model = kwargs.get("model", args[0] if args else None)
-            if trainer_args.gradient_checkpointing and model is not None and family_of(model).mixes_outside_attention:
-                # each mixer checks that every rank passed alike shapes (an op with a side effect), which torch's
-                # activation checkpointing refuses inside a compiled checkpointed layer
-                raise ValueError(
-                    f"{type(model).__name__} mixes tokens outside attention (convolutions, scans): compiled with "
-                    "gradient checkpointing under context parallelism it is not supported yet; set "
-                    "gradient_checkpointing=False (TRL's SFTConfig turns it on by default) or torch_compile=False"
-                )
             # the trainer's accelerator would compile the wrapped model with a backend of its own
             trainer_args = copy.copy(trainer_args)
             trainer_args.torch_compile, trainer_args.torch_compile_backend = False, None
