@@ -381,8 +381,16 @@ _RECORDS = (
         generated_whole="each XLNet step passes a permutation mask over every pair of the step's tokens and a query "
         "stream for the one token it predicts, which its model builds for its own whole call",
     ),
-    Family("mpt", own_attention={"MptAttention": OwnAttention(mpt_attention, mpt_slopes, True, True)}),
-    Family("bloom", own_attention={"BloomAttention": OwnAttention(bloom_attention, bloom_slopes, False, True)}),
+    Family(
+        "mpt",
+        own_attention={
+            "MptAttention": OwnAttention(mpt_attention, mpt_slopes, anchor_last=True, across_documents=True)
+        },
+    ),
+    Family(
+        "bloom",
+        own_attention={"BloomAttention": OwnAttention(bloom_attention, bloom_slopes, across_documents=True)},
+    ),
     Family("xglm", own_attention={"XGLMAttention": OwnAttention(xglm_attention, across_documents=True)}),
     Family(
         "gpt_neox_japanese",

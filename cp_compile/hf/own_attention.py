@@ -7,11 +7,11 @@ Before a model's first call under a plan (``hf.checks.prepare``), each such modu
 instance, a function that runs the class's forward unchanged outside every plan, and inside one the family's forward
 (``OwnAttention.forward``: the module's own projections and output layers) around ``attend`` below:
 
-- the bias of every key (``hf.alibi.bias_columns``) from its global position: this rank's places in the sequence
+- the bias of every key (``hf.own_forwards.bias_columns``) from its global position: this rank's places in the sequence
   (``cp::sequence_slots``, the rank read at run time, so a compiled graph holds none), or, for tokens every rank holds
   (decoding), the cache's length onwards;
-- queries, keys and values widened by the bias columns (``hf.alibi.with_bias``), the keys and values stored widened in
-  the cache (a ``ShardedCache``: each rank keeps its share);
+- queries, keys and values widened by the bias columns (``hf.own_forwards.with_bias``), the keys and values stored
+  widened in the cache (a ``ShardedCache``: each rank keeps its share);
 - the attention function registered as ``"cp_compile"`` (looked up in transformers' ``AttentionInterface``), which runs
   the schedules, the packed documents' kinds, or the cached attention of decoding.
 
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..active import active_plan
 from ..mixers.indexed import sequence_slots
@@ -41,14 +41,19 @@ from .masks import NAME
 from .own_forwards import bias_columns, with_bias
 
 
+def _sharded():
+    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding)."""
+    plan = plan_of_shards()
+    return None if plan is None else sharding_of(plan, None)
+
+
 def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
     """The global positions of the call's tokens ``[L]`` and the number of keys the call attends over."""
     length = query.shape[2]
-    plan = active_plan()
-    if plan_of_shards() is not None:  # this rank's share of the sequence
-        sharding = sharding_of(plan, None)
+    sharding = _sharded()
+    if sharding is not None:  # this rank's share of the sequence
         places = sequence_slots(query.transpose(1, 2), *sharding.op_args)
-        total = length * plan.world_size if sharding.cu_seqlens is None else sharding.cu_seqlens[-1].long()
+        total = length * sharding.world_size if sharding.cu_seqlens is None else sharding.cu_seqlens[-1].long()
         return places, total
     past = 0 if cache is None else cache.get_seq_length(module.layer_idx)
     return torch.arange(past, past + length, device=query.device), past + length
@@ -77,8 +82,7 @@ def _attend(
         query, key, value_wide = with_bias(query, key, value, columns)
     if cache is not None:
         key, value_wide = cache.update(key, value_wide, module.layer_idx)
-    attention = AttentionInterface()[NAME]
-    out, _ = attention(
+    out, _ = ALL_ATTENTION_FUNCTIONS[NAME](
         module,
         query,
         key,
@@ -97,10 +101,9 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     (or by the all-to-all to heads: ``plan.scan_route``, and compiled on packed documents); a cache given, from the
     state it keeps, which it is left with the sequence's (the same on every rank)."""
     count_call(convs=1, scans=1)  # the module stands for its layer's mixing (``hf.checks``)
-    plan = active_plan()
     start = None if cache is None else cache.get_linear_cache(module.layer_idx)
-    sharding = sharding_of(plan, None)
-    route = plan.scan_route
+    sharding = _sharded()  # a plan's shard: ``_forward`` runs the module's own forward for any other tokens
+    route = active_plan().scan_route
     if route == "auto":  # state passing reads packed documents' tables on the host, outside a compiled graph
         route = "heads" if torch.compiler.is_compiling() and sharding.cu_seqlens is not None else "states"
     decay = module.slope_rate.reshape(-1)
@@ -117,33 +120,29 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
 _MIXING = {"softmax": _attend, "lightning": _lightning}
 
 
-def _forward(own: OwnAttention, attend, module, original, *args, **kwargs):
+def _forward(own: OwnAttention, attend, module, *args, **kwargs):
     if active_plan() is None or (own.mixing != "softmax" and plan_of_shards() is None):
         # outside every plan; or tokens every rank holds, which a recurrence runs from its cache's state as one
-        # process does
-        return original(*args, **kwargs)
+        # process does: the class's own forward
+        return type(module).forward(module, *args, **kwargs)
     return own.forward(module, attend, *args, **kwargs)
-
-
-def _sharded():
-    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding)."""
-    plan = plan_of_shards()
-    return None if plan is None else sharding_of(plan, None)
 
 
 def reroute_own_attention(model) -> None:
     """Gives each module of ``model`` whose attention is its own code (``Family.own_attention``) the forward of the
     module docstring, and each whose steps are (``Family.own_steps``) those steps, once."""
     for module in model.modules():
-        steps = family_of(module).own_steps.get(type(module).__name__)
+        family, name = family_of(module), type(module).__name__
+        steps = family.own_steps.get(name)
         if steps is not None and not module.__dict__.get("_cp_compile_steps"):
             steps(module, _sharded, count_call)
             module.__dict__["_cp_compile_steps"] = True
-        own: Optional[OwnAttention] = family_of(module).own_attention.get(type(module).__name__)
+        own: Optional[OwnAttention] = family.own_attention.get(name)
         if own is None or "forward" in module.__dict__:
             continue
         attend = functools.partial(_MIXING[own.mixing], own, None if own.slopes is None else own.slopes(module))
-        module.forward = functools.partial(_forward, own, attend, module, type(module).forward.__get__(module))
+        # partials of module-level functions, not closures: a deep copy of the model (a reference model) gets its own
+        module.forward = functools.partial(_forward, own, attend, module)
 
 
 __all__ = ["reroute_own_attention"]

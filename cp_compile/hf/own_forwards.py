@@ -18,6 +18,7 @@ kernels' fp32 accumulation adds back together.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -142,50 +143,57 @@ def minimax_lightning(
     return module.out_proj(gated), None
 
 
+def _rg_convolution(block, sharded: Callable, count: Callable, x: Tensor) -> Tensor:
+    """``block.conv_1d``'s forward: the halo convolution of a plan's shard, which also leaves the block the whole
+    sequence's last inputs as its convolution state; elsewhere ``nn.Conv1d``'s own."""
+    conv = block.conv_1d
+    sharding = sharded()
+    with mixers_over_the_whole_sequence():  # the shard with its halo, or tokens every rank holds whole
+        if sharding is None:
+            return type(conv).forward(conv, x)
+        count(convs=1)
+        out = causal_conv1d(x, conv.weight[:, 0], conv.bias, None, sharding)
+    width = conv.kernel_size[0]
+    if block.conv1d_state is not None:  # a prefill that keeps the states
+        block.conv1d_state = sequence_tail(x, 2, width - 1, sharding)
+    return F.pad(out, (0, width - 1))  # the block keeps the first ``L`` outputs of its padded convolution
+
+
+def _rg_recurrence(
+    lru, sharded: Callable, count: Callable, hidden_states, recurrent_gate, reset, recurrent_states=None
+):
+    """``lru._rnn_scan``: the RG-LRU's recurrence of a plan's shard by state passing, returning the state after the
+    sequence's last token; elsewhere the model's own scan."""
+    scan = type(lru)._rnn_scan
+    sharding = sharded()
+    if sharding is None:
+        return scan(lru, hidden_states, recurrent_gate, reset, recurrent_states)
+    if hidden_states.shape[1] == 1:
+        raise UnsupportedAttention(
+            "RecurrentGemma's recurrent block under context parallelism on a shard of one token (which it takes "
+            "for a decoding step): shard a longer sequence, or with load_balance='zigzag'"
+        )
+    if torch.compiler.is_compiling() and sharding.cu_seqlens is not None:
+        raise UnsupportedAttention(
+            "RecurrentGemma's RG-LRU under context parallelism, compiled, on packed documents: state passing "
+            "reads the documents' chunks on the host; run it eagerly"
+        )
+    count(scans=1)
+
+    def from_zero(x: Tensor, a: Tensor):
+        return scan(lru, x, a, torch.zeros(*x.shape[:2], 1, dtype=torch.bool, device=x.device), None)
+
+    return diagonal_scan_states(from_zero, hidden_states, recurrent_gate * ~reset, sharding, recurrent_states)
+
+
 def recurrent_gemma_steps(block, sharded: Callable, count: Callable) -> None:
     """Puts on a ``RecurrentGemmaRecurrentBlock``'s instance its two steps that mix tokens, run under a plan's shard
     (``sharded()``: its ``Sharding``, None elsewhere) while the block's own forward runs unchanged around them: its
-    convolution (``conv_1d``) by the halo, which also leaves the block the whole sequence's last inputs as its state,
-    and its RG-LRU's scan (``rg_lru._rnn_scan``) by state passing (``mixers.diagonal``), which returns the state after
-    the sequence's last token. Elsewhere (outside every plan, decoding) each runs as the model's own."""
-    conv, lru = block.conv_1d, block.rg_lru
-    conv_forward, scan = conv.forward, lru._rnn_scan
-    width = conv.kernel_size[0]
-
-    def convolution(x: Tensor) -> Tensor:
-        sharding = sharded()
-        with mixers_over_the_whole_sequence():  # the shard with its halo, or tokens every rank holds whole
-            if sharding is None:
-                return conv_forward(x)
-            count(convs=1)
-            out = causal_conv1d(x, conv.weight[:, 0], conv.bias, None, sharding)
-        if block.conv1d_state is not None:  # a prefill that keeps the states
-            block.conv1d_state = sequence_tail(x, 2, width - 1, sharding)
-        return F.pad(out, (0, width - 1))  # the block keeps the first ``L`` outputs of its padded convolution
-
-    def recurrence(hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor, recurrent_states=None):
-        sharding = sharded()
-        if sharding is None:
-            return scan(hidden_states, recurrent_gate, reset, recurrent_states)
-        if hidden_states.shape[1] == 1:
-            raise UnsupportedAttention(
-                "RecurrentGemma's recurrent block under context parallelism on a shard of one token (which it takes "
-                "for a decoding step): shard a longer sequence, or with load_balance='zigzag'"
-            )
-        if torch.compiler.is_compiling() and sharding.cu_seqlens is not None:
-            raise UnsupportedAttention(
-                "RecurrentGemma's RG-LRU under context parallelism, compiled, on packed documents: state passing "
-                "reads the documents' chunks on the host; run it eagerly"
-            )
-        count(scans=1)
-
-        def from_zero(x: Tensor, a: Tensor):
-            return scan(x, a, torch.zeros(*x.shape[:2], 1, dtype=torch.bool, device=x.device), None)
-
-        return diagonal_scan_states(from_zero, hidden_states, recurrent_gate * ~reset, sharding, recurrent_states)
-
-    conv.forward = convolution
-    lru._rnn_scan = recurrence
+    convolution (``conv_1d``) by the halo and its RG-LRU's scan (``rg_lru._rnn_scan``) by state passing
+    (``mixers.diagonal``). Elsewhere (outside every plan, decoding) each runs as the model's own. Partials of
+    module-level functions, not closures: a deep copy of the model (a reference model) gets steps of its own."""
+    block.conv_1d.forward = functools.partial(_rg_convolution, block, sharded, count)
+    block.rg_lru._rnn_scan = functools.partial(_rg_recurrence, block.rg_lru, sharded, count)
 
 
 def xglm_attention(

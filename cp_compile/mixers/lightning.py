@@ -46,18 +46,23 @@ def decayed_linear_attention(
     s = decay.to(device=q.device, dtype=acc).reshape(heads, 1)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     carried = q.new_zeros(n, heads, d, v.shape[-1]) if state is None else state.to(acc)
+    # a whole block's decays, once: a shorter last block of m tokens reads their first m (queries, pairs) or last m
+    # (keys: each key's distance to the block's end)
+    full = min(block, length)
+    place = torch.arange(1, full + 1, device=q.device, dtype=acc)
+    behind = place[:, None] - place[None, :]
+    within = torch.where(behind >= 0, torch.exp(-s[..., None] * behind.clamp(min=0)), 0.0)  # [H, block, block]
+    query_decay = torch.exp(-s * place)[..., None]  # [H, block, 1]
+    key_decay = torch.exp(-s * (full - place))[..., None]
     outs = []
     for start in range(0, length, block):
         qb, kb, vb = (t[:, :, start : start + block] for t in (q, k, v))
         m = qb.shape[2]
-        place = torch.arange(1, m + 1, device=q.device, dtype=acc)
-        behind = place[:, None] - place[None, :]
-        within = torch.where(behind >= 0, torch.exp(-s[..., None] * behind.clamp(min=0)), 0.0)  # [H, m, m]
-        out = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * within, vb)
-        out = out + torch.matmul(qb * torch.exp(-s * place)[..., None], carried)
+        out = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * within[:, :m, :m], vb)
+        out = out + torch.matmul(qb * query_decay[:, :m], carried)
         outs.append(out)
-        key_decay = torch.exp(-s * (m - place))[..., None]
-        carried = carried * torch.exp(-s * m)[..., None] + torch.matmul((kb * key_decay).transpose(-1, -2), vb)
+        keys = (kb * key_decay[:, full - m :]).transpose(-1, -2)
+        carried = carried * torch.exp(-s * m)[..., None] + torch.matmul(keys, vb)
     return torch.cat(outs, 2), carried
 
 
