@@ -276,7 +276,8 @@ def test_a_batch_is_refused_where_its_rows_cannot_share_one_cache(ranks):
         "deepseek_v32": "indexed sparse attention",
         "gemma3n_text": "shares its keys",
         "mamba": "keep states alone",
-        "rwkv": "keeps no cache",
+        "rwkv": "reads no attention mask",
+        "openai-gpt": "keeps no cache",
         "xlnet": "whole",
     }
     (reasons,) = ranks(1, why_batches_are_refused, list(expected))

@@ -371,4 +371,4 @@ def test_checkpoint_recompute_outside_the_plan_raises(ranks):
     for inside, outside, documents, again in zip(*runs):
         assert inside < TOL and again < TOL, (inside, again)
         for message in (outside, documents):
-            assert "recomputes its attention during backward" in message and "with plan.packed(cu):" in message
+            assert "recomputes its forward during backward" in message and "with plan.packed(cu):" in message

@@ -253,7 +253,8 @@ def test_gradient_checkpointing(ranks, family):
 
 
 def recompute_outside_the_plan() -> str:
-    """RWKV checkpointed (no attention layer to catch it): the forward inside the plan, the backward outside."""
+    """RWKV checkpointed (no attention layer to catch it; its mixing modules' forwards of their own): the forward
+    inside the plan, the backward outside."""
     import cp_compile
     import cp_compile.hf  # noqa: F401
     from cp_compile.tools.bench import model_configs, model_run

@@ -23,23 +23,23 @@ MUST_BE_EXACT += ["deepseek_v4"]
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
 # Mamba's scan per head; modules over the gathered sequence
 HYBRIDS += ["zamba", "minimax", "recurrent_gemma", "zaya"]
+HYBRIDS += ["rwkv"]  # its token shifts by the halo, its WKV by state passing
 # generation whose every call the model builds for the whole sequence (XLNet's permutation mask over every pair of
 # the step's tokens, Reformer's padding of every call to its chunk length): every rank runs it whole
 GENERATED_WHOLE = ["xlnet", "reformer"]
-# their token mixers are modules of their own, run over the gathered sequence: exact in training; they keep no
-# transformers cache (RWKV's state is its own list, OpenAI GPT has none), so every generation step runs the whole
-# sequence sharded, as one process runs it whole
-GATHERED_WITHOUT_CACHE = ["rwkv", "openai-gpt"]
-# attention of its own that reads the mask tensor, with its dynamic mask: over the gathered sequence with the mask one
-# process builds for it; it generates from a cache whose K/V every rank keeps whole
-READING_THE_MASK = ["doge"]
+# attention of its own, run over the gathered sequence: exact in training; it keeps no transformers cache, so every
+# generation step runs the whole sequence sharded, as one process runs it whole
+GATHERED_WITHOUT_CACHE = ["openai-gpt"]
 # attention of their own: projections on the shard, attention by the schedules (ALiBi's bias as one more key
 # dimension), generation from a cache sharded over the ranks (MPT's config turns the cache off: every step runs the
 # whole sequence sharded)
 OWN_ATTENTION = ["bloom", "mpt", "xglm", "gpt_neox_japanese"]
-# CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens: both
-# phases (its prompt prefilled whole by generate()'s own first call, sharded)
-READING_THE_MASK += ["cpmant"]
+# Doge's dynamic mask (a bias per key, each query's top keys): this rank's queries over every rank's K/V, gathered,
+# with the rows of one process's mask; it generates from a cache whose K/V every rank keeps whole
+OWN_ATTENTION += ["doge"]
+# CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens, reading
+# the mask tensor: both phases (its prompt prefilled whole by generate()'s own first call, sharded)
+READING_THE_MASK = ["cpmant"]
 # what transformers 5.24 itself cannot do: build the model with a registered attention implementation (its
 # attention classes looked up by name)
 KNOWN = {"falcon": "not-loadable", "gpt_neo": "not-loadable"}

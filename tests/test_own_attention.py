@@ -6,6 +6,8 @@ Each family's own config and model classes (the model sweep's tiny configs), ran
 training step in fp64 at C = 1 to 4 (every gradient to 1e-12 of a plan of one rank's), compiled, in bf16 against an
 fp64 reference, and generation from a cache sharded over the ranks."""
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -53,11 +55,22 @@ def test_the_widened_dot_product_is_the_scores_plus_the_bias():
     assert (out[..., :8] - expected).abs().max() < 1e-13
 
 
-def _models(family: str, dtype):
+def _models(family: str, dtype, overrides: Optional[dict] = None, noise: Optional[str] = None):
+    """The family's tiny model for a plan and one process's, the same weights: ``overrides`` of its config, and the
+    parameters whose names end in ``noise`` drawn at random (one seed) in place of their initial values."""
     from cp_compile.tools.bench import model_configs, model_run
 
     config, cls, _ = model_configs.tiny_config(family)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    if noise is not None:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+                if name.endswith(noise):
+                    drawn = torch.randn(mine.shape, generator=g)
+                    mine.copy_(drawn), theirs.copy_(drawn)
     return config, model.to(dtype), reference.to(dtype)
 
 
@@ -70,10 +83,18 @@ def _step(model, ids, labels, items, positions):
     return loss
 
 
-def train_step(family: str, dtype_name: str = "float64", mode: str = "eager", length: int = 96) -> dict:
+def train_step(
+    family: str,
+    dtype_name: str = "float64",
+    mode: str = "eager",
+    length: int = 96,
+    overrides: Optional[dict] = None,
+    noise: Optional[str] = None,
+) -> dict:
     """One training step under the plan against one process in the same dtype and in fp64: relative errors of the
     loss and of the worst gradient (each against its own scale), and the route's modules. A family whose one process
-    cannot run in fp64 (``NO_FP64``) is compared with nothing: its summed gradients alone."""
+    cannot run in fp64 (``NO_FP64``) is compared with nothing: its summed gradients alone. ``overrides``, ``noise``:
+    ``_models``'."""
     import torch.distributed as dist
 
     import cp_compile
@@ -82,8 +103,8 @@ def train_step(family: str, dtype_name: str = "float64", mode: str = "eager", le
 
     torch._dynamo.reset()
     dtype = getattr(torch, dtype_name)
-    config, model, reference = _models(family, dtype)
-    exact = _models(family, torch.float64)[2] if family not in NO_FP64 else None
+    config, model, reference = _models(family, dtype, overrides, noise)
+    exact = _models(family, torch.float64, overrides, noise)[2] if family not in NO_FP64 else None
     plan = cp_compile.ContextParallel()
     seq = -(-length // (2 * plan.world_size)) * 2 * plan.world_size
     ids = torch.randint(model_configs.first_id(config), 100, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -225,3 +246,15 @@ def test_sampled_generation_with_processors(ranks, world_size):
             for same, new, err in runs:
                 assert same and new == 20 and err < 1e-5, (family, runs)
             assert "different tokens" in refusal, refusal
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_doge_dynamic_mask_over_every_rank_keys(ranks, world_size):
+    """Doge's dynamic mask: a bias per key from the values, cut to each query's ``keep_window_size`` top keys. Each
+    rank's queries see every rank's keys and values (gathered) through the rows of the mask one process builds, which
+    the module turns into its dynamic mask as one process does. In fp64 against one process: its initial ``A = 0``
+    (every key's bias 1, so the top keys are a tie the top-k breaks, the same way for the same row), and ``A`` drawn at
+    random; the top-k on (a keep window shorter than the sequence) and off."""
+    for keep, noise in [(2048, None), (24, None), (24, ".A")]:
+        for result in ranks(world_size, train_step, "doge", overrides={"keep_window_size": keep}, noise=noise):
+            assert result["rerouted"] >= 1 and max(result["loss"], result["grads"]) < 1e-10, (keep, noise, result)

@@ -78,17 +78,20 @@ def test_both_routes_equal_one_process(ranks, world_size, route):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_minimax_generates_from_the_state_its_cache_keeps(ranks, world_size):
-    """The sharded prefill leaves each lightning layer's cache the whole prompt's state (the chain's last, the same on
-    every rank); decoding runs the module's own step from it. Sampled with processors, prompts of 1 and 30 tokens,
-    against one process with the same seed."""
+def test_recurrences_generate_from_the_state_they_keep(ranks, world_size):
+    """MiniMax: the sharded prefill leaves each lightning layer's cache the whole prompt's state (the chain's last,
+    the same on every rank). RWKV: the prefill of all but the prompt's last token leaves its model's own ``state``
+    list the whole prefix's (its WKV's numerator, denominator and maximum, the last token of each shift).
+    Decoding runs the modules' own steps from them. Sampled with processors, prompts of 1 and 30 tokens, against one
+    process with the same seed."""
     from test_hf_hybrids import generate_reading_the_sequence
 
-    for results in ranks(world_size, generate_reading_the_sequence, "minimax", [1, 30]):
-        *runs, refusal = results
-        for same, new, err in runs:
-            assert same and new == 20 and err < 1e-5, runs
-        assert "different tokens" in refusal, refusal
+    for family in ("minimax", "rwkv"):
+        for results in ranks(world_size, generate_reading_the_sequence, family, [1, 30]):
+            *runs, refusal = results
+            for same, new, err in runs:
+                assert same and new == 20 and err < 1e-5, (family, runs)
+            assert "different tokens" in refusal, refusal
 
 
 def _diagonal(x, a, state=None):
@@ -144,3 +147,98 @@ def test_recurrent_gemma_bf16_within_twice_one_process_error(ranks, world_size):
 
     for result in ranks(world_size, train_step, "recurrent_gemma", "bfloat16", "eager", 256):
         assert result["grads_vs_fp64"] <= 2 * result["one_process_vs_fp64"], result
+
+
+def _wkv_loop(time_decay, time_first, key, value, state=None):
+    """RWKV's WKV token by token, its state kept as (num, den, m) with the real numerator num * exp(m)."""
+    w = -torch.exp(time_decay)
+    if state is None:
+        num, den = torch.zeros_like(key[:, 0]), torch.zeros_like(key[:, 0])
+        m = torch.full_like(key[:, 0], -1e38)
+    else:
+        num, den, m = state
+    out = []
+    for t in range(key.shape[1]):
+        k, v = key[:, t], value[:, t]
+        top = torch.maximum(m, k + time_first)
+        old, new = torch.exp(m - top), torch.exp(k + time_first - top)
+        out.append((old * num + new * v) / (old * den + new))
+        top = torch.maximum(m + w, k)
+        old, new = torch.exp(m + w - top), torch.exp(k - top)
+        num, den, m = old * num + new * v, old * den + new, top
+    return torch.stack(out, 1), [num, den, m]
+
+
+def _wkv_summed(time_decay, time_first, key, value, start):
+    """The WKV by its definition, O(L^2): token t reads the state entering (N0, D0 decayed t times), every earlier
+    token s decayed t-1-s times, and its own with the bonus ``time_first``; and the state after the last token."""
+    length = key.shape[1]
+    w = -torch.exp(time_decay)
+    t = torch.arange(length, dtype=key.dtype)
+    behind = (t[:, None] - 1 - t[None, :])[..., None]  # [L, L, 1]
+    weights = torch.where(behind >= 0, torch.exp(w * behind.clamp(min=0) + key[:, None]), 0.0)  # [B, t, s, W]
+    entering = torch.exp(w * t[:, None])  # [L, W]
+    n0, d0 = start[..., 0] * start[..., 2].exp(), start[..., 1] * start[..., 2].exp()
+    own = torch.exp(time_first + key)
+    num = (weights * value[:, None]).sum(2) + entering * n0[:, None] + own * value
+    den = weights.sum(2) + entering * d0[:, None] + own
+    after = torch.exp(w * (length - 1 - t)[:, None] + key)
+    last_n = (after * value).sum(1) + torch.exp(w * length) * n0
+    last_d = after.sum(1) + torch.exp(w * length) * d0
+    return num / den, torch.stack([last_n, last_d], -1)
+
+
+def wkv_case(layout_name: str, with_state: bool) -> list:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.wkv import token_shift, wkv_states
+
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(5)
+    f64 = dict(dtype=torch.float64)
+    key, value = (torch.randn(1, total, 6, **f64, requires_grad=True) for _ in range(2))
+    decay, first = (torch.randn(6, **f64, requires_grad=True) for _ in range(2))
+    start = torch.stack([torch.randn(1, 6, **f64), torch.rand(1, 6, **f64) + 0.5, torch.randn(1, 6, **f64)], -1)
+    start = start if with_state else torch.zeros(1, 6, 3, **f64)
+    ref, ref_state = _wkv_summed(decay, first, key, value, start)
+    dy, ds = torch.randn_like(ref), torch.randn_like(ref_state)
+    ((ref * dy).sum() + (ref_state * ds).sum()).backward()
+    local = [_shard(plan, t.detach(), 1, cu).requires_grad_() for t in (key, value)]
+    mine = [t.detach().clone().requires_grad_() for t in (decay, first)]
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    out, state = wkv_states(_wkv_loop, *mine, *local, sharding, start if with_state else None)
+    real = torch.stack([state[..., 0] * state[..., 2].exp(), state[..., 1] * state[..., 2].exp()], -1)
+    ((out * _shard(plan, dy, 1, cu)).sum() + (real * ds).sum() * (plan.rank == 0)).backward()
+    for p in mine:  # each rank's share of the parameters' gradient
+        dist.all_reduce(p.grad, group=plan.group)
+    shifted = token_shift(local[0].detach(), sharding)
+    want_shift = F.pad(key.detach(), (0, 0, 1, -1))
+    pairs = [(out.detach(), ref.detach(), 1), (shifted, want_shift, 1)]
+    pairs += [(m.grad, t.grad, 1) for m, t in zip(local, (key, value))]
+    errs = _errors(plan, pairs, cu) + [float((real - ref_state).detach().abs().max())]
+    errs += [float((m.grad - t.grad).abs().max()) for m, t in zip(mine, (decay, first))]
+    scale = max(float(t.abs().max()) for t in (ref, ref_state, key.grad, value.grad, decay.grad, first.grad))
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_rwkv_wkv_and_token_shift_by_state_passing(ranks, world_size):
+    """RWKV's WKV (a numerator and denominator per channel, kept with their running maximum) by state passing, its
+    token shift by a one-token halo: forward, final state and every gradient (the parameters' summed over the
+    ranks) against the definition, with an entering state, packed documents run through as one process runs them."""
+    for case in [("zigzag", False), ("contiguous", True), ("packed", False), ("packed", True)]:
+        for errs in ranks(world_size, wkv_case, *case):
+            assert max(errs) < 1e-12, (case, errs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_rwkv_trains_exactly(ranks, world_size):
+    """RWKV's model in fp64 against one process. Its WKV reads its keys, and takes their gradient, in fp32 whatever
+    the model's dtype, so its key projections' gradients are as close as fp32's rounding at any C (a plan of one rank
+    included); the WKV itself is checked in fp64 above."""
+    from test_own_attention import train_step
+
+    for result in ranks(world_size, train_step, "rwkv"):
+        assert result["rerouted"] == 4 and max(result["loss"], result["grads"]) < 1e-6, result

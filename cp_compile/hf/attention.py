@@ -65,7 +65,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..active import active_plan
 from ..comm.agree import refuse_together
-from ..errors import LocalAttentionError, UnsupportedAttention
+from ..errors import UnsupportedAttention
 from ..inference.cached import CachedSettings
 from ..kernels.merge import fold_sinks
 from ..layout.packed import Packed
@@ -74,7 +74,7 @@ from ..plan import ContextParallel
 from ..schedules import softmax_scale
 from .cache import CACHE_STEP, step_handed_with, step_of_shared_keys
 from .checks import check_outside_plan
-from .forward import attention_as_one_process, count_call, documents_in_force, ran_batch, sharding_of
+from .forward import attention_as_one_process, check_recompute, count_call, documents_in_force, ran_batch, sharding_of
 from .masks import NAME, MaskSpec, check_layer_types
 
 __all__ = ["NAME", "attention"]
@@ -262,35 +262,6 @@ def _indexed(
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 
-def _check_recompute(module, plan: Optional[ContextParallel]) -> None:
-    """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan or the packed
-    documents (``plan.packed``) that the forward ran, it would attend to the shard alone or across the documents.
-    Each module remembers what its latest forward ran under; a recompute (a forward inside backward) under
-    anything else raises."""
-    recomputing = torch._C._current_autograd_node() is not None
-    # the plan's id, not the plan: a module that holds no plan deep-copies (a plan holds its process group)
-    now = None if plan is None else (id(plan), plan.documents)
-    ran = module.__dict__.get("_cp_compile_ran")
-    if recomputing and ran is not None and not _same_run(now, ran):
-        raise LocalAttentionError(
-            f"{type(module).__name__} recomputes its attention during backward (activation checkpointing) "
-            "outside the `with plan:` (and `with plan.packed(cu):`) its forward ran in: the recompute would attend "
-            "to this rank's shard alone, or across the packed documents. Call loss.backward() inside them as well."
-        )
-    if not recomputing:
-        module.__dict__["_cp_compile_ran"] = now  # not through nn.Module.__setattr__, which is slow
-
-
-def _same_run(now, ran) -> bool:
-    """The same plan and the same packed documents (by value: a block entered again for the backward makes a
-    tensor of its own)."""
-    if now is None or now[0] != ran[0]:
-        return False
-    if now[1] is None or ran[1] is None:
-        return now[1] is ran[1]
-    return now[1] is ran[1] or torch.equal(now[1], ran[1])
-
-
 def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Under autocast, SDPA runs in the autocast dtype (the Trainer's bf16=True, SFTConfig's default); the CP ops
     are custom ops, which autocast leaves alone, so cast as it would."""
@@ -315,7 +286,7 @@ def attention(
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
     plan = active_plan()
     if not torch.compiler.is_compiling():
-        _check_recompute(module, plan)
+        check_recompute(module, plan)
     if plan is not None and attention_as_one_process(module):
         # a module over the gathered sequence (``hf.gathered``, given that sequence's mask) or over each token's own
         # states: its modeling file's eager attention, which reads every argument its model passes (a position bias,

@@ -22,13 +22,14 @@ from torch import Tensor
 from .own_forwards import (
     bloom_attention,
     bloom_slopes,
+    doge_attention,
     gpt_neox_japanese_attention,
     minimax_lightning,
     mpt_attention,
     mpt_slopes,
-    recurrent_gemma_steps,
     xglm_attention,
 )
+from .own_steps import recurrent_gemma_steps, rwkv_steps
 
 # layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
 # the gathered sequence)
@@ -94,8 +95,10 @@ class OwnAttention(NamedTuple):
     forward around ``attend``; ``slopes(module)``: its ALiBi slopes, per head (fp32), or None; ``anchor_last``: the bias
     of a key is counted from the call's last key (MPT) rather than from position 0 (BLOOM); ``across_documents``: its
     model builds its mask without packed documents' positions, so one process attends across them. ``mixing``:
-    "softmax" attention, or "lightning" (MiniMax's decayed linear attention, by state passing; tokens every rank
-    holds, decoding from the state its cache keeps, run the module's own forward)."""
+    "softmax" attention, "lightning" (MiniMax's decayed linear attention, by state passing; tokens every rank
+    holds, decoding from the state its cache keeps, run the module's own forward), or "mask_rows" (a mask the module
+    builds from every key, Doge's: this rank's queries over every rank's keys, gathered, with one process's rows of
+    the mask; its cache keeps the whole K/V on every rank)."""
 
     forward: Callable
     slopes: Optional[Callable] = None
@@ -108,6 +111,8 @@ class OwnAttention(NamedTuple):
         """The route's words for the models table."""
         if self.mixing == "lightning":
             return "projections on the shard, lightning attention by state passing"
+        if self.mixing == "mask_rows":
+            return "projections on the shard, its dynamic mask for this rank's queries over every rank's K/V"
         return "projections on the shard" + (", ALiBi as one more key dimension" if self.slopes else "")
 
 
@@ -134,6 +139,9 @@ class Family:
     # modules whose token-mixing steps, by class name, are put on the instance for a plan while the module's own
     # forward runs around them (``hf.own_attention``): ``f(module, sharded, count)``
     own_steps: Mapping[str, Callable] = field(default_factory=dict)
+    # the keyword under which its model takes and returns a recurrent state of its own instead of a cache (RWKV's
+    # ``state`` list): generation prefills it sharded and decodes from it (``hf.generate``)
+    state_kwarg: Optional[str] = None
     # why every rank generates whole, as one process does (C times its compute); None: the sharded prefill
     generated_whole: Optional[str] = None
     # its attention masks have no window while its cache layers slide (Moshi): one process attends to every token in
@@ -155,7 +163,8 @@ class Family:
     @property
     def keeps_whole_kv(self) -> bool:
         """Whether a gathered module attends over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
-        return any(call.mask is not None or call.whole_kv for call in self.gathered.values())
+        gathered = any(call.mask is not None or call.whole_kv for call in self.gathered.values())
+        return gathered or any(own.mixing == "mask_rows" for own in self.own_attention.values())
 
     @property
     def route(self) -> str:
@@ -176,7 +185,8 @@ class Family:
             return "attention schedules; " + "; ".join(f"{name}: {own.how}" for name, own in self.own_attention.items())
         if self.own_steps:
             names = ", ".join(self.own_steps)
-            return f"attention schedules; {names}: its convolution by the halo, its recurrence by state passing"
+            mixing = "token shifts and convolutions by the halo, recurrences by state passing"
+            return f"attention schedules; {names}: {mixing}"
         if self.indexer is not None:
             return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
         return "attention schedules"
@@ -291,16 +301,8 @@ _RECORDS = (
         cache="ShardedCacheOfModuleStates",
         fresh_states=_fresh_module_states,
     ),
-    Family(
-        "rwkv",
-        gathered={"RwkvSelfAttention": GatheredModule(("hidden",)), "RwkvFeedForward": GatheredModule(("hidden",))},
-        why_gathered="time mixing (its WKV recurrence) and channel mixing (a shift by one token) in its own code",
-    ),
-    Family(
-        "doge",
-        gathered={"DogeAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask")},
-        why_gathered="a dynamic mask: the mask tensor plus a bias per key from the values, cut to each head's top keys",
-    ),
+    Family("rwkv", own_steps={"RwkvSelfAttention": rwkv_steps, "RwkvFeedForward": rwkv_steps}, state_kwarg="state"),
+    Family("doge", own_attention={"DogeAttention": OwnAttention(doge_attention, mixing="mask_rows")}),
     Family(
         "deepseek_v4",
         gathered={

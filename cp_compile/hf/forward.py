@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..active import active_plan, made_by, record
-from ..errors import UnsupportedAttention
+from ..errors import LocalAttentionError, UnsupportedAttention
 from ..mixers import Sharding
 from ..plan import ContextParallel
 from .families import family_of
@@ -186,10 +186,42 @@ def sharding_of(plan: ContextParallel, cu_seqlens) -> Sharding:
     return Sharding(plan.group_name, plan.world_size, plan.load_balance, documents)
 
 
+def check_recompute(module, plan: Optional[ContextParallel]) -> None:
+    """Eagerly, a checkpointed layer recomputes its forward during backward: outside the plan or the packed
+    documents (``plan.packed``) that the forward ran, it would attend to the shard alone or across the documents.
+    Each module remembers what its latest forward ran under; a recompute (a forward inside backward) under
+    anything else raises."""
+    if torch.compiler.is_compiling():  # a compiled graph recomputes what it traced
+        return
+    recomputing = torch._C._current_autograd_node() is not None
+    # the plan's id, not the plan: a module that holds no plan deep-copies (a plan holds its process group)
+    now = None if plan is None else (id(plan), plan.documents)
+    ran = module.__dict__.get("_cp_compile_ran")
+    if recomputing and ran is not None and not _same_run(now, ran):
+        raise LocalAttentionError(
+            f"{type(module).__name__} recomputes its forward during backward (activation checkpointing) "
+            "outside the `with plan:` (and `with plan.packed(cu):`) its forward ran in: the recompute would mix "
+            "this rank's shard alone, or across the packed documents. Call loss.backward() inside them as well."
+        )
+    if not recomputing:
+        module.__dict__["_cp_compile_ran"] = now  # not through nn.Module.__setattr__, which is slow
+
+
+def _same_run(now, ran) -> bool:
+    """The same plan and the same packed documents (by value: a block entered again for the backward makes a
+    tensor of its own)."""
+    if now is None or now[0] != ran[0]:
+        return False
+    if now[1] is None or ran[1] is None:
+        return now[1] is ran[1]
+    return now[1] is ran[1] or torch.equal(now[1], ran[1])
+
+
 __all__ = [
     "InFlight",
     "ModelCall",
     "attention_as_one_process",
+    "check_recompute",
     "count_call",
     "documents_in_force",
     "in_flight",

@@ -236,7 +236,7 @@ def _gathered(value, sharding, dim: int = 1, padding_last: bool = False):
     return gather_sequence(value, dim, sharding, padding_last)
 
 
-def _mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
+def mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
     """``[B, 1, n, total]``: the mask one process builds for queries at ``places [n]`` against the ``total`` tokens
     from ``first_key`` on (a sliding layer's cache holds its last ones alone), as the layer's ``MaskSpec`` says
     (causal, a window; within the documents of ``cu_seqlens`` when given): additive in ``like``'s dtype (0 where a
@@ -264,11 +264,11 @@ def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
     the documents of ``sharding`` where the mask function keeps documents apart, as it does when the model passes it
     the positions."""
     total = whole.shape[1]
-    documents = sharding.cu_seqlens if _documents_apart(spec, sharding, whole.device) else None
-    return _mask_tensor(spec, torch.arange(total, device=whole.device), total, documents, whole)
+    documents = sharding.cu_seqlens if documents_apart(spec, sharding, whole.device) else None
+    return mask_tensor(spec, torch.arange(total, device=whole.device), total, documents, whole)
 
 
-def _documents_apart(spec, sharding, device) -> bool:
+def documents_apart(spec, sharding, device) -> bool:
     """Whether the mask one process builds keeps the packed documents apart: where any rank's mask function saw them
     in its positions. A rank whose positions run on without a break (C = 2, documents of 4 and 12 tokens: rank 1
     holds positions 1 to 8) sees none whatever the model passes, so the ranks agree (one small all-gather); compiled,
@@ -309,7 +309,7 @@ def _mask_of_the_step(call: GatheredModule, model, module, args: tuple, kwargs: 
         before = layer.get_seq_length()
         keys, first_key = layer.get_mask_sizes(n)
     places = torch.arange(before, before + n, device=hidden.device)
-    kwargs[call.mask] = _mask_tensor(spec, places, keys, None, hidden, first_key)
+    kwargs[call.mask] = mask_tensor(spec, places, keys, None, hidden, first_key)
     # the model built them for the keys its mask sizes say: this step's alone
     kwargs.update({name: build(module, model, hidden, before + n) for name, build in call.rebuilt})
     return (), kwargs

@@ -155,14 +155,18 @@ class SameTokensOnEveryRank(StoppingCriteria):
         return self.agreement.differs.expand(input_ids.shape[0]).clone()
 
 
-def keeps_no_cache(model, generate_kwargs: dict, config) -> bool:
-    """Whether ``model.generate`` runs ``model`` without a transformers cache: asked to (``use_cache=False``, or a
-    config that turns the cache off: MPT), or a model whose forward takes none (RWKV keeps a state of its own, OpenAI
-    GPT nothing)."""
+def _asked_no_cache(model, generate_kwargs: dict, config) -> bool:
+    """``use_cache=False`` given, or a config that turns the cache off (MPT)."""
     asked = generate_kwargs.get("use_cache", config.use_cache)
     if asked is None:  # unset (TRL's GenerationConfig): the model's generation config, then transformers' default
         asked = getattr(model.generation_config, "use_cache", None)
-    if asked is False:
+    return asked is False
+
+
+def keeps_no_cache(model, generate_kwargs: dict, config) -> bool:
+    """Whether ``model.generate`` runs ``model`` without a transformers cache: asked to, or a model whose forward
+    takes none (RWKV keeps a state of its own, OpenAI GPT nothing)."""
+    if _asked_no_cache(model, generate_kwargs, config):
         return True
     parameters = inspect.signature(model.forward).parameters
     return not any(name in parameters for name in ("cache", "past_key_values"))
@@ -280,6 +284,33 @@ def _generate_recomputing(model, plan: ContextParallel, input_ids: Tensor, gener
         return _StepsAgreed(plan).generate(model, input_ids, generate_kwargs)
 
 
+def _generate_from_own_state(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict, name: str):
+    """``model.generate`` for a model that keeps a recurrent state of its own (``Family.state_kwarg``: RWKV's
+    ``state``): the prompt but its last token prefilled sharded as one document, which leaves every rank the state of
+    the whole prefix (the same on every rank), then ``generate`` from that state, whose first call runs the prompt's
+    last token alone and every step as one process runs it. Each step's token is compared across the ranks."""
+    prepare(model)
+    state = None
+    if input_ids.shape[1] > 1:
+        prefix = input_ids[:, :-1]
+        cu = torch.tensor([0, prefix.shape[1]], dtype=torch.int32, device=input_ids.device)
+        with plan.packed(cu), torch.no_grad(), one_model_call_followed(model):
+            state = getattr(model(input_ids=plan.shard(prefix, 1, cu_seqlens=cu), use_cache=True), name)
+
+    def last_token_alone(module, args: tuple, kwargs: dict):
+        ids = kwargs.get("input_ids")
+        if state is not None and kwargs.get(name) is state and ids is not None and ids.shape[1] > 1:
+            kwargs["input_ids"] = ids[:, -1:]  # the state holds every token before it
+        return args, kwargs
+
+    handle = model.register_forward_pre_hook(last_token_alone, with_kwargs=True)
+    try:
+        with set_aside(), model_calls_unfollowed(), same_tokens_on_every_rank():
+            return _StepsAgreed(plan).generate(model, input_ids, {**generate_kwargs, name: state, "use_cache": True})
+    finally:
+        handle.remove()
+
+
 def _generate_whole(model, plan: ContextParallel, input_ids: Tensor, generate_kwargs: dict, why: str):
     """``model.generate`` run whole on every rank, as one process runs it (the prompt is the same on every rank):
     exact at C times the model's compute, with no memory saved. The ranks compare each step's token."""
@@ -298,6 +329,8 @@ def why_not_batched(model, plan: ContextParallel, generate_kwargs: Optional[dict
     family = family_of(model)
     if family.generated_whole is not None:
         return family.generated_whole
+    if family.state_kwarg is not None:  # RWKV
+        return "its forward reads no attention mask (one process runs each row's padding through its recurrence)"
     if keeps_no_cache(model, generate_kwargs, _generation_config(model, generate_kwargs)):
         return "the generation keeps no cache"
     if any(not call.causal for call in family.gathered.values()):
@@ -411,6 +444,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
                 f"cp_compile.hf.generate: a cache given for {type(model).__name__}, which every rank generates whole"
             )
         return _generate_whole(model, plan, input_ids, generate_kwargs, why_whole)
+    name = family_of(model).state_kwarg
+    if name is not None and not _asked_no_cache(model, generate_kwargs, config):
+        if cache is not None:
+            raise ValueError(f"cp_compile.hf.generate: a cache given for a model that keeps its own {name!r}")
+        return _generate_from_own_state(model, plan, input_ids, generate_kwargs, name)
     if keeps_no_cache(model, generate_kwargs, config):
         if cache is not None:
             raise ValueError("cp_compile.hf.generate: a cache given for a generation that keeps none (use_cache=False)")

@@ -32,17 +32,22 @@ from torch import Tensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..active import active_plan
+from ..mixers.gathered import gather_sequence
 from ..mixers.indexed import sequence_slots
 from ..mixers.lightning import lightning
 from .cache import ReplicatedLinearLayer
 from .families import OwnAttention, family_of
-from .forward import count_call, plan_of_shards, sharding_of
+from .forward import check_recompute, count_call, plan_of_shards, sharding_of
+from .gathered import documents_apart, mask_tensor
 from .masks import NAME
 from .own_forwards import bias_columns, with_bias
 
 
-def _sharded():
-    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding)."""
+def _sharded(module):
+    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding). A
+    recompute of ``module``'s forward during backward outside the plan its forward ran in raises (it would run the
+    class's own forward on this rank's shard alone)."""
+    check_recompute(module, active_plan())
     plan = plan_of_shards()
     return None if plan is None else sharding_of(plan, None)
 
@@ -50,7 +55,7 @@ def _sharded():
 def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
     """The global positions of the call's tokens ``[L]`` and the number of keys the call attends over."""
     length = query.shape[2]
-    sharding = _sharded()
+    sharding = _sharded(module)
     if sharding is not None:  # this rank's share of the sequence
         places = sequence_slots(query.transpose(1, 2), *sharding.op_args)
         total = length * sharding.world_size if sharding.cu_seqlens is None else sharding.cu_seqlens[-1].long()
@@ -102,7 +107,7 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     state it keeps, which it is left with the sequence's (the same on every rank)."""
     count_call(convs=1, scans=1)  # the module stands for its layer's mixing (``hf.checks``)
     start = None if cache is None else cache.get_linear_cache(module.layer_idx)
-    sharding = _sharded()  # a plan's shard: ``_forward`` runs the module's own forward for any other tokens
+    sharding = _sharded(module)  # a plan's shard: ``_forward`` runs the module's own forward for any other tokens
     route = active_plan().scan_route
     if route == "auto":  # state passing reads packed documents' tables on the host, outside a compiled graph
         route = "heads" if torch.compiler.is_compiling() and sharding.cu_seqlens is not None else "states"
@@ -117,11 +122,39 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     return out
 
 
-_MIXING = {"softmax": _attend, "lightning": _lightning}
+def _keys_and_rows(
+    own: OwnAttention, slopes, module, query: Tensor, key: Tensor, value: Tensor, mask, cache, hidden: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every key and value this rank's queries may see ``[B, H, T, D]`` (every rank's, gathered; or those a cache
+    keeps whole), with the rows of the mask one process builds for those queries ``[B, 1, L, T]`` (``mask``: the
+    call's ``MaskSpec``): for a module that builds a mask of its own from every key (Doge's dynamic mask)."""
+    count_call()
+    sharding = _sharded(module)
+    if sharding is None:  # tokens every rank holds: decoding over the K/V every rank keeps whole (``WholeKVCache``)
+        length = query.shape[2]
+        before, total, first_key = 0, length, 0
+        if cache is not None:  # the keys the layer holds after this step's update, as one process's mask sizes say
+            layer = cache.layers[module.layer_idx]
+            before = layer.get_seq_length()
+            total, first_key = layer.get_mask_sizes(length)
+            key, value = cache.update(key, value, module.layer_idx)
+        places = torch.arange(before, before + length, device=query.device)
+        return key, value, mask_tensor(mask, places, total, None, hidden, first_key)
+    places, total = _positions(module, query, cache)
+    documents = sharding.cu_seqlens if documents_apart(mask, sharding, query.device) else None
+    rows = mask_tensor(mask, places, total, documents, hidden)
+    key, value = (gather_sequence(t, 2, sharding) for t in (key, value))
+    if cache is not None:  # the sharded prefill: every rank keeps the whole prompt's K/V
+        key, value = cache.update(key, value, module.layer_idx)
+    return key, value, rows
+
+
+_MIXING = {"softmax": _attend, "lightning": _lightning, "mask_rows": _keys_and_rows}
 
 
 def _forward(own: OwnAttention, attend, module, *args, **kwargs):
-    if active_plan() is None or (own.mixing != "softmax" and plan_of_shards() is None):
+    check_recompute(module, active_plan())
+    if active_plan() is None or (own.mixing == "lightning" and plan_of_shards() is None):
         # outside every plan; or tokens every rank holds, which a recurrence runs from its cache's state as one
         # process does: the class's own forward
         return type(module).forward(module, *args, **kwargs)

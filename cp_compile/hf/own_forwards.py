@@ -1,9 +1,9 @@
 """Attention modules of their own code under a plan (``Family.own_attention``): each family's forward runs the module's
 own projections and output layers on this rank's shard around ``attend``, which ``hf.own_attention`` supplies
 (positions, cache, the attention function): BLOOM and MPT (ALiBi), XGLM (queries scaled before their product),
-GPT-NeoX-Japanese (partial RoPE), and MiniMax's lightning attention around a decayed linear attention by state
-passing (``mixers.lightning``). RecurrentGemma's recurrent block keeps its own forward: two of its steps are put on
-its instance (``recurrent_gemma_steps``).
+GPT-NeoX-Japanese (partial RoPE), MiniMax's lightning attention around a decayed linear attention by state
+passing (``mixers.lightning``), and Doge's attention under its dynamic mask (over every rank's keys, for this rank's
+queries).
 
 ALiBi adds ``slope_h * (j - anchor)`` to every score of key ``j``: a bias of the key alone, the same for every query
 of a call (BLOOM anchors at position 0, MPT at the call's last key). A bias of the key alone is one more term of the
@@ -18,7 +18,6 @@ kernels' fp32 accumulation adds back together.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 
@@ -27,10 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UnsupportedAttention
-from ..guard import mixers_over_the_whole_sequence
-from ..mixers.conv import causal_conv1d
-from ..mixers.diagonal import diagonal_scan_states
-from ..mixers.halo import sequence_tail
 
 
 def limbs_for(dtype: torch.dtype) -> int:
@@ -143,59 +138,6 @@ def minimax_lightning(
     return module.out_proj(gated), None
 
 
-def _rg_convolution(block, sharded: Callable, count: Callable, x: Tensor) -> Tensor:
-    """``block.conv_1d``'s forward: the halo convolution of a plan's shard, which also leaves the block the whole
-    sequence's last inputs as its convolution state; elsewhere ``nn.Conv1d``'s own."""
-    conv = block.conv_1d
-    sharding = sharded()
-    with mixers_over_the_whole_sequence():  # the shard with its halo, or tokens every rank holds whole
-        if sharding is None:
-            return type(conv).forward(conv, x)
-        count(convs=1)
-        out = causal_conv1d(x, conv.weight[:, 0], conv.bias, None, sharding)
-    width = conv.kernel_size[0]
-    if block.conv1d_state is not None:  # a prefill that keeps the states
-        block.conv1d_state = sequence_tail(x, 2, width - 1, sharding)
-    return F.pad(out, (0, width - 1))  # the block keeps the first ``L`` outputs of its padded convolution
-
-
-def _rg_recurrence(
-    lru, sharded: Callable, count: Callable, hidden_states, recurrent_gate, reset, recurrent_states=None
-):
-    """``lru._rnn_scan``: the RG-LRU's recurrence of a plan's shard by state passing, returning the state after the
-    sequence's last token; elsewhere the model's own scan."""
-    scan = type(lru)._rnn_scan
-    sharding = sharded()
-    if sharding is None:
-        return scan(lru, hidden_states, recurrent_gate, reset, recurrent_states)
-    if hidden_states.shape[1] == 1:
-        raise UnsupportedAttention(
-            "RecurrentGemma's recurrent block under context parallelism on a shard of one token (which it takes "
-            "for a decoding step): shard a longer sequence, or with load_balance='zigzag'"
-        )
-    if torch.compiler.is_compiling() and sharding.cu_seqlens is not None:
-        raise UnsupportedAttention(
-            "RecurrentGemma's RG-LRU under context parallelism, compiled, on packed documents: state passing "
-            "reads the documents' chunks on the host; run it eagerly"
-        )
-    count(scans=1)
-
-    def from_zero(x: Tensor, a: Tensor):
-        return scan(lru, x, a, torch.zeros(*x.shape[:2], 1, dtype=torch.bool, device=x.device), None)
-
-    return diagonal_scan_states(from_zero, hidden_states, recurrent_gate * ~reset, sharding, recurrent_states)
-
-
-def recurrent_gemma_steps(block, sharded: Callable, count: Callable) -> None:
-    """Puts on a ``RecurrentGemmaRecurrentBlock``'s instance its two steps that mix tokens, run under a plan's shard
-    (``sharded()``: its ``Sharding``, None elsewhere) while the block's own forward runs unchanged around them: its
-    convolution (``conv_1d``) by the halo and its RG-LRU's scan (``rg_lru._rnn_scan``) by state passing
-    (``mixers.diagonal``). Elsewhere (outside every plan, decoding) each runs as the model's own. Partials of
-    module-level functions, not closures: a deep copy of the model (a reference model) gets steps of its own."""
-    block.conv_1d.forward = functools.partial(_rg_convolution, block, sharded, count)
-    block.rg_lru._rnn_scan = functools.partial(_rg_recurrence, block.rg_lru, sharded, count)
-
-
 def xglm_attention(
     module, attend: Attend, hidden_states: Tensor, key_value_states=None, cache=None, attention_mask=None, **_
 ):
@@ -247,16 +189,43 @@ def gpt_neox_japanese_attention(
     return module.dense(context.reshape(batch, length, heads * size)), None, module.dense_bias
 
 
+def doge_attention(
+    module, keys_and_rows, hidden_states: Tensor, position_embeddings, attention_mask=None, cache=None, **_
+):
+    """``DogeAttention.forward`` under a plan: its projections, norms and RoPE on the shard; its dynamic mask (a bias
+    per key from the values, cut to each query's top keys) built by the module for this rank's queries over every
+    key they may see, from the rows of one process's mask that ``keys_and_rows`` hands back with those keys and
+    values; its attention as the model's eager code computes it."""
+    modeling = _modeling(module)
+    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_norm(module.q_proj(hidden_states).view(shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    query, key = modeling.apply_rotary_pos_emb(query, key, *position_embeddings)
+    key, value, rows = keys_and_rows(module, query, key, value, attention_mask, cache, hidden_states)
+    dt = module.dt_proj(value.transpose(1, 2).reshape(value.shape[0], value.shape[-2], -1))
+    dt = torch.exp(module.A * F.softplus(dt)).transpose(-1, -2)
+    mask = module.prepare_dynamic_mask(hidden_states, dt, module.keep_window_size, rows)
+    mask = modeling.repeat_kv(mask, module.num_key_value_groups)
+    # the model's eager attention, its softmax in fp32 or the input's dtype when wider (one process's SDPA in fp64)
+    key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+    scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
+    weights = F.dropout(weights, p=module.attention_dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+
 __all__ = [
     "bias_columns",
     "bloom_attention",
+    "doge_attention",
     "bloom_slopes",
     "gpt_neox_japanese_attention",
     "limbs_for",
     "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",
-    "recurrent_gemma_steps",
     "with_bias",
     "xglm_attention",
 ]

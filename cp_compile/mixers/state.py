@@ -55,16 +55,17 @@ class _Pieces:
 
     Equal chunks (zigzag, contiguous) are a reshape. Packed documents' chunks hold a rank-dependent number of
     real tokens: each is a row of its real tokens, padded in front with zero tokens (``SideBySide`` over this rank's
-    slots; a padding slot joins from a zero row)."""
+    slots; a padding slot joins from a zero row), or behind them (``pad_at_end``: a recurrence that a zero token
+    does change, whose state after the row is not read)."""
 
-    def __init__(self, sharding: Sharding, local_len: int, batch: int):
+    def __init__(self, sharding: Sharding, local_len: int, batch: int, pad_at_end: bool = False):
         per_rank = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)
         self.count, self.local_len = len(per_rank[0]), local_len
         self.side: Optional[SideBySide] = None
         if sharding.cu_seqlens is not None:
             if batch != 1:
                 raise ValueError("packed documents are one row (batch size 1)")
-            self.side = _piece_rows(sharding, local_len)
+            self.side = _piece_rows(sharding, local_len, pad_at_end)
 
     def split(self, t: Tensor) -> Tensor:
         if self.side is None:
@@ -83,7 +84,7 @@ class _Pieces:
 
 
 @torch._dynamo.disable  # this rank's rows: read on the host, never traced into a graph
-def _piece_rows(sharding: Sharding, local_len: int) -> SideBySide:
+def _piece_rows(sharding: Sharding, local_len: int, pad_at_end: bool) -> SideBySide:
     rank = resolve_group(sharding.group_name).rank()
     mine = chunks(sharding.layout, local_len, sharding.world_size, sharding.cu_seqlens)[rank]
     longest = max(1, max(c.real for c in mine))
@@ -91,8 +92,9 @@ def _piece_rows(sharding: Sharding, local_len: int) -> SideBySide:
     back = torch.full((local_len,), len(mine) * longest, dtype=torch.long)
     for j, c in enumerate(mine):
         slots = torch.arange(c.slot, c.slot + c.real)
-        rows[j, longest - c.real :] = slots
-        back[slots] = j * longest + torch.arange(longest - c.real, longest)
+        first = 0 if pad_at_end else longest - c.real
+        rows[j, first : first + c.real] = slots
+        back[slots] = j * longest + torch.arange(first, first + c.real)
     return SideBySide(rows, back)
 
 
@@ -104,10 +106,12 @@ def _entering(
     local_len: int,
     apply,
     restart: bool = False,
+    fold=None,
 ) -> tuple[Tensor, Tensor]:
     """The state entering each of this rank's chunks, and the state after the last chunk of the sequence.
 
-    ``transitions`` and ``finals`` are this rank's ``[B, F, ...]`` summaries; ``apply(T, S)`` is ``T S``;
+    ``transitions`` and ``finals`` are this rank's ``[B, F, ...]`` summaries; ``apply(T, S)`` is ``T S``, and the
+    state after a chunk ``T S + U``, or ``fold(T, S, U)`` where given (a state kept in a form of its own);
     ``restart``: the state restarts from ``start`` at each packed document."""
     chain = _chain(sharding, local_len, restart)
     pieces = finals.shape[1]
@@ -121,7 +125,10 @@ def _entering(
         if first:
             state = initial
         entering[index] = state
-        state = apply(every_t[:, index], state) + every_u[:, index]
+        if fold is None:
+            state = apply(every_t[:, index], state) + every_u[:, index]
+        else:
+            state = fold(every_t[:, index], state, every_u[:, index])
     stacked = torch.stack(entering, 1).reshape(finals.shape[0], sharding.world_size, pieces, *finals.shape[2:])
     mine = rank_slice(stacked.movedim(1, 0).contiguous(), sharding.group_name)[0]  # [B, F, ...]
     return mine, state
