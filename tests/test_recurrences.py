@@ -234,11 +234,73 @@ def test_rwkv_wkv_and_token_shift_by_state_passing(ranks, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_rwkv_trains_exactly(ranks, world_size):
-    """RWKV's model in fp64 against one process. Its WKV reads its keys, and takes their gradient, in fp32 whatever
-    the model's dtype, so its key projections' gradients are as close as fp32's rounding at any C (a plan of one rank
-    included); the WKV itself is checked in fp64 above."""
+def test_recurrent_models_train_exactly(ranks, world_size):
+    """RWKV's and xLSTM's models in fp64 against one process. RWKV's WKV reads its keys, and takes their gradient, in
+    fp32 whatever the model's dtype, and xLSTM's kernels keep their states in fp32 (``inference_state_dtype``), so
+    their gradients are as close as fp32's rounding at any C (a plan of one rank included); the recurrences
+    themselves are checked in fp64 above."""
     from test_own_attention import train_step
 
-    for result in ranks(world_size, train_step, "rwkv"):
-        assert result["rerouted"] == 4 and max(result["loss"], result["grads"]) < 1e-6, result
+    for family, rerouted in (("rwkv", 4), ("xlstm", 1)):
+        for result in ranks(world_size, train_step, family):
+            assert result["rerouted"] >= rerouted and max(result["loss"], result["grads"]) < 1e-6, (family, result)
+
+
+def _mlstm_loop(q, k, v, i, f, c=None, n=None, m=None, eps=1e-6):
+    """The mLSTM token by token (``[N, H, L, D]``, gates ``[N, H, L]``): (h, (C, n, m) after the last token)."""
+    batch, heads, length, dk = k.shape
+    c = k.new_zeros(batch, heads, dk, v.shape[-1]) if c is None else c
+    n = k.new_zeros(batch, heads, dk) if n is None else n
+    m = k.new_zeros(batch, heads, 1) if m is None else m
+    out = []
+    for t in range(length):
+        log_f, gate = torch.nn.functional.logsigmoid(f[:, :, t, None]), i[:, :, t, None]
+        top = torch.maximum(log_f + m, gate)
+        kept, added = torch.exp(log_f + m - top), torch.exp(gate - top)
+        c = kept[..., None] * c + added[..., None] * (k[:, :, t, :, None] @ v[:, :, t, None, :])
+        n = kept * n + added * k[:, :, t]
+        scaled = q[:, :, t] * dk**-0.5
+        below = torch.maximum((scaled * n).sum(-1, keepdim=True).abs(), torch.exp(-top)) + eps
+        out.append((scaled[:, :, None, :] @ c).squeeze(2) / below)
+        m = top
+    return torch.stack(out, 2), (c, n, m)
+
+
+def mlstm_case(layout_name: str, with_state: bool) -> list:
+    from cp_compile.mixers import Sharding
+    from cp_compile.mixers.mlstm import mlstm_states
+
+    plan, cu, total = _setup(layout_name, seq_per_rank=5)
+    torch.manual_seed(6)
+    f64 = dict(dtype=torch.float64)
+    q, k, v = (torch.randn(1, 2, total, d, **f64, requires_grad=True) for d in (4, 4, 3))
+    i, f = (torch.randn(1, 2, total, **f64) * 3 for _ in range(2))
+    i, f = i.requires_grad_(), f.requires_grad_()
+    start = (
+        (torch.randn(1, 2, 4, 3, **f64), torch.randn(1, 2, 4, **f64), torch.randn(1, 2, 1, **f64))
+        if with_state
+        else None
+    )
+    ref, ref_state = _mlstm_loop(q, k, v, i, f, *(start or ()))
+    dy = torch.randn_like(ref)
+    ds = [torch.randn_like(t) for t in ref_state]
+    ((ref * dy).sum() + sum((s * d).sum() for s, d in zip(ref_state, ds))).backward()
+    local = [_shard(plan, t.detach(), 2, cu).requires_grad_() for t in (q, k, v, i, f)]
+    sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance, cu)
+    out, state = mlstm_states(lambda *a: _mlstm_loop(*a), *local, sharding, start)
+    final = sum((s * d).sum() for s, d in zip(state, ds))
+    ((out * _shard(plan, dy, 2, cu)).sum() + final * (plan.rank == 0)).backward()
+    pairs = [(out.detach(), ref.detach(), 2)] + [(mine.grad, t.grad, 2) for mine, t in zip(local, (q, k, v, i, f))]
+    errs = _errors(plan, pairs, cu) + [float((s - r).detach().abs().max()) for s, r in zip(state, ref_state)]
+    scale = max(float(t.abs().max()) for t in (ref, *ref_state, q.grad, k.grad, v.grad, i.grad, f.grad))
+    return [e / scale for e in errs]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_mlstm_by_state_passing(ranks, world_size):
+    """xLSTM's mLSTM: its matrix memory, normalizer and running maximum (which its output reads, so the true one is
+    passed) by state passing: forward, final state and every gradient against the cell token by token in fp64, with
+    an entering state, packed documents run through as one process runs them."""
+    for case in [("zigzag", False), ("contiguous", True), ("packed", False), ("packed", True)]:
+        for errs in ranks(world_size, mlstm_case, *case):
+            assert max(errs) < 1e-12, (case, errs)

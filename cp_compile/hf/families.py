@@ -24,12 +24,13 @@ from .own_forwards import (
     bloom_slopes,
     doge_attention,
     gpt_neox_japanese_attention,
+    inkling_attention,
     minimax_lightning,
     mpt_attention,
     mpt_slopes,
     xglm_attention,
 )
-from .own_steps import recurrent_gemma_steps, rwkv_steps
+from .own_steps import forward_on_shards, recurrent_gemma_steps
 
 # layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
 # the gathered sequence)
@@ -112,7 +113,7 @@ class OwnAttention(NamedTuple):
         if self.mixing == "lightning":
             return "projections on the shard, lightning attention by state passing"
         if self.mixing == "mask_rows":
-            return "projections on the shard, its dynamic mask for this rank's queries over every rank's K/V"
+            return "projections on the shard, this rank's queries over every rank's K/V with its own mask or bias"
         return "projections on the shard" + (", ALiBi as one more key dimension" if self.slopes else "")
 
 
@@ -180,7 +181,8 @@ class Family:
                 route += "; generation: the whole model on every rank (C times its compute)"
             return route
         if self.wrapped:
-            return "attention schedules; convolution halo; scans by all-to-all or state passing"
+            route = "attention schedules; convolution halo; scans by all-to-all or state passing"
+            return route + "".join(f"; {name}: {own.how}" for name, own in self.own_attention.items())
         if self.own_attention:
             return "attention schedules; " + "; ".join(f"{name}: {own.how}" for name, own in self.own_attention.items())
         if self.own_steps:
@@ -272,9 +274,7 @@ _RECORDS = (
     Family(
         "inkling",
         wrapped=True,
-        gathered={"InklingAttention": GatheredModule(("hidden_states",), mask="attention_mask")},
-        why_gathered="attention with a relative-position bias and log scaling from positions counted within its call "
-        "(its short convolutions by the halo)",
+        own_attention={"InklingAttention": OwnAttention(inkling_attention, mixing="mask_rows")},
     ),
     _inkling2("inkling2", "Inkling2"),
     _inkling2("inkling2_loop", "Inkling2Loop"),
@@ -301,7 +301,11 @@ _RECORDS = (
         cache="ShardedCacheOfModuleStates",
         fresh_states=_fresh_module_states,
     ),
-    Family("rwkv", own_steps={"RwkvSelfAttention": rwkv_steps, "RwkvFeedForward": rwkv_steps}, state_kwarg="state"),
+    Family(
+        "rwkv",
+        own_steps={"RwkvSelfAttention": forward_on_shards, "RwkvFeedForward": forward_on_shards},
+        state_kwarg="state",
+    ),
     Family("doge", own_attention={"DogeAttention": OwnAttention(doge_attention, mixing="mask_rows")}),
     Family(
         "deepseek_v4",
@@ -318,11 +322,7 @@ _RECORDS = (
         gathered={"Attention": GatheredModule(("x",))},
         why_gathered="attention of its own: scores by matmul under a causal buffer",
     ),
-    Family(
-        "xlstm",
-        gathered={"xLSTMLayer": GatheredModule(("x",))},
-        why_gathered="the mLSTM cell's chunked recurrence",
-    ),
+    Family("xlstm", own_steps={"xLSTMBackend": forward_on_shards}),
     Family(
         "cpmant",
         gathered={

@@ -25,7 +25,7 @@ the bias.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -122,13 +122,22 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     return out
 
 
+class KeysAndRows(NamedTuple):
+    """What a module that attends in code of its own, over every key, sees for this rank's queries (``mask_rows``)."""
+
+    key: Tensor  # [B, H, T, D]: every key the queries may see (every rank's, gathered; or those a cache keeps whole)
+    value: Tensor
+    rows: Tensor  # [B, 1, L, T]: the rows of the mask one process builds for the queries
+    query_places: Tensor  # [L] int64: the queries' global positions (-1: a padding slot)
+    key_places: Tensor  # [T] int64: the keys'
+
+
 def _keys_and_rows(
     own: OwnAttention, slopes, module, query: Tensor, key: Tensor, value: Tensor, mask, cache, hidden: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Every key and value this rank's queries may see ``[B, H, T, D]`` (every rank's, gathered; or those a cache
-    keeps whole), with the rows of the mask one process builds for those queries ``[B, 1, L, T]`` (``mask``: the
-    call's ``MaskSpec``): for a module that builds a mask of its own from every key (Doge's dynamic mask)."""
-    count_call()
+) -> KeysAndRows:
+    """``KeysAndRows`` of this rank's queries (``mask``: the call's ``MaskSpec``): for a module that builds a mask or a
+    bias of its own from every key or every pair's distance (Doge's dynamic mask, Inkling's relative bias)."""
+    count_call(scans=1)  # the module stands for its layer's mixing (Inkling's "hybrid" layers: ``hf.checks``)
     sharding = _sharded(module)
     if sharding is None:  # tokens every rank holds: decoding over the K/V every rank keeps whole (``WholeKVCache``)
         length = query.shape[2]
@@ -139,14 +148,15 @@ def _keys_and_rows(
             total, first_key = layer.get_mask_sizes(length)
             key, value = cache.update(key, value, module.layer_idx)
         places = torch.arange(before, before + length, device=query.device)
-        return key, value, mask_tensor(mask, places, total, None, hidden, first_key)
+        keys = torch.arange(first_key, first_key + total, device=query.device)
+        return KeysAndRows(key, value, mask_tensor(mask, places, total, None, hidden, first_key), places, keys)
     places, total = _positions(module, query, cache)
     documents = sharding.cu_seqlens if documents_apart(mask, sharding, query.device) else None
     rows = mask_tensor(mask, places, total, documents, hidden)
     key, value = (gather_sequence(t, 2, sharding) for t in (key, value))
     if cache is not None:  # the sharded prefill: every rank keeps the whole prompt's K/V
         key, value = cache.update(key, value, module.layer_idx)
-    return key, value, rows
+    return KeysAndRows(key, value, rows, places, torch.arange(key.shape[2], device=query.device))
 
 
 _MIXING = {"softmax": _attend, "lightning": _lightning, "mask_rows": _keys_and_rows}

@@ -202,17 +202,50 @@ def doge_attention(
     key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
     value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
     query, key = modeling.apply_rotary_pos_emb(query, key, *position_embeddings)
-    key, value, rows = keys_and_rows(module, query, key, value, attention_mask, cache, hidden_states)
-    dt = module.dt_proj(value.transpose(1, 2).reshape(value.shape[0], value.shape[-2], -1))
+    seen = keys_and_rows(module, query, key, value, attention_mask, cache, hidden_states)
+    dt = module.dt_proj(seen.value.transpose(1, 2).reshape(seen.value.shape[0], seen.value.shape[-2], -1))
     dt = torch.exp(module.A * F.softplus(dt)).transpose(-1, -2)
-    mask = module.prepare_dynamic_mask(hidden_states, dt, module.keep_window_size, rows)
+    mask = module.prepare_dynamic_mask(hidden_states, dt, module.keep_window_size, seen.rows)
     mask = modeling.repeat_kv(mask, module.num_key_value_groups)
-    # the model's eager attention, its softmax in fp32 or the input's dtype when wider (one process's SDPA in fp64)
-    key, value = (modeling.repeat_kv(t, module.num_key_value_groups) for t in (key, value))
-    scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + mask
+    out = _eager(module, query, seen.key, seen.value, mask)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+
+def _eager(module, query: Tensor, key: Tensor, value: Tensor, added: Tensor) -> Tensor:
+    """``[B, L, H, D]``: the models' eager attention with ``added`` to the scores, its softmax in fp32 or the input's
+    dtype when wider (one process's SDPA in fp64)."""
+    repeat = _modeling(module).repeat_kv
+    key, value = (repeat(t, module.num_key_value_groups) for t in (key, value))
+    scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + added
     weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
     weights = F.dropout(weights, p=module.attention_dropout, training=module.training)
-    out = torch.matmul(weights, value).transpose(1, 2)
+    return torch.matmul(weights, value).transpose(1, 2)
+
+
+def inkling_attention(
+    module, keys_and_rows, hidden_states: Tensor, attention_mask=None, conv_mask=None, cache=None, **_
+):
+    """``InklingAttention.forward`` under a plan: its projections, short convolutions (by the halo) and norms on the
+    shard; its relative bias (each query's bank of biases by distance, zero beyond ``rel_extent``) and log scaling
+    from the queries' global positions, over every key ``keys_and_rows`` hands back, with one process's mask rows."""
+    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    query = module.q_norm(module.q_proj(hidden_states).view(shape)).transpose(1, 2)
+    key = module.k_sconv(module.k_proj(hidden_states), cache=cache, conv_mask=conv_mask)
+    value = module.v_sconv(module.v_proj(hidden_states), cache=cache, conv_mask=conv_mask)
+    key, value = module.k_norm(key.view(shape)).transpose(1, 2), value.view(shape).transpose(1, 2)
+    seen = keys_and_rows(module, query, key, value, attention_mask, cache, hidden_states)
+    relative = module.r_proj(hidden_states).view(*hidden_states.shape[:-1], module.num_heads, -1)
+    bias = module.rel_logits_proj(relative, seen.query_places, seen.key_places)
+    floor = module.config.log_scaling_n_floor
+    if not module.is_sliding and floor is not None:  # in fp32, as the model scales
+        tau = 1.0 + module.config.log_scaling_alpha * torch.log(
+            ((seen.query_places + 1).float() / floor).clamp(min=1.0)
+        )
+        tau = tau.view(1, 1, -1, 1)
+        query, bias = (query.float() * tau).to(query.dtype), (bias.float() * tau).to(bias.dtype)
+    rows = seen.rows  # additive, or True where masked
+    added = bias.masked_fill(rows, torch.finfo(bias.dtype).min) if rows.dtype == torch.bool else bias + rows
+    out = _eager(module, query, seen.key, seen.value, added)
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
@@ -222,6 +255,7 @@ __all__ = [
     "doge_attention",
     "bloom_slopes",
     "gpt_neox_japanese_attention",
+    "inkling_attention",
     "limbs_for",
     "minimax_lightning",
     "mpt_attention",

@@ -5,7 +5,9 @@ as the model's own everywhere else (outside every plan, decoding):
   state passing (``mixers.diagonal``);
 - RWKV's time mixing and channel mixing get forwards of the module's own layers around its token shift by a one-token
   halo and its WKV by state passing (``mixers.wkv``), the model's own WKV run over each chunk from the state that
-  enters it. A state list given (``use_cache``), they leave it the whole sequence's, as one process does.
+  enters it. A state list given (``use_cache``), they leave it the whole sequence's, as one process does;
+- xLSTM's mLSTM backend runs by state passing (``mixers.mlstm``), its own kernels over each chunk from the state
+  that enters it.
 
 Each is a partial of a module-level function, not a closure: a deep copy of the model (a reference model) gets steps
 of its own.
@@ -29,6 +31,7 @@ from ..mixers.conv import causal_conv1d
 from ..mixers.diagonal import diagonal_scan_states
 from ..mixers.halo import sequence_tail
 from ..mixers.indexed import sequence_slots
+from ..mixers.mlstm import mlstm_states
 from ..mixers.wkv import token_shift, wkv_states
 
 
@@ -138,12 +141,41 @@ def _rwkv_channel_mixing(module, sharded: Callable, count: Callable, hidden: Ten
     return torch.sigmoid(module.receptance(receptance)) * value, state
 
 
-_RWKV = {"RwkvSelfAttention": _rwkv_time_mixing, "RwkvFeedForward": _rwkv_channel_mixing}
+def _xlstm_backend(backend, sharded: Callable, count: Callable, query, key, value, igate, fgate, *args, **kwargs):
+    """``xLSTMBackend.forward`` on a plan's shard: the mLSTM by state passing (``mixers.mlstm``), the model's own
+    kernels run over each chunk from the state that enters it."""
+    forward = type(backend).forward
+    sharding = sharded(backend)
+    if sharding is None:
+        return forward(backend, query, key, value, igate, fgate, *args, **kwargs)
+    given = dict(zip(("c_initial", "n_initial", "m_initial"), args), **kwargs)
+    if any(given.get(name) is not None for name in ("c_initial", "n_initial", "m_initial")):
+        raise UnsupportedAttention(
+            "xLSTM under context parallelism given a state to start from (its model's own chunks of a long sequence "
+            "in eval mode, over max_inference_chunksize tokens, or a cache): run it in training mode, or raise "
+            "config.max_inference_chunksize above the sequence's length"
+        )
+    count(scans=1)
+    mode = given.get("mode")
+
+    def from_state(q, k, v, i, f, c, n, m):
+        return forward(backend, q, k, v, i, f, c, n, m, return_last_states=True, mode=mode)
+
+    with mixers_over_the_whole_sequence():
+        return mlstm_states(from_state, query, key, value, igate, fgate, sharding)
 
 
-def rwkv_steps(module, sharded: Callable, count: Callable) -> None:
-    """Puts on an RWKV time-mixing or channel-mixing module the forward that runs it on a plan's shard."""
-    module.forward = functools.partial(_RWKV[type(module).__name__], module, sharded, count)
+_FORWARDS = {
+    "RwkvSelfAttention": _rwkv_time_mixing,
+    "RwkvFeedForward": _rwkv_channel_mixing,
+    "xLSTMBackend": _xlstm_backend,
+}
 
 
-__all__ = ["recurrent_gemma_steps", "rwkv_steps"]
+def forward_on_shards(module, sharded: Callable, count: Callable) -> None:
+    """Puts on a module of ``_FORWARDS`` (RWKV's time and channel mixing, xLSTM's mLSTM backend) the forward that
+    runs it on a plan's shard."""
+    module.forward = functools.partial(_FORWARDS[type(module).__name__], module, sharded, count)
+
+
+__all__ = ["forward_on_shards", "recurrent_gemma_steps"]
