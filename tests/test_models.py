@@ -12,8 +12,6 @@ MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx)
 # sparse attention chosen by an indexer (DSA); an attention sink and an output gate besides (HY-v4)
 MUST_BE_EXACT += ["deepseek_v32", "glm_moe_dsa", "hy_v4"]
 MUST_BE_EXACT += ["gemma3n_text"]  # layers attending to an earlier layer's K/V and keeping none
-# attention modules over the gathered sequence that call the attention function themselves, beside short convolutions
-MUST_BE_EXACT += ["inkling2_loop_text"]
 MUST_BE_EXACT += ["moshi"]  # a mask without the window its cache layers apply while decoding
 MUST_BE_EXACT += ["qwen4_exp_text"]  # a sparse indexer of its own, n-gram layers: over the gathered sequence
 # compressed attention over the gathered sequence; its compressed layers' own cache classes, whole on every rank
@@ -37,8 +35,9 @@ OWN_ATTENTION = ["bloom", "mpt", "xglm", "gpt_neox_japanese"]
 # Doge's dynamic mask (a bias per key, each query's top keys): this rank's queries over every rank's K/V, gathered,
 # with the rows of one process's mask; it generates from a cache whose K/V every rank keeps whole
 OWN_ATTENTION += ["doge"]
-# Inkling's relative bias by distance and log scaling, the same way, beside its short convolutions by the halo
-OWN_ATTENTION += ["inkling_text"]
+# Inkling's and Inkling 2's relative bias by distance and log scaling, the same way, beside their short convolutions
+# by the halo (Inkling 2's dynamic ones, with per-token taps, too)
+OWN_ATTENTION += ["inkling_text", "inkling2_text", "inkling2_loop_text"]
 # CPM-Ant's bidirectional attention blocks after the prompt rows its model puts before every call's tokens, reading
 # the mask tensor: both phases (its prompt prefilled whole by generate()'s own first call, sharded)
 READING_THE_MASK = ["cpmant"]

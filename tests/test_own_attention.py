@@ -19,7 +19,7 @@ ALIBI = ("bloom", "mpt")
 # cannot hold it: in fp64 it is checked against a plan of one rank (and against one process in fp32 by the models sweep)
 NO_FP64 = ("xglm",)
 # expert layers of grouped matmuls, which take no fp64: compared with one process in the step's own dtype alone
-NO_FP64_AT_ALL = ("inkling_text",)
+NO_FP64_AT_ALL = ("inkling_text", "inkling2_text")
 
 
 def test_bias_columns_carry_the_fp32_bias():
@@ -268,10 +268,12 @@ def test_doge_dynamic_mask_over_every_rank_keys(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_inkling_relative_bias_over_every_rank_keys(ranks, world_size):
-    """Inkling's relative bias (each query's own bank of biases by distance, zero beyond ``rel_extent``) and its log
-    scaling, from the queries' global positions, over every rank's keys: against one process, the bias reaching past
-    a rank's tokens (``rel_extent`` 1024) and ending within them (20 tokens), log scaling on. In fp32: its expert
-    layers take no fp64 (grouped matmuls), so the bound is fp32's rounding."""
-    for overrides in [{}, {"rel_extent": 20, "log_scaling_n_floor": 8}]:
-        for result in ranks(world_size, train_step, "inkling_text", "float32", overrides=overrides):
-            assert result["rerouted"] >= 1 and max(result["loss"], result["grads"]) < 2e-5, (overrides, result)
+    """Inkling's and Inkling 2's relative bias (each query's own bank of biases by distance, zero beyond
+    ``rel_extent``) and log scaling, from the queries' global positions, over every rank's keys (Inkling 2: with its
+    sinks, and its dynamic short convolutions by the halo): against one process, the bias reaching past a rank's
+    tokens (``rel_extent`` 1024) and ending within them (20 tokens), log scaling on. In fp32: their expert layers
+    take no fp64 (grouped matmuls), so the bound is fp32's rounding."""
+    for family in ("inkling_text", "inkling2_text"):
+        for overrides in [{}, {"rel_extent": 20, "log_scaling_n_floor": 8}]:
+            for result in ranks(world_size, train_step, family, "float32", overrides=overrides):
+                assert result["rerouted"] >= 1 and max(result["loss"], result["grads"]) < 2e-5, (family, result)

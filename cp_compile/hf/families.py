@@ -24,6 +24,7 @@ from .own_forwards import (
     bloom_slopes,
     doge_attention,
     gpt_neox_japanese_attention,
+    inkling2_attention,
     inkling_attention,
     minimax_lightning,
     mpt_attention,
@@ -194,12 +195,6 @@ class Family:
         return "attention schedules"
 
 
-def _inkling2_distance(module, model, hidden: Tensor, keys: int) -> Tensor:
-    """Inkling 2's distance from each of ``hidden``'s queries, the last of ``keys`` tokens, to each key."""
-    places = torch.arange(keys, device=hidden.device)
-    return places[keys - hidden.shape[1] :, None] - places[None, :]
-
-
 def _xlnet_relative_positions(module, model, hidden: Tensor, keys: int) -> Tensor:
     """XLNet's sinusoids of every relative position among ``keys`` tokens, as its model builds them for a call of
     that length (``hidden``: time-major, for the batch and device), its dropout after."""
@@ -229,19 +224,13 @@ def _fresh_module_states(model) -> None:
 
 
 def _inkling2(name: str, prefix: str) -> Family:
-    # the key and value projections' inputs are the layer's own (full attention) or the queries' (sliding: None);
-    # position_ids set the queries' log scaling
-    call = GatheredModule(
-        ("hidden_states", "key_hidden_states", "value_hidden_states", "position_ids"),
-        mask="attention_mask",
-        rebuilt=(("relative_distance", _inkling2_distance),),
-    )
+    own = OwnAttention(inkling2_attention, mixing="mask_rows")
     within = ("BlockAttentionResidual",) + (("MessageAttentionResidual",) if prefix == "Inkling2Loop" else ())
     return Family(
         name,
         wrapped=True,
-        gathered={f"{prefix}SlidingAttention": call, f"{prefix}FullAttention": call},
-        why_gathered="attention with a relative-position bias and log scaling from positions counted within its call",
+        own_attention={f"{prefix}SlidingAttention": own, f"{prefix}FullAttention": own},
+        own_steps={f"{prefix}DynamicShortConvolution": forward_on_shards},
         attention_within_tokens=frozenset(prefix + cls for cls in within),
     )
 

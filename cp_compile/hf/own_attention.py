@@ -133,20 +133,31 @@ class KeysAndRows(NamedTuple):
 
 
 def _keys_and_rows(
-    own: OwnAttention, slopes, module, query: Tensor, key: Tensor, value: Tensor, mask, cache, hidden: Tensor
+    own: OwnAttention,
+    slopes,
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask,
+    cache,
+    hidden: Tensor,
+    layer: Optional[int] = None,
 ) -> KeysAndRows:
     """``KeysAndRows`` of this rank's queries (``mask``: the call's ``MaskSpec``): for a module that builds a mask or a
-    bias of its own from every key or every pair's distance (Doge's dynamic mask, Inkling's relative bias)."""
+    bias of its own from every key or every pair's distance (Doge's dynamic mask, Inkling's relative bias). ``layer``:
+    the cache layer, where not the module's ``layer_idx`` (Inkling 2's loop)."""
+    layer = module.layer_idx if layer is None else layer
     count_call(scans=1)  # the module stands for its layer's mixing (Inkling's "hybrid" layers: ``hf.checks``)
     sharding = _sharded(module)
     if sharding is None:  # tokens every rank holds: decoding over the K/V every rank keeps whole (``WholeKVCache``)
         length = query.shape[2]
         before, total, first_key = 0, length, 0
         if cache is not None:  # the keys the layer holds after this step's update, as one process's mask sizes say
-            layer = cache.layers[module.layer_idx]
-            before = layer.get_seq_length()
-            total, first_key = layer.get_mask_sizes(length)
-            key, value = cache.update(key, value, module.layer_idx)
+            held = cache.layers[layer]
+            before = held.get_seq_length()
+            total, first_key = held.get_mask_sizes(length)
+            key, value = cache.update(key, value, layer)
         places = torch.arange(before, before + length, device=query.device)
         keys = torch.arange(first_key, first_key + total, device=query.device)
         return KeysAndRows(key, value, mask_tensor(mask, places, total, None, hidden, first_key), places, keys)
@@ -155,7 +166,7 @@ def _keys_and_rows(
     rows = mask_tensor(mask, places, total, documents, hidden)
     key, value = (gather_sequence(t, 2, sharding) for t in (key, value))
     if cache is not None:  # the sharded prefill: every rank keeps the whole prompt's K/V
-        key, value = cache.update(key, value, module.layer_idx)
+        key, value = cache.update(key, value, layer)
     return KeysAndRows(key, value, rows, places, torch.arange(key.shape[2], device=query.device))
 
 

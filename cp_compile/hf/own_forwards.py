@@ -211,15 +211,24 @@ def doge_attention(
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
-def _eager(module, query: Tensor, key: Tensor, value: Tensor, added: Tensor) -> Tensor:
-    """``[B, L, H, D]``: the models' eager attention with ``added`` to the scores, its softmax in fp32 or the input's
-    dtype when wider (one process's SDPA in fp64)."""
+def _eager(module, query: Tensor, key: Tensor, value: Tensor, added: Tensor, sinks=None) -> Tensor:
+    """``[B, L, H, D]``: the models' eager attention with ``added`` to the scores (and ``sinks [B, H, L, 1]``, a logit
+    per query with a zero value), its softmax in fp32 or the input's dtype when wider (one process's SDPA in fp64)."""
     repeat = _modeling(module).repeat_kv
     key, value = (repeat(t, module.num_key_value_groups) for t in (key, value))
     scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + added
-    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
+    wide = torch.promote_types(query.dtype, torch.float32)
+    if sinks is not None:
+        weights = F.softmax(torch.cat([scores, sinks], -1), dim=-1, dtype=wide)[..., :-1].to(query.dtype)
+    else:
+        weights = F.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
     weights = F.dropout(weights, p=module.attention_dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2)
+
+
+def _masked(bias: Tensor, rows: Tensor) -> Tensor:
+    """``bias`` where one process's mask rows (additive, or True where masked) let a key through."""
+    return bias.masked_fill(rows, torch.finfo(bias.dtype).min) if rows.dtype == torch.bool else bias + rows
 
 
 def inkling_attention(
@@ -243,10 +252,40 @@ def inkling_attention(
         )
         tau = tau.view(1, 1, -1, 1)
         query, bias = (query.float() * tau).to(query.dtype), (bias.float() * tau).to(bias.dtype)
-    rows = seen.rows  # additive, or True where masked
-    added = bias.masked_fill(rows, torch.finfo(bias.dtype).min) if rows.dtype == torch.bool else bias + rows
-    out = _eager(module, query, seen.key, seen.value, added)
+    out = _eager(module, query, seen.key, seen.value, _masked(bias, seen.rows))
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
+
+
+def inkling2_attention(
+    module,
+    keys_and_rows,
+    hidden_states: Tensor,
+    key_hidden_states=None,
+    value_hidden_states=None,
+    attention_mask=None,
+    relative_distance=None,
+    conv_mask=None,
+    cache=None,
+    cache_offset: int = 0,
+    **kwargs,
+):
+    """``Inkling2SlidingAttention.forward`` and ``Inkling2FullAttention.forward`` (and the loop model's) under a plan:
+    the query, key and value projections (their convolutions by the halo, the queries' log scaling from the plan's
+    positions) on the shard; the relative bias by each query's global distance to every key ``keys_and_rows`` hands
+    back (the model's own ``relative_distance`` is its call's), with one process's mask rows and the sinks."""
+    positions = kwargs["position_ids"]
+    query = module.q_proj(hidden_states, positions)
+    projected = []
+    for projection, given in ((module.k_proj, key_hidden_states), (module.v_proj, value_hidden_states)):
+        source = hidden_states if given is None else given
+        projected.append(projection(source, cache=cache, conv_mask=conv_mask, cache_offset=cache_offset, **kwargs))
+    layer = module.layer_idx + cache_offset
+    seen = keys_and_rows(module, query, *projected, attention_mask, cache, hidden_states, layer)
+    distance = seen.query_places[:, None] - seen.key_places[None, :]
+    bias = module.relative_position_bias(hidden_states, distance, positions)
+    sinks = module.sink_proj(hidden_states).transpose(1, 2).unsqueeze(-1)
+    out = _eager(module, query, seen.key, seen.value, _masked(bias, seen.rows), sinks)
+    return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous(), hidden_states), None
 
 
 __all__ = [
@@ -255,6 +294,7 @@ __all__ = [
     "doge_attention",
     "bloom_slopes",
     "gpt_neox_japanese_attention",
+    "inkling2_attention",
     "inkling_attention",
     "limbs_for",
     "minimax_lightning",

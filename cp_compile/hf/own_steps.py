@@ -7,7 +7,8 @@ as the model's own everywhere else (outside every plan, decoding):
   halo and its WKV by state passing (``mixers.wkv``), the model's own WKV run over each chunk from the state that
   enters it. A state list given (``use_cache``), they leave it the whole sequence's, as one process does;
 - xLSTM's mLSTM backend runs by state passing (``mixers.mlstm``), its own kernels over each chunk from the state
-  that enters it.
+  that enters it;
+- Inkling 2's dynamic short convolution (per-token taps, in code of its own) runs over each chunk with its halo.
 
 Each is a partial of a module-level function, not a closure: a deep copy of the model (a reference model) gets steps
 of its own.
@@ -27,7 +28,7 @@ from torch import Tensor
 from ..errors import UnsupportedAttention
 from ..guard import mixers_over_the_whole_sequence
 from ..mixers import Sharding
-from ..mixers.conv import causal_conv1d
+from ..mixers.conv import causal_conv1d, with_halo, without_halo
 from ..mixers.diagonal import diagonal_scan_states
 from ..mixers.halo import sequence_tail
 from ..mixers.indexed import sequence_slots
@@ -165,16 +166,45 @@ def _xlstm_backend(backend, sharded: Callable, count: Callable, query, key, valu
         return mlstm_states(from_state, query, key, value, igate, fgate, sharding)
 
 
+def _inkling2_dynamic_convolution(
+    module, sharded: Callable, count: Callable, hidden_states, dynamic_input, cache=None, conv_mask=None, **kwargs
+):
+    """``Inkling2DynamicShortConvolution.forward`` on a plan's shard: the module's own forward over each chunk with the
+    tokens before it (``mixers.conv.with_halo``: its input and the input of its per-token taps), their outputs
+    dropped; a cache given (the sharded prefill), it keeps the whole sequence's last tokens, as one process's."""
+    forward = type(module).forward
+    sharding = sharded(module)
+    if sharding is None:
+        return forward(module, hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask, **kwargs)
+    if conv_mask is not None:
+        raise UnsupportedAttention(
+            "Inkling 2's dynamic short convolution under context parallelism given a padding mask (conv_mask): "
+            "shard unpadded sequences, or pack them"
+        )
+    count(convs=1)
+    width, reset = module.conv_kernel_size, kwargs.pop("seq_idx", None) is not None
+    if cache is not None:  # what its own forward stores: in a sharded prefill, the sequence's last tokens
+        layer = module.layer_idx + kwargs.get("cache_offset", 0)
+        context = hidden_states.float().transpose(1, 2)
+        cache.update_conv_state(context, layer, state_idx=module.conv_idx, conv_kernel_size=width)
+    with mixers_over_the_whole_sequence():
+        extended = [with_halo(t, 1, width, sharding, reset) for t in (hidden_states, dynamic_input)]
+        out = forward(module, *extended, **kwargs)
+    return without_halo(out, 1, width, sharding, hidden_states.shape[1])
+
+
 _FORWARDS = {
     "RwkvSelfAttention": _rwkv_time_mixing,
     "RwkvFeedForward": _rwkv_channel_mixing,
     "xLSTMBackend": _xlstm_backend,
+    "Inkling2DynamicShortConvolution": _inkling2_dynamic_convolution,
+    "Inkling2LoopDynamicShortConvolution": _inkling2_dynamic_convolution,
 }
 
 
 def forward_on_shards(module, sharded: Callable, count: Callable) -> None:
-    """Puts on a module of ``_FORWARDS`` (RWKV's time and channel mixing, xLSTM's mLSTM backend) the forward that
-    runs it on a plan's shard."""
+    """Puts on a module of ``_FORWARDS`` (RWKV's time and channel mixing, xLSTM's mLSTM backend, Inkling 2's dynamic
+    short convolution) the forward that runs it on a plan's shard."""
     module.forward = functools.partial(_FORWARDS[type(module).__name__], module, sharded, count)
 
 

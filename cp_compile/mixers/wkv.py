@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import Sharding
-from .halo import halo, halo_rows
+from .conv import with_halo, without_halo
 from .state import _entering, _Pieces
 
 # (time_decay, time_first, key [N, l, W], value [N, l, W], state=[num, den, m] each [N, W]) -> (output, state): the
@@ -94,14 +94,8 @@ def token_shift(x: Tensor, sharding: Sharding) -> Tensor:
     """``x [B, L, W]`` shifted one token later over the whole sequence (each token gets the one before it, zero
     before the first): the previous token of each chunk's first comes from the rank that holds it (``halo``)."""
     sharding.agree("token_shift", (x, x, x))
-    before = halo(x, 1, 2, *sharding.op_args, False)  # [B, chunks, W]
-    if sharding.cu_seqlens is None:
-        pieces = before.shape[1]
-        extended = torch.cat([before[:, :, None], x.unflatten(1, (pieces, -1))], 2)
-        return extended[:, :, :-1].flatten(1, 2)
-    assembly, keep = halo_rows(sharding.cu_seqlens, x.shape[1], sharding.world_size, 2)
-    extended = torch.cat([x, before], 1).index_select(1, assembly)  # each chunk's halo token, then the chunk
-    return F.pad(extended, (0, 0, 1, -1)).index_select(1, keep)
+    extended = with_halo(x, 1, 2, sharding)
+    return without_halo(F.pad(extended, (0, 0, 1, -1)), 1, 2, sharding, x.shape[1])
 
 
 __all__ = ["token_shift", "wkv_states"]
