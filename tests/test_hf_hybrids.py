@@ -130,14 +130,14 @@ def test_train_eager_at_every_c(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [3])
 def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
-    """OpenAI GPT's attention, XLNet's relative attention
+    """XLNet's relative attention
     (time-major; its model's relative positions built again for the whole sequence) and CPM-Ant's attention blocks
     (bidirectional, after the prompt rows its model puts before every call's tokens, which every rank holds),
     modules with mixing code of their own, with no layer types declared, and BLT's whole model over the gathered
     bytes, its global transformer over this rank's share of the patches, padded at the end to the layout's multiple
     (C = 2: the model sweep; C = 4 by `python -m cp_compile models -C 4`; the route itself at C = 1 to 4:
     tests/test_mixers.py)."""
-    for family in ("openai-gpt", "xlnet", "cpmant", "blt"):
+    for family in ("xlnet", "cpmant", "blt"):
         _check(ranks(world_size, train_step, family, "eager", None), family)
 
 

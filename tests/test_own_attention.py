@@ -201,6 +201,18 @@ def test_packed_documents(ranks, world_size):
         _check(ranks(world_size, packed_step, family, "eager", [1, 7, 19, 13]), ("packed", family))
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_packed_documents_of_the_other_routes(ranks, world_size):
+    """Packed documents with position_ids alone through the routes of modules of their own: Doge's and Inkling's
+    queries over every rank's K/V, their mask rows kept to each document as one process's mask keeps them; RWKV's and
+    xLSTM's state passing and OpenAI GPT's attention through the documents, as one process runs them."""
+    from test_hf_hybrids import _check
+    from test_hf_hybrids import train_step as packed_step
+
+    for family in ("doge", "inkling_text", "inkling2_text", "rwkv", "xlstm", "openai-gpt"):
+        _check(ranks(world_size, packed_step, family, "eager", [1, 7, 19, 13]), ("packed", family))
+
+
 def generate_from_a_sharded_cache(family: str, prompt: int) -> dict:
     """Greedy generation with the cache on (MPT's config has it off) against one process: tokens, logits, the cache
     class, and its keys and values per rank against one process's."""

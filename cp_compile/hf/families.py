@@ -29,6 +29,7 @@ from .own_forwards import (
     minimax_lightning,
     mpt_attention,
     mpt_slopes,
+    openai_attention,
     xglm_attention,
 )
 from .own_steps import forward_on_shards, recurrent_gemma_steps
@@ -306,11 +307,7 @@ _RECORDS = (
         why_gathered="compressed attention: blocks of the sequence compressed into extra keys (and scored by an "
         "indexer), with a bias from its own mask over them",
     ),
-    Family(
-        "openai",
-        gathered={"Attention": GatheredModule(("x",))},
-        why_gathered="attention of its own: scores by matmul under a causal buffer",
-    ),
+    Family("openai", own_attention={"Attention": OwnAttention(openai_attention, across_documents=True)}),
     Family("xlstm", own_steps={"xLSTMBackend": forward_on_shards}),
     Family(
         "cpmant",

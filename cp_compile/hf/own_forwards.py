@@ -158,6 +158,24 @@ def xglm_attention(
     return module.out_proj(context.reshape(batch, length, module.embed_dim)), None
 
 
+def openai_attention(module, attend: Attend, x: Tensor, attention_mask=None, output_attentions=False):
+    """OpenAI GPT's ``Attention.forward`` under a plan: causal attention of its own (masked scores at -1e4, which the
+    softmax takes to zero as it does -inf), its padding mask refused."""
+    if attention_mask is not None or output_attentions:
+        raise UnsupportedAttention(
+            "OpenAI GPT's attention under context parallelism given a padding mask or asked for its attention "
+            "weights: shard unpadded sequences, without output_attentions"
+        )
+    batch, length, _ = x.shape
+    query, key, value = (
+        t.view(batch, length, module.n_head, -1).transpose(1, 2) for t in module.c_attn(x).split(module.split_size, 2)
+    )
+    scale = value.shape[-1] ** -0.5 if module.scale else 1.0
+    dropout = module.attn_dropout.p if module.training else 0.0
+    context = attend(module, query, key, value, None, None, scale, dropout)
+    return [module.resid_dropout(module.c_proj(context.reshape(batch, length, -1)))]
+
+
 def gpt_neox_japanese_attention(
     module,
     attend: Attend,
@@ -300,6 +318,7 @@ __all__ = [
     "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",
+    "openai_attention",
     "with_bias",
     "xglm_attention",
 ]
