@@ -108,6 +108,12 @@ def preserve_node_ordering():
 
 
 @functools.cache
+def higher_order_operator() -> type:
+    """The class of torch's higher-order ops (activation checkpointing's wrapper of a region while Dynamo traces)."""
+    return _attribute("torch._ops", "HigherOrderOperator")
+
+
+@functools.cache
 def flex_index_helpers():
     """(TransformGetItemToIndex, _vmap_for_bhqkv): evaluating a mask_mod over index grids as flex does."""
     return (

@@ -726,3 +726,27 @@ def test_explain_lists_lightning_attention_by_state_passing(ranks):
         *mixers, header = result
         assert mixers == [("states", 2 * 4 * 4), ("states", 2 * 4 * 16 * 16 * 4)], result
         assert "0 graph break(s)" in header, result
+
+
+def test_a_mask_spec_passes_through_a_checkpointed_region_while_compiled():
+    """Compiled, activation checkpointing wraps a layer's call in a region handed the layer's arguments as they are:
+    a mask spec passed positionally reaches the code inside (RecurrentGemma's layers take theirs so); any other torch
+    use of the spec still raises."""
+    from torch.utils.checkpoint import checkpoint
+
+    from cp_compile.errors import UnsupportedAttention
+    from cp_compile.hf.masks import MaskSpec
+
+    def layer(x, spec):
+        return x * (2.0 if spec.causal else 3.0)
+
+    def model(x, spec):
+        return checkpoint(layer, x, spec, use_reentrant=False)
+
+    torch._dynamo.reset()
+    x = torch.randn(4, requires_grad=True)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x, MaskSpec(True))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
+    with pytest.raises(UnsupportedAttention, match="uses the attention mask as a tensor"):
+        torch.add(x, MaskSpec(True))

@@ -33,6 +33,7 @@ from transformers import masking_utils as _mu
 
 from ..active import active_plan
 from ..errors import UnsupportedAttention
+from ..torch_compat import higher_order_operator
 from .cache import runs_indexers_under_cp, runs_mixers_under_cp
 from .families import MIXER_LAYER_TYPES
 from .forward import count_call, in_gathered_module, plan_of_shards
@@ -91,6 +92,11 @@ class MaskSpec:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if isinstance(func, _REGION):
+            # a region handed the layer's arguments as they are (activation checkpointing while Dynamo traces a
+            # layer whose mask is positional): the spec reaches the attention function inside it
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, MaskSpec)).refuse()
 
     def __getattr__(self, name: str):
@@ -99,6 +105,7 @@ class MaskSpec:
         raise AttributeError(name)
 
 
+_REGION = higher_order_operator()  # read at import: Dynamo does not trace the lookup
 _TENSOR_API = frozenset(n for n in dir(torch.Tensor) if not n.startswith("__"))
 
 
