@@ -285,8 +285,7 @@ def attention(
 ):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
     plan = active_plan()
-    if not torch.compiler.is_compiling():
-        check_recompute(module, plan)
+    check_recompute(module, plan)
     if plan is not None and attention_as_one_process(module):
         # a module over the gathered sequence (``hf.gathered``, given that sequence's mask) or over each token's own
         # states: its modeling file's eager attention, which reads every argument its model passes (a position bias,

@@ -32,7 +32,13 @@ from .own_forwards import (
     openai_attention,
     xglm_attention,
 )
-from .own_steps import forward_on_shards, recurrent_gemma_steps
+from .own_steps import (
+    inkling2_dynamic_convolution_on_shards,
+    recurrent_gemma_steps,
+    rwkv_channel_mixing_on_shards,
+    rwkv_time_mixing_on_shards,
+    xlstm_backend_on_shards,
+)
 
 # layer types whose mixers run under CP for the families with ``wrapped`` mixers (Qwen4-exp's indexed attention: over
 # the gathered sequence)
@@ -139,8 +145,8 @@ class Family:
     fresh_states: Optional[Callable] = None
     # modules whose attention is their own code, by class name: projections on the shard, attention by the schedules
     own_attention: Mapping[str, OwnAttention] = field(default_factory=dict)
-    # modules whose token-mixing steps, by class name, are put on the instance for a plan while the module's own
-    # forward runs around them (``hf.own_attention``): ``f(module, sharded, count)``
+    # modules whose token-mixing steps (or whose forward itself), by class name, are put on the instance for a plan,
+    # run on the shard there and as the model's own elsewhere (``hf.own_steps``): ``f(module, sharded, count)``
     own_steps: Mapping[str, Callable] = field(default_factory=dict)
     # the keyword under which its model takes and returns a recurrent state of its own instead of a cache (RWKV's
     # ``state`` list): generation prefills it sharded and decodes from it (``hf.generate``)
@@ -165,7 +171,8 @@ class Family:
 
     @property
     def keeps_whole_kv(self) -> bool:
-        """Whether a gathered module attends over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
+        """Whether a gathered module, or one that attends over every rank's keys (``mixing="mask_rows"``), attends
+        over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
         gathered = any(call.mask is not None or call.whole_kv for call in self.gathered.values())
         return gathered or any(own.mixing == "mask_rows" for own in self.own_attention.values())
 
@@ -231,7 +238,7 @@ def _inkling2(name: str, prefix: str) -> Family:
         name,
         wrapped=True,
         own_attention={f"{prefix}SlidingAttention": own, f"{prefix}FullAttention": own},
-        own_steps={f"{prefix}DynamicShortConvolution": forward_on_shards},
+        own_steps={f"{prefix}DynamicShortConvolution": inkling2_dynamic_convolution_on_shards},
         attention_within_tokens=frozenset(prefix + cls for cls in within),
     )
 
@@ -293,7 +300,10 @@ _RECORDS = (
     ),
     Family(
         "rwkv",
-        own_steps={"RwkvSelfAttention": forward_on_shards, "RwkvFeedForward": forward_on_shards},
+        own_steps={
+            "RwkvSelfAttention": rwkv_time_mixing_on_shards,
+            "RwkvFeedForward": rwkv_channel_mixing_on_shards,
+        },
         state_kwarg="state",
     ),
     Family("doge", own_attention={"DogeAttention": OwnAttention(doge_attention, mixing="mask_rows")}),
@@ -308,7 +318,7 @@ _RECORDS = (
         "indexer), with a bias from its own mask over them",
     ),
     Family("openai", own_attention={"Attention": OwnAttention(openai_attention, across_documents=True)}),
-    Family("xlstm", own_steps={"xLSTMBackend": forward_on_shards}),
+    Family("xlstm", own_steps={"xLSTMBackend": xlstm_backend_on_shards}),
     Family(
         "cpmant",
         gathered={

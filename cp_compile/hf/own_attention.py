@@ -43,19 +43,23 @@ from .masks import NAME
 from .own_forwards import bias_columns, with_bias
 
 
-def _sharded(module):
-    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding). A
-    recompute of ``module``'s forward during backward outside the plan its forward ran in raises (it would run the
-    class's own forward on this rank's shard alone)."""
-    check_recompute(module, active_plan())
+def _shard_sharding():
+    """The plan's ``Sharding`` where the tokens are a plan's shard; None elsewhere (outside every plan, decoding)."""
     plan = plan_of_shards()
     return None if plan is None else sharding_of(plan, None)
 
 
-def _positions(module, query: Tensor, cache) -> tuple[Tensor, object]:
-    """The global positions of the call's tokens ``[L]`` and the number of keys the call attends over."""
+def _sharded(module):
+    """``_shard_sharding()`` for a step put on ``module``: a recompute of its forward during backward outside the plan
+    its forward ran in raises (it would run the class's own forward on this rank's shard alone)."""
+    check_recompute(module, active_plan())
+    return _shard_sharding()
+
+
+def _positions(module, query: Tensor, cache, sharding) -> tuple[Tensor, object]:
+    """The global positions of the call's tokens ``[L]`` and the number of keys the call attends over (``sharding``:
+    ``_shard_sharding()``'s)."""
     length = query.shape[2]
-    sharding = _sharded(module)
     if sharding is not None:  # this rank's share of the sequence
         places = sequence_slots(query.transpose(1, 2), *sharding.op_args)
         total = length * sharding.world_size if sharding.cu_seqlens is None else sharding.cu_seqlens[-1].long()
@@ -80,7 +84,7 @@ def _attend(
     where the module has one."""
     value_wide = value
     if slopes is not None:
-        places, total = _positions(module, query, cache)
+        places, total = _positions(module, query, cache, _shard_sharding())
         # from a cache, one anchor for every key it keeps: keys stored by different calls meet the same query
         anchor = total - 1 if own.anchor_last and cache is None else 0
         columns = bias_columns(slopes.to(query.device), places.to(query.device), anchor, scale, query.dtype)
@@ -107,7 +111,7 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     state it keeps, which it is left with the sequence's (the same on every rank)."""
     count_call(convs=1, scans=1)  # the module stands for its layer's mixing (``hf.checks``)
     start = None if cache is None else cache.get_linear_cache(module.layer_idx)
-    sharding = _sharded(module)  # a plan's shard: ``_forward`` runs the module's own forward for any other tokens
+    sharding = _shard_sharding()  # a plan's shard: ``_forward`` runs the module's own forward for any other tokens
     route = active_plan().scan_route
     if route == "auto":  # state passing reads packed documents' tables on the host, outside a compiled graph
         route = "heads" if torch.compiler.is_compiling() and sharding.cu_seqlens is not None else "states"
@@ -149,7 +153,7 @@ def _keys_and_rows(
     the cache layer, where not the module's ``layer_idx`` (Inkling 2's loop)."""
     layer = module.layer_idx if layer is None else layer
     count_call(scans=1)  # the module stands for its layer's mixing (Inkling's "hybrid" layers: ``hf.checks``)
-    sharding = _sharded(module)
+    sharding = _shard_sharding()
     if sharding is None:  # tokens every rank holds: decoding over the K/V every rank keeps whole (``WholeKVCache``)
         length = query.shape[2]
         before, total, first_key = 0, length, 0
@@ -161,7 +165,7 @@ def _keys_and_rows(
         places = torch.arange(before, before + length, device=query.device)
         keys = torch.arange(first_key, first_key + total, device=query.device)
         return KeysAndRows(key, value, mask_tensor(mask, places, total, None, hidden, first_key), places, keys)
-    places, total = _positions(module, query, cache)
+    places, total = _positions(module, query, cache, sharding)
     documents = sharding.cu_seqlens if documents_apart(mask, sharding, query.device) else None
     rows = mask_tensor(mask, places, total, documents, hidden)
     key, value = (gather_sequence(t, 2, sharding) for t in (key, value))

@@ -309,8 +309,8 @@ def inkling2_attention(
 __all__ = [
     "bias_columns",
     "bloom_attention",
-    "doge_attention",
     "bloom_slopes",
+    "doge_attention",
     "gpt_neox_japanese_attention",
     "inkling2_attention",
     "inkling_attention",

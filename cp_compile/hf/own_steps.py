@@ -193,19 +193,26 @@ def _inkling2_dynamic_convolution(
     return without_halo(out, 1, width, sharding, hidden_states.shape[1])
 
 
-_FORWARDS = {
-    "RwkvSelfAttention": _rwkv_time_mixing,
-    "RwkvFeedForward": _rwkv_channel_mixing,
-    "xLSTMBackend": _xlstm_backend,
-    "Inkling2DynamicShortConvolution": _inkling2_dynamic_convolution,
-    "Inkling2LoopDynamicShortConvolution": _inkling2_dynamic_convolution,
-}
+def _put_forward(forward: Callable, module, sharded: Callable, count: Callable) -> None:
+    module.forward = functools.partial(forward, module, sharded, count)
 
 
-def forward_on_shards(module, sharded: Callable, count: Callable) -> None:
-    """Puts on a module of ``_FORWARDS`` (RWKV's time and channel mixing, xLSTM's mLSTM backend, Inkling 2's dynamic
-    short convolution) the forward that runs it on a plan's shard."""
-    module.forward = functools.partial(_FORWARDS[type(module).__name__], module, sharded, count)
+def _on_shards(forward: Callable) -> Callable:
+    """A ``Family.own_steps`` entry that puts ``forward(module, sharded, count, *args, **kwargs)`` on the module's
+    instance as its forward."""
+    return functools.partial(_put_forward, forward)
 
 
-__all__ = ["forward_on_shards", "recurrent_gemma_steps"]
+rwkv_time_mixing_on_shards = _on_shards(_rwkv_time_mixing)
+rwkv_channel_mixing_on_shards = _on_shards(_rwkv_channel_mixing)
+xlstm_backend_on_shards = _on_shards(_xlstm_backend)
+inkling2_dynamic_convolution_on_shards = _on_shards(_inkling2_dynamic_convolution)
+
+
+__all__ = [
+    "inkling2_dynamic_convolution_on_shards",
+    "recurrent_gemma_steps",
+    "rwkv_channel_mixing_on_shards",
+    "rwkv_time_mixing_on_shards",
+    "xlstm_backend_on_shards",
+]
