@@ -143,10 +143,11 @@ def test_modules_of_their_own_over_the_gathered_sequence(ranks, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_modules_reading_the_mask_generate(ranks, world_size):
-    """Doge's and CPM-Ant's cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill stores the
-    gathered prompt's, decoding runs the module as one process does, given the step's mask. Sampled, prompts of 1 and 30
-    tokens, against one process with the same seed; decoding makes no collective, so the ranks' tokens are compared
-    once at the end, and ranks seeded differently all raise. CPM-Ant's prompt attends both ways: generate()'s own
+    """Sampled, prompts of 1 and 30 tokens, against one process with the same seed, and ranks seeded differently all
+    raise. Doge keeps a share of the K/V on each rank and scores it under its dynamic mask (its ranks' tokens ride on
+    each step's merge). CPM-Ant's cache keeps the whole K/V on every rank (``WholeKVCache``): the sharded prefill
+    stores the gathered prompt's, decoding runs the module as one process does, given the step's mask, with no
+    collective, so the ranks' tokens are compared once at the end; its prompt attends both ways: generate()'s own
     first call prefills it whole, sharded."""
     for family in ("doge", "cpmant"):
         for results in ranks(world_size, generate_reading_the_sequence, family, [1, 30]):

@@ -87,7 +87,7 @@ BATCH_REFUSED = {
     "llama4_text": "chunked attention",
     "gemma3n_text": "shares its keys",
     "mamba2": "keep states alone",
-    "doge": "WholeKVCache",
+    "doge": "scores the cache's keys in code of its own",
     "bloom": "no position_ids",
 }
 

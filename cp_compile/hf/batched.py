@@ -30,6 +30,9 @@ class ShardedHybridRowsLayer(ShardedHybridLayer, RowsShard):
 
 def why_not_in_rows(cache: ShardedCache) -> Optional[str]:
     """Why the rows of ``cache``'s kind cannot be decoded as one batch, or None."""
+    why = getattr(cache, "why_one_sequence", None)
+    if why is not None:
+        return why
     if type(cache) is not ShardedCache:
         return f"its cache ({type(cache).__name__}) keeps layers of its own kind, one sequence's"
     for index, layer in enumerate(cache.layers):

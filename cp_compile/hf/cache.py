@@ -37,7 +37,7 @@ from transformers.cache_utils import (
 
 from ..active import active_plan
 from ..errors import LocalAttentionError, UnsupportedAttention
-from ..inference.cache import Agreement, CacheShard
+from ..inference.cache import Agreement, CacheShard, Step
 from ..kernels.masked import EMPTY_POSITION
 from ..mixers import Sharding
 from ..mixers.halo import sequence_tail
@@ -140,6 +140,23 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             keys, values = self.update(key_states, value_states, kwargs=handed)
             hand_over(keys, handed[CACHE_STEP])
             return keys, values
+        step = self.store(key_states, value_states)
+        if step is None:  # a sharded prefill
+            kwargs[CACHE_STEP] = (self, None)
+            if not torch.compiler.is_compiling():
+                self.unattended = True
+            return key_states, value_states
+        kwargs[CACHE_STEP] = (self, step)
+        if self.shares_keys and not torch.compiler.is_compiling():
+            share_step(self, step.keys, step)
+        if not torch.compiler.is_compiling():
+            self.unattended = True
+        return step.keys, step.values
+
+    def store(self, key_states: Tensor, value_states: Tensor) -> Optional[Step]:
+        """Keeps the call's K/V: in a sharded prefill this rank's shard of the prompt (None returned), otherwise tokens
+        every rank holds, of which this rank keeps its turns (the ``Step`` their attention reads). For attention that
+        reads the cache itself (``update`` hands the step to the attention function)."""
         if not torch.compiler.is_compiling() and active_plan() is None:
             raise UnsupportedAttention(
                 "ShardedCache is used outside `with plan:`: attention would see this rank's "
@@ -147,21 +164,12 @@ class ShardedLayer(CacheLayerMixin, CacheShard):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.pending_prefill is not None:
-            positions, tokens = self.pending_prefill
-            self.pending_prefill = None
-            self.prefill(key_states, value_states, positions, tokens)
-            kwargs[CACHE_STEP] = (self, None)
-            if not torch.compiler.is_compiling():
-                self.unattended = True
-            return key_states, value_states
-        step = self.append(key_states, value_states)
-        kwargs[CACHE_STEP] = (self, step)
-        if self.shares_keys and not torch.compiler.is_compiling():
-            share_step(self, step.keys, step)
-        if not torch.compiler.is_compiling():
-            self.unattended = True
-        return step.keys, step.values
+        if self.pending_prefill is None:
+            return self.append(key_states, value_states)
+        positions, tokens = self.pending_prefill
+        self.pending_prefill = None
+        self.prefill(key_states, value_states, positions, tokens)
+        return None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0

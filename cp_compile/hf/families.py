@@ -107,7 +107,7 @@ class OwnAttention(NamedTuple):
     "softmax" attention, "lightning" (MiniMax's decayed linear attention, by state passing; tokens every rank
     holds, decoding from the state its cache keeps, run the module's own forward), or "mask_rows" (a mask the module
     builds from every key, Doge's: this rank's queries over every rank's keys, gathered, with one process's rows of
-    the mask; its cache keeps the whole K/V on every rank)."""
+    the mask; decoding, each rank scores its share of the cache, merged by log-sum-exp)."""
 
     forward: Callable
     slopes: Optional[Callable] = None
@@ -171,10 +171,8 @@ class Family:
 
     @property
     def keeps_whole_kv(self) -> bool:
-        """Whether a gathered module, or one that attends over every rank's keys (``mixing="mask_rows"``), attends
-        over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
-        gathered = any(call.mask is not None or call.whole_kv for call in self.gathered.values())
-        return gathered or any(own.mixing == "mask_rows" for own in self.own_attention.values())
+        """Whether a gathered module attends over K/V of its own that every rank keeps whole (``WholeKVCache``)."""
+        return any(call.mask is not None or call.whole_kv for call in self.gathered.values())
 
     @property
     def route(self) -> str:
@@ -240,6 +238,7 @@ def _inkling2(name: str, prefix: str) -> Family:
         own_attention={f"{prefix}SlidingAttention": own, f"{prefix}FullAttention": own},
         own_steps={f"{prefix}DynamicShortConvolution": inkling2_dynamic_convolution_on_shards},
         attention_within_tokens=frozenset(prefix + cls for cls in within),
+        cache="ShardedCacheOfOwnAttention",
     )
 
 
@@ -272,6 +271,7 @@ _RECORDS = (
         "inkling",
         wrapped=True,
         own_attention={"InklingAttention": OwnAttention(inkling_attention, mixing="mask_rows")},
+        cache="ShardedCacheOfOwnAttention",
     ),
     _inkling2("inkling2", "Inkling2"),
     _inkling2("inkling2_loop", "Inkling2Loop"),
@@ -306,7 +306,11 @@ _RECORDS = (
         },
         state_kwarg="state",
     ),
-    Family("doge", own_attention={"DogeAttention": OwnAttention(doge_attention, mixing="mask_rows")}),
+    Family(
+        "doge",
+        own_attention={"DogeAttention": OwnAttention(doge_attention, mixing="mask_rows")},
+        cache="ShardedCacheOfOwnAttention",
+    ),
     Family(
         "deepseek_v4",
         gathered={

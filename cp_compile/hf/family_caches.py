@@ -2,7 +2,8 @@
 (``Family.cache``), and ``sharded_cache``, which makes the one a model's family needs.
 
 A module that attends in code of its own and reads its K/V and mask as tensors (``Family.keeps_whole_kv``) decodes
-over the whole sequence's K/V on every rank (``WholeKVCache``); MiniMax's model takes a cache of its own class alone;
+over the whole sequence's K/V on every rank (``WholeKVCache``); one that scores its keys in code of its own, a share
+of them on each rank (``ShardedCacheOfOwnAttention``); MiniMax's model takes a cache of its own class alone;
 RecurrentGemma keeps its states on its modules.
 """
 
@@ -77,6 +78,16 @@ class ShardedCacheOfModuleStates(ShardedCache):
             yield self
 
 
+class ShardedCacheOfOwnAttention(ShardedCache):
+    """For families whose attention module scores its keys in code of its own, under a mask or bias it builds over
+    them (Doge's dynamic mask, Inkling's relative bias): each rank keeps its share of the K/V, as a ``ShardedCache``
+    does. Decoding, each rank's module scores its share, and the ranks' partial attentions merge by log-sum-exp
+    (``hf.own_attention.SharedKeys``). Decoded eagerly, one sequence at a time."""
+
+    is_compileable = False  # a step reads how many tokens the cache holds on the host (Doge's top-k row)
+    why_one_sequence = "its attention scores the cache's keys in code of its own, at the positions of one sequence"
+
+
 class WholeKVLayer(DynamicLayer):
     """The whole sequence's K/V, the same on every rank: what a module that attends in code of its own reads."""
 
@@ -122,7 +133,7 @@ class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
 
 class WholeKVCache(ShardedCache):
     """For families whose attention is code of their own that reads its K/V and its mask as tensors, over the gathered
-    sequence (Doge, Inkling, Qwen4-exp, DeepSeek-V4): every rank keeps the whole sequence's K/V, as one process does,
+    sequence (Qwen4-exp, DeepSeek-V4, CPM-Ant): every rank keeps the whole sequence's K/V, as one process does,
     C times the memory of a sharded cache. The sharded prefill runs those modules over the gathered prompt, so each
     stores the whole prompt's K/V; decoding runs them as one process does, on every rank, with no collective (the
     ranks' tokens are compared once, at the end)."""
@@ -159,7 +170,10 @@ def _family_cache_class(name: str) -> type:
     """The cache class a family's record names (``Family.cache``)."""
     if name == "ShardedMiniMaxCache":
         return _minimax_cache_class()
-    return {"ShardedCacheOfModuleStates": ShardedCacheOfModuleStates}[name]
+    return {
+        "ShardedCacheOfModuleStates": ShardedCacheOfModuleStates,
+        "ShardedCacheOfOwnAttention": ShardedCacheOfOwnAttention,
+    }[name]
 
 
 def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
@@ -175,4 +189,4 @@ def sharded_cache(model, max_cache_len: int, plan) -> ShardedCache:
     return make(model.config, max_cache_len, plan)
 
 
-__all__ = ["ShardedCacheOfModuleStates", "WholeKVCache", "sharded_cache"]
+__all__ = ["ShardedCacheOfModuleStates", "ShardedCacheOfOwnAttention", "WholeKVCache", "sharded_cache"]

@@ -242,13 +242,28 @@ def mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, firs
     (causal, a window; within the documents of ``cu_seqlens`` when given): additive in ``like``'s dtype (0 where a
     key is visible, the dtype's minimum elsewhere), or, turned to booleans by the model (``spec.as_bool``), True where
     a key is masked. ``like [B, ...]``: the batch, dtype and device."""
+    _check_causal(spec)
+    keys = torch.arange(first_key, first_key + total, device=places.device)
+    visible = keys[None, :] <= places[:, None] if first_key else visible_keys(places, total, cu_seqlens)
+    return _as_mask(spec, visible, places, keys, like)
+
+
+def mask_rows_at(spec, places: Tensor, keys: Tensor, like: Tensor) -> Tensor:
+    """``mask_tensor`` for keys at the positions ``keys [S]`` (a cache's slots, in any order; an empty slot's position
+    comes after every query's)."""
+    _check_causal(spec)
+    return _as_mask(spec, keys[None, :] <= places[:, None], places, keys, like)
+
+
+def _check_causal(spec) -> None:
     if not isinstance(spec, MaskSpec) or spec.chunk or not spec.causal:
         raise UnsupportedAttention(
             f"a module reading its attention mask as a tensor, over the gathered sequence: its mask ({spec!r}) is "
             "not a causal one, with or without a window, as cp_compile's mask function describes it"
         )
-    keys = torch.arange(first_key, first_key + total, device=places.device)
-    visible = keys[None, :] <= places[:, None] if first_key else visible_keys(places, total, cu_seqlens)
+
+
+def _as_mask(spec, visible: Tensor, places: Tensor, keys: Tensor, like: Tensor) -> Tensor:
     if spec.window is not None:
         visible &= keys[None, :] > places[:, None] - spec.window
     if spec.as_bool:

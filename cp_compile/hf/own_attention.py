@@ -32,14 +32,16 @@ from torch import Tensor
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..active import active_plan
+from ..errors import UnsupportedAttention
+from ..inference.rows import RowsShard
 from ..mixers.gathered import gather_sequence
 from ..mixers.indexed import sequence_slots
 from ..mixers.lightning import lightning
-from .cache import ReplicatedLinearLayer
+from .cache import ReplicatedLinearLayer, ShardedLayer
 from .families import OwnAttention, family_of
 from .forward import check_recompute, count_call, plan_of_shards, sharding_of
-from .gathered import documents_apart, mask_tensor
-from .masks import NAME
+from .gathered import documents_apart, mask_rows_at, mask_tensor
+from .masks import NAME, MaskSpec
 from .own_forwards import bias_columns, with_bias
 
 
@@ -126,14 +128,73 @@ def _lightning(own: OwnAttention, slopes, module, query: Tensor, key: Tensor, va
     return out
 
 
+class SharedKeys(NamedTuple):
+    """Decoding from a ``ShardedCache``: the layer whose share of the K/V this rank's module scores (``KeysAndRows``'
+    keys), with what the module reads of every rank's keys."""
+
+    layer: ShardedLayer
+    mask: MaskSpec  # the call's
+    query_places: Tensor
+    like: Tensor  # the hidden states: batch, dtype, device
+
+    def tokens(self) -> int:
+        """Tokens of the sequence the layer holds over all ranks, this step's included."""
+        return self.layer.stored()
+
+    def first(self) -> int:
+        """The first position of one process's row of keys for the step: every token, or, in a window, the
+        ``window - 1`` before the step's (what transformers' sliding-window cache keeps) and the step's own."""
+        window = self.mask.window
+        past = self.tokens() - self.query_places.shape[0]
+        return 0 if window is None else past - min(past, window - 1)
+
+    def most_seen(self) -> int:
+        """The most keys a query of the step sees: every token, or a window's."""
+        window = self.mask.window
+        return self.tokens() if window is None else min(self.tokens(), window)
+
+    def merge(self, query: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """(out, lse) of ``query`` over every rank's keys, from this rank's over its own. Collective."""
+        return self.layer.merge(query, out, lse)
+
+    def whole(self, per_slot: Tensor, key_places: Tensor, fill) -> Tensor:
+        """``[..., T]``: a value per key (``per_slot [..., S]``) of every rank, in the order and over the span of one
+        process's row of keys (``first()`` on), so that a top-k over it breaks ties as one process's does.
+        Collective."""
+        return self.layer.every_rank_keys(per_slot, key_places, self.first(), self.tokens(), fill)
+
+    def whole_rows(self) -> Tensor:
+        """``[B, 1, n, T]``: the rows of one process's mask for the step's queries, over the keys of ``whole``."""
+        first = self.first()
+        return mask_tensor(self.mask, self.query_places, self.tokens() - first, None, self.like, first)
+
+    def own_columns(self, whole: Tensor, key_places: Tensor, fill) -> Tensor:
+        """``whole [..., T]`` at this rank's keys (``[..., S]``), ``fill`` at empty slots and keys before its span."""
+        places = key_places - self.first()
+        held = (places >= 0) & (places < whole.shape[-1])
+        return whole.index_select(-1, torch.where(held, places, 0)).masked_fill(~held, fill)
+
+
 class KeysAndRows(NamedTuple):
     """What a module that attends in code of its own, over every key, sees for this rank's queries (``mask_rows``)."""
 
-    key: Tensor  # [B, H, T, D]: every key the queries may see (every rank's, gathered; or those a cache keeps whole)
+    key: Tensor  # [B, H, S, D]: the keys the queries may see (every rank's, gathered; or this rank's share of a cache)
     value: Tensor
-    rows: Tensor  # [B, 1, L, T]: the rows of the mask one process builds for the queries
+    rows: Tensor  # [B, 1, L, S]: the rows of the mask one process builds for the queries, at those keys
     query_places: Tensor  # [L] int64: the queries' global positions (-1: a padding slot)
-    key_places: Tensor  # [T] int64: the keys'
+    key_places: Tensor  # [S] int64: the keys'
+    # decoding from a ``ShardedCache``: the keys are this rank's share, and the ranks' attention merges by log-sum-exp
+    share: Optional[SharedKeys] = None
+
+
+def _cache_layer(cache, layer: int) -> ShardedLayer:
+    held = cache.layers[layer]
+    if not isinstance(held, ShardedLayer) or isinstance(held, RowsShard):
+        raise UnsupportedAttention(
+            f"a module that scores its keys in code of its own keeps them in a ShardedCache of one sequence; layer "
+            f"{layer} of the cache given is {type(held).__name__} (generate with cp_compile.hf.generate, one prompt)"
+        )
+    return held
 
 
 def _keys_and_rows(
@@ -154,23 +215,21 @@ def _keys_and_rows(
     layer = module.layer_idx if layer is None else layer
     count_call(scans=1)  # the module stands for its layer's mixing (Inkling's "hybrid" layers: ``hf.checks``)
     sharding = _shard_sharding()
-    if sharding is None:  # tokens every rank holds: decoding over the K/V every rank keeps whole (``WholeKVCache``)
-        length = query.shape[2]
-        before, total, first_key = 0, length, 0
-        if cache is not None:  # the keys the layer holds after this step's update, as one process's mask sizes say
-            held = cache.layers[layer]
-            before = held.get_seq_length()
-            total, first_key = held.get_mask_sizes(length)
-            key, value = cache.update(key, value, layer)
-        places = torch.arange(before, before + length, device=query.device)
-        keys = torch.arange(first_key, first_key + total, device=query.device)
-        return KeysAndRows(key, value, mask_tensor(mask, places, total, None, hidden, first_key), places, keys)
+    if sharding is None and cache is None:  # tokens every rank holds, no cache: every rank runs the call whole
+        places = torch.arange(query.shape[2], device=query.device)
+        return KeysAndRows(key, value, mask_tensor(mask, places, len(places), None, hidden), places, places)
+    if sharding is None:  # decoding: this rank's share of the cache, scored here and merged over the ranks
+        held = _cache_layer(cache, layer)
+        step = held.store(key, value)
+        places, keys = step.query_positions, step.key_positions
+        rows = mask_rows_at(mask, places, keys, hidden)
+        return KeysAndRows(step.keys, step.values, rows, places, keys, SharedKeys(held, mask, places, hidden))
     places, total = _positions(module, query, cache, sharding)
     documents = sharding.cu_seqlens if documents_apart(mask, sharding, query.device) else None
     rows = mask_tensor(mask, places, total, documents, hidden)
+    if cache is not None:  # the sharded prefill: each rank keeps its shard of the prompt's K/V
+        _cache_layer(cache, layer).store(key, value)
     key, value = (gather_sequence(t, 2, sharding) for t in (key, value))
-    if cache is not None:  # the sharded prefill: every rank keeps the whole prompt's K/V
-        key, value = cache.update(key, value, layer)
     return KeysAndRows(key, value, rows, places, torch.arange(key.shape[2], device=query.device))
 
 

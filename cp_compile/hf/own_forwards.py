@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UnsupportedAttention
+from ..kernels.merge import pivot
 
 
 def limbs_for(dtype: torch.dtype) -> int:
@@ -223,19 +224,39 @@ def doge_attention(
     seen = keys_and_rows(module, query, key, value, attention_mask, cache, hidden_states)
     dt = module.dt_proj(seen.value.transpose(1, 2).reshape(seen.value.shape[0], seen.value.shape[-2], -1))
     dt = torch.exp(module.A * F.softplus(dt)).transpose(-1, -2)
-    mask = module.prepare_dynamic_mask(hidden_states, dt, module.keep_window_size, seen.rows)
+    keep = module.keep_window_size
+    if seen.share is None:
+        mask = module.prepare_dynamic_mask(hidden_states, dt, keep, seen.rows)
+    elif seen.share.most_seen() <= keep:  # no top-k bites: each key's bias its own (as many slots as kept, none cut)
+        mask = module.prepare_dynamic_mask(hidden_states, dt, dt.shape[-1], seen.rows)
+    else:  # the top keys of every rank's, as one process picks them from the same row, at this rank's keys
+        whole = module.prepare_dynamic_mask(
+            hidden_states, seen.share.whole(dt, seen.key_places, 0.0), keep, seen.share.whole_rows()
+        )
+        mask = seen.share.own_columns(whole, seen.key_places, torch.finfo(whole.dtype).min)
     mask = modeling.repeat_kv(mask, module.num_key_value_groups)
-    out = _eager(module, query, seen.key, seen.value, mask)
+    out = _eager(module, query, seen, mask)
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
-def _eager(module, query: Tensor, key: Tensor, value: Tensor, added: Tensor, sinks=None) -> Tensor:
-    """``[B, L, H, D]``: the models' eager attention with ``added`` to the scores (and ``sinks [B, H, L, 1]``, a logit
-    per query with a zero value), its softmax in fp32 or the input's dtype when wider (one process's SDPA in fp64)."""
+def _eager(module, query: Tensor, seen, added: Tensor, sinks=None) -> Tensor:
+    """``[B, L, H, D]``: the models' eager attention over ``seen``'s keys (``KeysAndRows``) with ``added`` to the scores
+    (and ``sinks [B, H, L, 1]``, a logit per query with a zero value), its softmax in fp32 or the input's dtype when
+    wider (one process's SDPA in fp64). Over this rank's share of a cache (``seen.share``), the ranks' partial
+    attentions merge by log-sum-exp, the sinks counted once."""
     repeat = _modeling(module).repeat_kv
-    key, value = (repeat(t, module.num_key_value_groups) for t in (key, value))
+    key, value = (repeat(t, module.num_key_value_groups) for t in (seen.key, seen.value))
     scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + added
     wide = torch.promote_types(query.dtype, torch.float32)
+    if seen.share is not None:
+        scores = scores.to(wide)
+        lse = torch.logsumexp(scores, -1)
+        weights = torch.exp(scores - pivot(lse)[..., None]).to(query.dtype)
+        weights = F.dropout(weights, p=module.attention_dropout, training=module.training)
+        out, lse = seen.share.merge(query, torch.matmul(weights, value), lse)
+        if sinks is not None:
+            out = out * torch.exp(lse - torch.logaddexp(lse, sinks[..., 0].to(lse.dtype)))[..., None].to(out.dtype)
+        return out.transpose(1, 2)
     if sinks is not None:
         weights = F.softmax(torch.cat([scores, sinks], -1), dim=-1, dtype=wide)[..., :-1].to(query.dtype)
     else:
@@ -270,7 +291,7 @@ def inkling_attention(
         )
         tau = tau.view(1, 1, -1, 1)
         query, bias = (query.float() * tau).to(query.dtype), (bias.float() * tau).to(bias.dtype)
-    out = _eager(module, query, seen.key, seen.value, _masked(bias, seen.rows))
+    out = _eager(module, query, seen, _masked(bias, seen.rows))
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
@@ -302,7 +323,7 @@ def inkling2_attention(
     distance = seen.query_places[:, None] - seen.key_places[None, :]
     bias = module.relative_position_bias(hidden_states, distance, positions)
     sinks = module.sink_proj(hidden_states).transpose(1, 2).unsqueeze(-1)
-    out = _eager(module, query, seen.key, seen.value, _masked(bias, seen.rows), sinks)
+    out = _eager(module, query, seen, _masked(bias, seen.rows), sinks)
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous(), hidden_states), None
 
 

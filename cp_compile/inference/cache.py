@@ -371,10 +371,6 @@ class CacheShard:
         back from its own position a query sees (-1: every key), None for the layer's window."""
         if left is None:
             left = -1 if self.window is None else self.window - 1
-        check = self.agreement
-        # one rank has no other to agree with (``Agreement.finish`` has nothing to gather either)
-        sent = check is not None and self.index == 0 and self.world_size > 1
-        tag = check.tag(acc_dtype(q.dtype)) if sent else None
         compiling = torch.compiler.is_compiling()
         if compiling and self.world_size == 1 and settings == _PLAIN and picked is None:
             # one rank holds every slot: one process's attention over a static cache, which the compiler lowers with
@@ -385,35 +381,64 @@ class CacheShard:
         if picked is not None:
             slots = picks_in_slots(picked, step.query_positions, step.key_positions, self.max_tokens)
             out, lse = picked_attention(q, step.keys, step.values, *slots, scale)
-            out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
-        elif written and (left < 0 or left + 1 >= self.max_tokens) and q.shape[2] == 1:
+            return self.merge(q, out, lse, index)
+        if written and (left < 0 or left + 1 >= self.max_tokens) and q.shape[2] == 1:
             # one token after every stored one, no window or chunk: it sees every slot written so far
             # (a compiled step reads the whole preallocated cache by position, as a static cache does)
             out, lse = every_key_attn(q, step.keys[:, :, :written], step.values[:, :, :written], scale)
             if self.world_size == 1:
                 return out.to(q.dtype), lse
-            out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, tag)
-        elif written and left < 0 and self.world_size == 1:
+            return self.merge(q, out, lse, index)
+        if written and left < 0 and self.world_size == 1:
             # several tokens after every stored one on a rank that holds them all, slot i at position i: each sees
             # the slots up to its own, the causal mask anchored at the last slot (a prompt run as one step)
             out, lse = block_attn_impl(
                 q, step.keys[:, :, :written], step.values[:, :, :written], "causal_bottom_right", scale
             )
             return out.to(q.dtype), lse
-        else:
-            attention = torch.ops.cp.cached_attention if compiling else cached_attention
-            out, lse, tags = attention(
-                q,
-                step.keys,
-                step.values,
-                step.query_positions,
-                step.key_positions,
-                self.group_name,
-                left,
-                scale,
-                settings.encode(),
-                tag,
-            )
-        if check is not None and self.world_size > 1:  # one rank has no other to agree with
-            check.record(self.index if index is None else index, tags, payload_numel(q[:, :, :1], step.values))
+        attention = torch.ops.cp.cached_attention if compiling else cached_attention
+        out, lse, tags = attention(
+            q,
+            step.keys,
+            step.values,
+            step.query_positions,
+            step.key_positions,
+            self.group_name,
+            left,
+            scale,
+            settings.encode(),
+            self._tag(q),
+        )
+        self._record(q, out, tags, index)
         return out, lse
+
+    def merge(self, q: Tensor, out: Tensor, lse: Tensor, index: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """``attend``'s (out, lse) from this rank's, of ``q`` over its own share (attention that scores the cache's keys
+        in code of its own): one all-gather, which carries the agreement's tag as ``attend``'s does."""
+        out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, self._tag(q))
+        self._record(q, out, tags, index)
+        return out, lse
+
+    def every_rank_keys(self, per_slot: Tensor, key_positions: Tensor, first: int, tokens: int, fill) -> Tensor:
+        """``per_slot [..., S]``, a value for each slot of this rank's step (``Step.key_positions [S]``), as ``[...,
+        tokens - first]``: every rank's from position ``first`` on, each at its token's place, ``fill`` where no rank
+        holds one. Collective: one all-gather of the values and their positions, as bytes."""
+        payload = torch.cat([per_slot.contiguous().flatten().view(torch.uint8), key_positions.view(torch.uint8)])
+        everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
+        value_bytes = per_slot.numel() * per_slot.element_size()
+        values = everyone[:, :value_bytes].contiguous().view(per_slot.dtype).view(self.world_size, *per_slot.shape)
+        positions = everyone[:, value_bytes:].contiguous().view(torch.int64).flatten()
+        held = ((positions >= first) & (positions < tokens)).nonzero().flatten()
+        values = values.movedim(0, -2).flatten(-2)  # [..., C * S], rank by rank
+        whole = per_slot.new_full((*per_slot.shape[:-1], tokens - first), fill)
+        return whole.index_copy(-1, positions[held] - first, values.index_select(-1, held))
+
+    def _tag(self, q: Tensor) -> Optional[Tensor]:
+        """The agreement's tag where this layer sends it: the first layer of its cache, with other ranks to agree with
+        (``Agreement.finish`` of one rank has nothing to gather either)."""
+        sent = self.agreement is not None and self.index == 0 and self.world_size > 1
+        return self.agreement.tag(acc_dtype(q.dtype)) if sent else None
+
+    def _record(self, q: Tensor, out: Tensor, tags: Tensor, index: Optional[int]) -> None:
+        if self.agreement is not None and self.world_size > 1:
+            self.agreement.record(self.index if index is None else index, tags, payload_numel(q[:, :, :1], out))

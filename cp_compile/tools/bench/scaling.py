@@ -13,6 +13,10 @@ or a plan of one rank), the activations the step saves for its backward on the r
 the autograd graph keeps, parameters left out, each storage once) and their ratio to one process's, with the route
 (``Family.route``). Ranks beyond the machine's cores share them: their times say nothing then (the table marks
 them), their memory still does.
+
+``--cache-prompt P`` adds, per family and C, greedy generation of ``--new`` tokens after a P-token prompt: the bytes
+its cache holds per rank (every tensor of the cache and its layers; RecurrentGemma's states on its modules) against
+one process's, and whether the tokens are one process's. ``--steps 0`` leaves the training steps out.
 """
 
 from __future__ import annotations
@@ -119,6 +123,94 @@ def run_steps(family: str, length: int, steps: int, mode: str) -> dict:
     return {"ms": 1e3 * statistics.median(seconds), "saved": saved.bytes, "route": family_of(model).route}
 
 
+def held_bytes(roots: list) -> int:
+    """Bytes of every tensor reachable from ``roots`` through lists, tuples, dicts and the attributes of caches and
+    cache layers (transformers' ``Cache`` and ``CacheLayerMixin``), each storage once."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, (list, tuple)):
+            todo += obj
+        elif isinstance(obj, dict):
+            todo += obj.values()
+        elif isinstance(obj, (Cache, CacheLayerMixin)):
+            todo += vars(obj).values()
+    return sum(storages.values())
+
+
+def generation_cache(family: str, prompt: int, new: int, mode: str) -> dict:
+    """On each rank: greedy generation of ``new`` tokens after a ``prompt``-token prompt; the bytes the generation's
+    cache holds at its end (with the states a family keeps on its modules), and the tokens. ``mode``: ``run_steps``'."""
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.hf.families import family_of
+
+    from .model_configs import ID_RANGE, first_id, tiny_config
+    from .model_run import _build, _reference_model
+
+    config, cls, _ = tiny_config(family)
+    for field in _LENGTH_FIELDS:
+        if isinstance(getattr(config, field, None), int):
+            setattr(config, field, max(getattr(config, field), prompt + new))
+    model = _build(cls, config, "cp_compile") if mode == "plan" else _reference_model(cls, config)[0]
+    model.eval()
+    ids = torch.randint(first_id(config), ID_RANGE, (1, prompt), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True, use_cache=True)
+    with torch.no_grad():
+        if mode == "plan":
+            with cp_compile.ContextParallel():
+                out = cp_compile.hf.generate(model, ids, **kwargs)
+        else:
+            out = model.generate(ids, **kwargs)
+    roots = [out.past_key_values]
+    if family_of(model).fresh_states is not None:  # states kept on the modules (RecurrentGemma's)
+        roots += [vars(module) for module in model.modules()]
+    return {"cache": held_bytes(roots), "tokens": out.sequences.tolist()}
+
+
+def measure_cache(family: str, prompt: int, new: int, world_sizes: tuple[int, ...], timeout: float) -> list[dict]:
+    """One row per C (0: one process) of the generation cache's bytes on the rank that holds most, against one
+    process's; whether the tokens are one process's."""
+    rows: list[dict] = []
+    for c in (0, *world_sizes):
+        try:
+            with RankPool(max(c, 1)) as pool:
+                mode = "plain" if c == 0 else "plan"
+                per_rank = pool.run(generation_cache, family, prompt, new, mode, timeout=timeout)
+            rows.append({"family": family, "C": c, "cache": max(r["cache"] for r in per_rank)})
+            rows[-1]["tokens"] = per_rank[0]["tokens"]
+        except Exception as e:  # noqa: BLE001
+            rows.append({"family": family, "C": c, "error": str(e).strip().splitlines()[-1][:200]})
+    one = rows[0] if "error" not in rows[0] else None
+    for r in rows[1:]:
+        if one is not None and "error" not in r:
+            r["cache_ratio"] = r["cache"] / one["cache"] if one["cache"] else None
+            r["same_tokens"] = r["tokens"] == one["tokens"]
+    return rows
+
+
+def cache_table(rows: list[dict]) -> str:
+    lines = ["| family | C | generation cache per rank | / one process's | tokens |", "|---|---|---|---|---|"]
+    for r in rows:
+        c = "one process" if r["C"] == 0 else str(r["C"])
+        if "error" in r:
+            lines.append(f"| {r['family']} | {c} | {r['error']} | | |")
+            continue
+        ratio = f"{r['cache_ratio']:.2f}x" if r.get("cache_ratio") is not None else ""
+        same = {True: "one process's", False: "differ", None: ""}[r.get("same_tokens")]
+        lines.append(f"| {r['family']} | {c} | {r['cache'] / 2**10:.0f} KB | {ratio} | {same} |")
+    return "\n".join(lines)
+
+
 def measure(family: str, length: int, world_sizes: tuple[int, ...], steps: int, timeout: float) -> list[dict]:
     """One row per C (0: one process, plain transformers) for ``family``; a failed run is a row with its error."""
     rows = []
@@ -170,6 +262,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-sizes", "-C", default="2,4", help="CP degrees besides one rank, comma list")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (the median is reported)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument(
+        "--cache-prompt",
+        type=int,
+        default=0,
+        help="also generate after a prompt of this many tokens and report the cache per rank (0: not)",
+    )
+    p.add_argument("--new", type=int, default=32, help="tokens generated after --cache-prompt's prompt")
     p.add_argument("--out", type=Path, default=None, help="JSON of the rows")
 
 
@@ -178,10 +277,14 @@ def main(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     every = []
     for family in args.families.split(","):
-        rows = ratios(measure(family, args.length, world_sizes, args.steps, args.timeout))
+        rows = ratios(measure(family, args.length, world_sizes, args.steps, args.timeout)) if args.steps else []
         route = next((r["route"] for r in rows if r["C"] > 0 and "route" in r), "")
         every += rows
-        print(f"\n{family}: {route}\n" + table(rows, cores), flush=True)
+        print(f"\n{family}: {route}" + (f"\n{table(rows, cores)}" if rows else ""), flush=True)
+        if args.cache_prompt:
+            cached = measure_cache(family, args.cache_prompt, args.new, world_sizes, args.timeout)
+            every += cached
+            print(cache_table(cached), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(every, indent=1))
     return 0
