@@ -63,8 +63,9 @@ def build_dataset(n: int, seed: int):
 
 
 def build_model(vocab_size: int, family: str = "llama"):
-    """A small model of ``family``: Llama, Qwen3, or a hybrid whose layers mix tokens outside attention (Qwen3.5's Gated
-    DeltaNet, LFM2's short convolutions) beside full attention."""
+    """A small model of ``family``: Llama, Qwen3, a hybrid whose layers mix tokens outside attention (Qwen3.5's Gated
+    DeltaNet, LFM2's short convolutions) beside full attention, or one whose attention is code of its own (BLOOM's
+    ALiBi, Doge's dynamic mask)."""
     import torch
     import transformers
 
@@ -87,6 +88,14 @@ def build_model(vocab_size: int, family: str = "llama"):
             **shared,
         )
         cls = transformers.Qwen3_5ForCausalLM
+    elif family == "bloom":  # ALiBi, in attention code of its own
+        config = transformers.BloomConfig(vocab_size=vocab_size, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
+        config.bos_token_id = config.eos_token_id = 1
+        cls = transformers.BloomForCausalLM
+    elif family == "doge":  # a dynamic mask of its own: a bias per key from the values, cut to each query's top keys
+        # its MLP is dense (no router): no auxiliary loss, for which TRL would ask its router logits
+        config = transformers.DogeConfig(num_hidden_layers=2, keep_window_size=32, router_aux_loss_coef=0.0, **shared)
+        cls = transformers.DogeForCausalLM
     else:
         config = transformers.Lfm2Config(layer_types=["conv", "full_attention"], num_hidden_layers=2, **shared)
         cls = transformers.Lfm2ForCausalLM
@@ -389,9 +398,10 @@ def main() -> int:
     )
     p.add_argument(
         "--model",
-        choices=("llama", "qwen3_5", "lfm2"),
+        choices=("llama", "qwen3_5", "lfm2", "bloom", "doge"),
         default="llama",
-        help="Llama, or a hybrid: Qwen3.5 (Gated DeltaNet) or LFM2 (short convolutions) beside full attention",
+        help="Llama; a hybrid: Qwen3.5 (Gated DeltaNet) or LFM2 (short convolutions) beside full attention; or "
+        "attention of a model's own code: BLOOM (ALiBi) or Doge (a dynamic mask)",
     )
     p.add_argument("--bf16", action="store_true", help="SFTConfig's default bf16 autocast (else fp32)")
     p.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun")

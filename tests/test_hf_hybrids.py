@@ -193,10 +193,15 @@ def test_train_compiled(ranks, family):
     _check(ranks(2, train_step, family, "aot_eager", None), family)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "minimax"])  # Nemotron-H checked the same way by hand
+# Nemotron-H, BLOOM, MPT, XGLM, Doge and Inkling checked the same way by hand (BLOOM and Doge through SFTTrainer:
+# tests/test_trainer.py); GPT-NeoX-Japanese and OpenAI GPT take no checkpointing in transformers, and RecurrentGemma
+# stops in one process too (its blocks write their states on the module inside the checkpointed region)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "minimax", "rwkv", "xlstm", "inkling2_text"])
 def test_train_compiled_with_activation_checkpointing(ranks, family):
     """Compiled with every decoder layer checkpointed: the mixers' agreements (ops with a side effect, which a
-    checkpointed region may not recompute) are saved from the forward; their exchanges run again in the backward."""
+    checkpointed region may not recompute) are saved from the forward; their exchanges run again in the backward.
+    The recurrences by state passing (RWKV, xLSTM) and the attention of a module's own over every rank's keys
+    (Inkling 2: relative bias, sinks, dynamic convolutions by the halo) recompute alike."""
     _check(ranks(2, train_step, family, "aot_eager", None, True), family)
 
 

@@ -304,3 +304,36 @@ def test_mlstm_by_state_passing(ranks, world_size):
     for case in [("zigzag", False), ("contiguous", True), ("packed", False), ("packed", True)]:
         for errs in ranks(world_size, mlstm_case, *case):
             assert max(errs) < 1e-12, (case, errs)
+
+
+def xlstm_generation() -> tuple:
+    """xLSTM's greedy generation under the plan without a cache, against one process's; then with one: refused."""
+    import cp_compile
+    import cp_compile.hf
+    from cp_compile.errors import UnsupportedAttention
+    from cp_compile.tools.bench.model_configs import tiny_config
+    from cp_compile.tools.bench.model_run import _build, _reference_model
+
+    config, cls, _ = tiny_config("xlstm")
+    model, reference = _build(cls, config, "cp_compile").eval(), _reference_model(cls, config)[0].eval()
+    ids = torch.randint(2, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        expected = reference.generate(ids, use_cache=False, **kwargs)
+        with cp_compile.ContextParallel():
+            got = cp_compile.hf.generate(model, ids, use_cache=False, **kwargs)
+            try:
+                cp_compile.hf.generate(model, ids, **kwargs)
+            except UnsupportedAttention as e:
+                refusal = str(e)
+            else:
+                refusal = "no error"
+    return torch.equal(got, expected), refusal
+
+
+def test_xlstm_generates_without_a_cache(ranks):
+    """xLSTM keeps its state in a cache class of its own, which the sharded prefill does not fill: it generates with
+    use_cache=False (each step over the whole sequence, sharded) as one process does, and a generation with a cache is
+    refused by name on every rank (not an AttributeError from inside its model)."""
+    for same, refusal in ranks(2, xlstm_generation):
+        assert same and "a cache of its own class (xLSTMCache)" in refusal and "use_cache=False" in refusal, refusal

@@ -331,11 +331,15 @@ def test_a_trainer_that_accelerate_runs_single_process_names_the_cause(ranks, tm
     assert "use_cpu=True" in messages[0]
 
 
-def test_sft_trainer_compiled_with_activation_checkpointing_on_a_hybrid():
-    """SFTTrainer's defaults (activation checkpointing on) with torch_compile on Qwen3.5 (Gated DeltaNet beside full
-    attention): the mixers' agreements run once, in the forward, their exchanges recomputed with each checkpointed
-    layer on every rank alike; every logged loss within 1e-4 of the compiled one-process run's."""
-    out = run_example("--model", "qwen3_5", "--compile", "aot_eager", "--steps", "2", "--resume-at", "0")
+@pytest.mark.parametrize("model", ["qwen3_5", "bloom", "doge"])
+def test_sft_trainer_compiled_with_activation_checkpointing(model):
+    """SFTTrainer's defaults (activation checkpointing on) with torch_compile (the model compiled in place, its
+    modules prepared before Dynamo traces its first call) on Qwen3.5 (Gated DeltaNet beside full attention: the
+    mixers' agreements run once, in the forward, their exchanges recomputed with each checkpointed layer on every rank
+    alike), BLOOM (ALiBi, attention of its own through the schedules) and Doge (its dynamic mask over every rank's
+    keys); every logged loss within 1e-4 of the compiled one-process run's (whose BLOOM attends across the packed
+    documents, which it cannot tell apart)."""
+    out = run_example("--model", model, "--compile", "aot_eager", "--steps", "2", "--resume-at", "0")
     assert "SFTTrainer under CP (C=2, torchrun): 2 steps, largest relative difference against one process" in out
 
 

@@ -33,7 +33,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from ..active import while_active
 from .attention import attention
 from .cache import ShardedCache
-from .checks import model_call_checks
+from .checks import model_call_checks, prepare
 from .generate import generate, sharded_prefill
 from .masks import NAME, mask
 from .mixers import mixers_under_plans
@@ -44,4 +44,13 @@ AttentionMaskInterface.register(NAME, mask)
 while_active(model_call_checks)
 while_active(mixers_under_plans)
 
-__all__ = ["NAME", "ContextParallelMixin", "ShardedCache", "attention", "generate", "mask", "sharded_prefill"]
+__all__ = [
+    "NAME",
+    "ContextParallelMixin",
+    "ShardedCache",
+    "attention",
+    "generate",
+    "mask",
+    "prepare",
+    "sharded_prefill",
+]

@@ -74,6 +74,7 @@ from ..plan import ContextParallel
 from ..schedules import softmax_scale
 from .cache import CACHE_STEP, step_handed_with, step_of_shared_keys
 from .checks import check_outside_plan
+from .families import takes_sdpa
 from .forward import attention_as_one_process, check_recompute, count_call, documents_in_force, ran_batch, sharding_of
 from .masks import NAME, MaskSpec, check_layer_types
 
@@ -272,6 +273,35 @@ def _autocast(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+def _keep_picked(mask: Optional[Tensor], indices: Tensor, query: Tensor, key: Tensor) -> Tensor:
+    """``mask`` (True where a key is seen, or additive; None: causal from the last key) and each query's ``indices [B,
+    L, k]``, the keys an indexer picked, combined: the picked keys the mask lets through."""
+    length, keys = query.shape[2], key.shape[2]
+    picked = torch.zeros(indices.shape[0], 1, length, keys, dtype=torch.bool, device=query.device)
+    picked = picked.scatter(-1, indices.long()[:, None], True)
+    if mask is None:
+        places = torch.arange(keys, device=query.device)
+        mask = places[None, :] <= places[-length:, None]
+    if mask.dtype == torch.bool:
+        return mask & picked
+    return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)
+
+
+def _one_process(module, eager: bool, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """One process's attention: with ``eager``, its modeling file's eager attention where it has one (it reads every
+    argument its model passes: a position bias, sinks), else SDPA."""
+    indices = kwargs.pop("indices", None)
+    if indices is not None:  # a sparse-attention indexer's choice (DSA): applied to the mask, as its model applies it
+        attention_mask = _keep_picked(attention_mask, indices, query, key)
+        is_causal = False
+    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None) if eager else None
+    if own is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
 def attention(
     module,
     query: Tensor,
@@ -288,28 +318,14 @@ def attention(
     check_recompute(module, plan)
     if plan is not None and attention_as_one_process(module):
         # a module over the gathered sequence (``hf.gathered``, given that sequence's mask) or over each token's own
-        # states: its modeling file's eager attention, which reads every argument its model passes (a position bias,
-        # sinks)
-        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if eager is None:
-            return sdpa_attention_forward(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                dropout=dropout,
-                scaling=scaling,
-                is_causal=is_causal,
-                **kwargs,
-            )
-        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        # states
+        return _one_process(module, True, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if plan is None:
         if not torch.compiler.is_compiling():
             check_outside_plan(module, kwargs.get("position_ids"))
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+        config = getattr(module, "config", None)
+        eager = config is not None and not takes_sdpa(config)  # as one process runs a model that takes no SDPA
+        return _one_process(module, eager, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     count_call()
     config = getattr(module, "config", None)  # a module of attention of its own has none (``hf.own_attention``)
     if config is not None:

@@ -71,7 +71,9 @@ _PREPARED: weakref.WeakSet = weakref.WeakSet()  # the models whose modules have 
 def prepare(model) -> None:
     """Prepares ``model`` for its calls under a plan, once: the mixer functions of its family's modeling module wrapped
     (imported after the plan was entered, too), the hooks of the gathered route and of the indexers on its modules, the
-    forwards of its modules of attention of their own."""
+    forwards of its modules of attention of their own. Its first eager call under a plan (a ``torch.compile`` wrapper's
+    included) does it; a model compiled in place (``Module.compile``) traces that call whole, hooks and all, and
+    must be prepared before (``ContextParallelMixin`` does it for a trainer's ``torch_compile``)."""
     if model in _PREPARED or torch.compiler.is_compiling():
         return
     wrap_loaded_families()

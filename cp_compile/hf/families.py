@@ -11,6 +11,8 @@ Families named by ``model_type``, whose modeling module is ``transformers.models
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -18,6 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from .own_forwards import (
     bloom_attention,
@@ -153,6 +156,8 @@ class Family:
     state_kwarg: Optional[str] = None
     # why every rank generates whole, as one process does (C times its compute); None: the sharded prefill
     generated_whole: Optional[str] = None
+    # why it generates under a plan without a cache alone (each step over the whole sequence, sharded); None: with one
+    cache_refused: Optional[str] = None
     # its attention masks have no window while its cache layers slide (Moshi): one process attends to every token in
     # its prefill, and decodes within the window its cache keeps
     window_at_decoding_only: bool = False
@@ -322,7 +327,13 @@ _RECORDS = (
         "indexer), with a bias from its own mask over them",
     ),
     Family("openai", own_attention={"Attention": OwnAttention(openai_attention, across_documents=True)}),
-    Family("xlstm", own_steps={"xLSTMBackend": xlstm_backend_on_shards}),
+    Family(
+        "xlstm",
+        own_steps={"xLSTMBackend": xlstm_backend_on_shards},
+        cache_refused="its model keeps its recurrent state in a cache of its own class (xLSTMCache), which the sharded "
+        "prefill does not fill (one process's own generation with that cache fails where the key and value head "
+        "dimensions differ)",
+    ),
     Family(
         "cpmant",
         gathered={
@@ -430,6 +441,25 @@ def family_of(obj) -> Family:
     return FAMILIES.get(name, _NONE)
 
 
+@functools.cache
+def _sdpa_in(modeling: str) -> bool:
+    module = sys.modules.get(modeling)
+    if module is None:
+        return True
+    models = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, PreTrainedModel) and c.__module__ == modeling
+    ]
+    return all(c._supports_sdpa for c in models)
+
+
+def takes_sdpa(config) -> bool:
+    """Whether the models of ``config``'s modeling module take SDPA: one process runs the others "eager", whose code
+    reads the mask tensor it is given (a causal mask is never left out for the kernel to apply)."""
+    return _sdpa_in(type(config).__module__.replace(".configuration_", ".modeling_"))
+
+
 def gathered_call(module) -> Optional[GatheredModule]:
     """How ``module`` is called over the gathered sequence; None when its class is not gathered."""
     return family_of(module).gathered.get(type(module).__name__)
@@ -444,4 +474,5 @@ __all__ = [
     "ShardedInside",
     "family_of",
     "gathered_call",
+    "takes_sdpa",
 ]

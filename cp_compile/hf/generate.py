@@ -453,6 +453,11 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
         if cache is not None:
             raise ValueError("cp_compile.hf.generate: a cache given for a generation that keeps none (use_cache=False)")
         return _generate_recomputing(model, plan, input_ids, generate_kwargs)
+    if family_of(model).cache_refused is not None:
+        raise UnsupportedAttention(
+            f"cp_compile.hf.generate of {type(model).__name__} with a cache: {family_of(model).cache_refused}; pass "
+            "use_cache=False (each step then runs the whole sequence, sharded)"
+        )
     longest = _max_tokens(config, input_ids.shape[1])
     if cache is None:
         cache = sharded_cache(model, longest, plan)

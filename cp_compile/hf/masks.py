@@ -35,7 +35,7 @@ from ..active import active_plan
 from ..errors import UnsupportedAttention
 from ..torch_compat import higher_order_operator
 from .cache import runs_indexers_under_cp, runs_mixers_under_cp
-from .families import MIXER_LAYER_TYPES
+from .families import MIXER_LAYER_TYPES, takes_sdpa
 from .forward import count_call, in_gathered_module, plan_of_shards
 
 
@@ -252,7 +252,8 @@ def check_layer_types(config) -> None:
 
 
 def mask(*args, **kwargs):
-    """The mask function of ``"cp_compile"``: ``sdpa_mask`` outside a plan; inside one a ``MaskSpec``.
+    """The mask function of ``"cp_compile"``: outside a plan one process's (``sdpa_mask``, or ``eager_mask`` for a
+    model that takes no SDPA, whose own attention code reads the mask); inside one a ``MaskSpec``.
 
     Inside a plan no mask tensor is built: the spec says what the mask function means (causal, a
     window, a chunk size; ``masks.py``) and travels to the attention function in its place. It
@@ -262,8 +263,9 @@ def mask(*args, **kwargs):
     padding in it (an all-ones mask, as tokenizers return, is accepted; compiled, it is ignored).
     """
     plan = active_plan()
-    if plan is None:
-        return _mu.sdpa_mask(*args, **kwargs)
+    if plan is None:  # as one process builds it for the model: "sdpa" where its models take SDPA, else "eager"
+        config = kwargs.get("config")
+        return (_mu.sdpa_mask if config is None or takes_sdpa(config) else _mu.eager_mask)(*args, **kwargs)
     if in_gathered_module():  # model code over the gathered sequence: the mask of the eager attention it then runs
         return _mu.eager_mask(*args, **kwargs)
     count_call()

@@ -61,6 +61,7 @@ from ..comm.agree import every_rank
 from ..errors import UnsupportedAttention
 from ..plan import ContextParallel
 from .batch import count_targets, documents, shard_batch, shift_labels
+from .checks import prepare
 from .generate import generate, why_not_batched
 from .replicas import ReplicaAccelerator, completions_logged_once, data_parallel_group, one_copy_per_replica
 from .rows import PackedRows, ScoredRows
@@ -136,6 +137,9 @@ class ContextParallelMixin:
             )
         self.cp_backend = None  # the plan's backend the model is compiled with (its records: the graphs)
         if self._compile_backend is not None:
+            # compiled in place, its first call is traced whole, hooks and all: what a plan's first call puts on the
+            # model's modules (forwards of their own, hooks) is put there before
+            prepare(self.accelerator.unwrap_model(self.model))
             self.cp_backend = self.plan.backend(self._compile_backend)
             self.model.compile(backend=self.cp_backend)
         self._data_parallel = None
