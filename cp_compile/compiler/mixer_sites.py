@@ -2,7 +2,8 @@
 
 A convolution's halo (``cp::halo``) and a scan's exchanges to and from head groups
 (``cp::to_head_groups`` / ``cp::from_head_groups``) or its summaries' all-gather (``cp::gather_groups``,
-state passing), and the sequence gathered into a module with mixing code of its own (``cp::gather_sequence``),
+state passing), and the sequence gathered for a module with mixing code of its own (``cp::gather_sequence``: its
+inputs, or the K/V its queries attend over),
 are custom ops the model's code called under a plan;
 the backend leaves them as they are and reports each: where it is, its route and why, and the bytes one
 rank receives for it in the forward (the backward moves the same again).
@@ -37,7 +38,8 @@ _ROUTES = {
     ),
     torch.ops.cp.gather_sequence.default: (
         "gathered",
-        "the whole sequence into a module with mixing code of its own, run on every rank (C times its compute)",
+        "every rank's tokens of a tensor: the inputs of a module with mixing code of its own, run on every rank (C "
+        "times its compute), or the K/V this rank's queries attend over under a module's own mask or bias",
     ),
 }
 
