@@ -441,8 +441,13 @@ def family_of(obj) -> Family:
     return FAMILIES.get(name, _NONE)
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a compiled call outside every plan reads it as the constant it is
 def _sdpa_in(modeling: str) -> bool:
+    return _sdpa_in_module(modeling)
+
+
+@functools.cache
+def _sdpa_in_module(modeling: str) -> bool:
     module = sys.modules.get(modeling)
     if module is None:
         return True
