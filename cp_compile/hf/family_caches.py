@@ -20,10 +20,8 @@ from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence
 from .cache import (
-    HybridLayer,
     ReplicatedLinearLayer,
     ShardedCache,
-    ShardedHybridLayer,
     ShardedIndexedLayer,
     ShardedLayer,
 )
@@ -119,18 +117,6 @@ class WholeKVIndexedLayer(DynamicIndexedLayer):
         self._positions = positions
 
 
-class WholeKVHybridLayer(HybridLayer, WholeKVLayer):
-    """A hybrid layer's whole K/V (``WholeKVLayer``) beside its convolution and recurrent states, whole on every rank
-    (Inkling's attention with short convolutions)."""
-
-    is_compileable = False
-    kv_layer = WholeKVLayer
-
-    def __init__(self, plan, number_of_states: int):
-        WholeKVLayer.__init__(self)
-        ReplicatedLinearLayer.__init__(self, plan, number_of_states)
-
-
 class WholeKVCache(ShardedCache):
     """For families whose attention is code of their own that reads its K/V and its mask as tensors, over the gathered
     sequence (Qwen4-exp, DeepSeek-V4, CPM-Ant): every rank keeps the whole sequence's K/V, as one process does,
@@ -159,8 +145,6 @@ class WholeKVCache(ShardedCache):
 
     @staticmethod
     def _whole(layer, plan):
-        if isinstance(layer, ShardedHybridLayer):
-            return WholeKVHybridLayer(plan, layer.number_of_states)
         if isinstance(layer, ShardedIndexedLayer):
             return WholeKVIndexedLayer(plan)
         return WholeKVLayer() if isinstance(layer, ShardedLayer) else layer
