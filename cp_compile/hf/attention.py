@@ -69,7 +69,7 @@ from ..errors import UnsupportedAttention
 from ..inference.cached import CachedSettings
 from ..kernels.merge import fold_sinks
 from ..layout.packed import Packed
-from ..mixers.indexed import indexed_attention
+from ..mixers.indexed import indexed_attention, visible_keys
 from ..plan import ContextParallel
 from ..schedules import softmax_scale
 from .cache import CACHE_STEP, step_handed_with, step_of_shared_keys
@@ -280,8 +280,7 @@ def _keep_picked(mask: Optional[Tensor], indices: Tensor, query: Tensor, key: Te
     picked = torch.zeros(indices.shape[0], 1, length, keys, dtype=torch.bool, device=query.device)
     picked = picked.scatter(-1, indices.long()[:, None], True)
     if mask is None:
-        places = torch.arange(keys, device=query.device)
-        mask = places[None, :] <= places[-length:, None]
+        mask = visible_keys(torch.arange(keys - length, keys, device=query.device), keys, None)
     if mask.dtype == torch.bool:
         return mask & picked
     return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)

@@ -249,19 +249,7 @@ class CacheShard:
         held = torch.full((most,), EMPTY_POSITION, dtype=torch.int64, device=k.device)
         held[: kept.numel()] = positions[kept]
         kv = torch.cat([k, v.to(k.dtype)], dim=-1).index_select(2, slots)
-        # keys, values and positions travel as bytes in one collective: no float dtype holds a position exactly
-        payload = torch.cat([kv.flatten().view(torch.uint8), held.view(torch.uint8)])
-        everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
-        kv_bytes = kv.numel() * kv.element_size()
-        gathered = (
-            everyone[:, :kv_bytes]
-            .contiguous()
-            .view(kv.dtype)
-            .view(self.world_size, *kv.shape)
-            .movedim(0, 2)
-            .flatten(2, 3)
-        )
-        gathered_positions = everyone[:, kv_bytes:].contiguous().view(torch.int64).flatten()
+        gathered, gathered_positions = self._every_rank_slots(kv, held, 2)
         turn = gathered_positions - first
         mine = (gathered_positions != EMPTY_POSITION) & (turn % self.world_size == self._rank)
         self._write(
@@ -423,15 +411,21 @@ class CacheShard:
         """``per_slot [..., S]``, a value for each slot of this rank's step (``Step.key_positions [S]``), as ``[...,
         tokens - first]``: every rank's from position ``first`` on, each at its token's place, ``fill`` where no rank
         holds one. Collective: one all-gather of the values and their positions, as bytes."""
-        payload = torch.cat([per_slot.contiguous().flatten().view(torch.uint8), key_positions.view(torch.uint8)])
-        everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
-        value_bytes = per_slot.numel() * per_slot.element_size()
-        values = everyone[:, :value_bytes].contiguous().view(per_slot.dtype).view(self.world_size, *per_slot.shape)
-        positions = everyone[:, value_bytes:].contiguous().view(torch.int64).flatten()
+        values, positions = self._every_rank_slots(per_slot, key_positions, per_slot.dim() - 1)
         held = ((positions >= first) & (positions < tokens)).nonzero().flatten()
-        values = values.movedim(0, -2).flatten(-2)  # [..., C * S], rank by rank
         whole = per_slot.new_full((*per_slot.shape[:-1], tokens - first), fill)
         return whole.index_copy(-1, positions[held] - first, values.index_select(-1, held))
+
+    def _every_rank_slots(self, values: Tensor, positions: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+        """Every rank's ``values`` (slots along ``dim``) and their ``positions`` (int64, one per slot), rank by rank
+        along ``dim`` and in ``positions [C * S]``. Collective: one all-gather, the values and the positions as bytes
+        (no float dtype holds a position exactly)."""
+        payload = torch.cat([values.contiguous().flatten().view(torch.uint8), positions.view(torch.uint8)])
+        everyone = gather_dim0(payload, self.group_name, self.world_size).view(self.world_size, -1)
+        value_bytes = values.numel() * values.element_size()
+        gathered = everyone[:, :value_bytes].contiguous().view(values.dtype).view(self.world_size, *values.shape)
+        gathered_positions = everyone[:, value_bytes:].contiguous().view(torch.int64).flatten()
+        return gathered.movedim(0, dim).flatten(dim, dim + 1), gathered_positions
 
     def _tag(self, q: Tensor) -> Optional[Tensor]:
         """The agreement's tag where this layer sends it: the first layer of its cache, with other ranks to agree with

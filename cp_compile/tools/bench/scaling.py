@@ -72,6 +72,22 @@ class SavedActivations:
         return sum(self.storages.values())
 
 
+def _tiny_model(family: str, tokens: int, longest: int, mode: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The family's tiny model (its config with room for ``longest`` tokens: MPT builds its ALiBi bias for
+    max_seq_len) for ``mode`` ("plain": one process's, transformers' own attention; "plan": ``"cp_compile"``) and
+    a random sequence of ``tokens`` ids ``[1, tokens]``."""
+    from .model_configs import ID_RANGE, first_id, tiny_config
+    from .model_run import _build, _reference_model
+
+    config, cls, _ = tiny_config(family)
+    for field in _LENGTH_FIELDS:
+        if isinstance(getattr(config, field, None), int):
+            setattr(config, field, max(getattr(config, field), longest))
+    model = _build(cls, config, "cp_compile") if mode == "plan" else _reference_model(cls, config)[0]
+    ids = torch.randint(first_id(config), ID_RANGE, (1, tokens), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
 def run_steps(family: str, length: int, steps: int, mode: str) -> dict:
     """On each rank: ``steps`` timed training steps (after one untimed) of ``family`` on ``length`` tokens; ``mode``:
     "plain" (one process, transformers' own attention) or "plan" (``"cp_compile"`` under a plan of the pool's ranks).
@@ -82,16 +98,10 @@ def run_steps(family: str, length: int, steps: int, mode: str) -> dict:
     import cp_compile.hf  # noqa: F401  (registers "cp_compile")
     from cp_compile.hf.families import family_of
 
-    from .model_configs import ID_RANGE, first_id, tiny_config
-    from .model_run import _build, _reference_model, _token_loss
+    from .model_run import _token_loss
 
-    config, cls, _ = tiny_config(family)
-    for field in _LENGTH_FIELDS:  # room for the sequence (MPT builds its ALiBi bias for max_seq_len)
-        if isinstance(getattr(config, field, None), int):
-            setattr(config, field, max(getattr(config, field), length))
-    model = _build(cls, config, "cp_compile") if mode == "plan" else _reference_model(cls, config)[0]
+    model, ids = _tiny_model(family, length, length, mode)
     model.train()
-    ids = torch.randint(first_id(config), ID_RANGE, (1, length), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     plan = cp_compile.ContextParallel() if mode == "plan" else None
     if plan is not None:
@@ -154,16 +164,8 @@ def generation_cache(family: str, prompt: int, new: int, mode: str) -> dict:
     import cp_compile.hf
     from cp_compile.hf.families import family_of
 
-    from .model_configs import ID_RANGE, first_id, tiny_config
-    from .model_run import _build, _reference_model
-
-    config, cls, _ = tiny_config(family)
-    for field in _LENGTH_FIELDS:
-        if isinstance(getattr(config, field, None), int):
-            setattr(config, field, max(getattr(config, field), prompt + new))
-    model = _build(cls, config, "cp_compile") if mode == "plan" else _reference_model(cls, config)[0]
+    model, ids = _tiny_model(family, prompt, prompt + new, mode)
     model.eval()
-    ids = torch.randint(first_id(config), ID_RANGE, (1, prompt), generator=torch.Generator().manual_seed(1))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True, use_cache=True)
     with torch.no_grad():
         if mode == "plan":
