@@ -28,8 +28,22 @@ QUICK_MODULES = {
 CORE_MODULES = QUICK_MODULES | {"test_compile.py", "test_hf.py", "test_cuda.py", "test_gpu_check.py"}
 
 
+# The sweeps over transformers' families, one model after another through each family's own modeling code: CI runs
+# them on the first torch only (marked ``families``); the torch they exercise (the ops, the hooks, the compiled paths)
+# the rest of the suite covers on every release.
+FAMILY_MODULES = {
+    "test_models.py",
+    "test_hf_families.py",
+    "test_hf_hybrids.py",
+    "test_own_attention.py",
+    "test_hf_indexed.py",
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
+        if item.path.name in FAMILY_MODULES:
+            item.add_marker(pytest.mark.families)
         if item.path.name in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
         if item.path.name in CORE_MODULES:

@@ -8,6 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.launches
+
 pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the example's model")
 
 

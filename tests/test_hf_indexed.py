@@ -57,3 +57,56 @@ def test_generate_sampled_from_a_one_token_prompt(ranks):
         for same, new, err in runs:
             assert same and new == 20 and err < 1e-5, runs
         assert "different tokens" in refusal, refusal
+
+
+def picks_across_ranks(family: str) -> dict:
+    """One forward under the plan with every indexer's top k recorded on both sides. Per layer: the picks this
+    rank's queries may see against one process's at the same global rows (as sets: the top k's order among equal
+    scores is not the model's), and the share of them that another rank holds; and the logits against one
+    process's."""
+    import torch
+
+    import cp_compile
+    import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    from cp_compile.hf.families import family_of
+    from cp_compile.tools.bench import model_configs, model_run
+
+    torch._dynamo.reset()
+    config, cls, _ = model_configs.tiny_config(family)
+    model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    picks: dict[str, list] = {"cp": [], "one": []}
+    for side, m in (("cp", model), ("one", reference)):
+        for module in m.modules():
+            if family_of(module).indexer == type(module).__name__:
+                module.register_forward_hook(lambda _m, _a, out, side=side: picks[side].append(out[0].long()))
+    plan = cp_compile.ContextParallel()
+    seq = model_run.seq_len(plan.world_size)
+    ids = torch.randint(model_configs.first_id(config), 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(ids, use_cache=False).logits[0]
+        with plan:
+            places = plan.positions(seq)
+            got = model(plan.shard(ids, 1), position_ids=places[None], use_cache=False).logits[0]
+    mine = set(places.tolist())
+    layers = []
+    for cp_picks, one_picks in zip(picks["cp"], picks["one"], strict=True):
+        same, elsewhere, seen = True, 0, 0
+        for row, place in enumerate(places.tolist()):
+            chosen = {int(k) for k in cp_picks[row] if k <= place}
+            same &= chosen == {int(k) for k in one_picks[place] if k <= place}
+            elsewhere, seen = elsewhere + len(chosen - mine), seen + len(chosen)
+        layers.append({"same": same, "elsewhere": elsewhere / seen})
+    return {"layers": layers, "logits": float((got - want[places]).abs().max() / want.abs().max())}
+
+
+@pytest.mark.parametrize("family", EVERY_C)
+def test_picks_cross_ranks_in_every_layer_and_match_one_process(ranks, family):
+    """The tiny configs' top k (16) is a quarter of the sequence or less, and each query's picks are spread over
+    the whole causal prefix: in every layer and on every rank, some of the keys a query chose live on another rank
+    (a share of at least a tenth), and every query chose what one process chose, at C = 2, 3 and 4. An indexer
+    that scored its own shard alone, or took its top k in local places, would choose otherwise."""
+    for world_size in (2, 3, 4):
+        for result in ranks(world_size, picks_across_ranks, family):
+            assert result["logits"] < 1e-5, (world_size, result)
+            for layer in result["layers"]:
+                assert layer["same"] and layer["elsewhere"] > 0.1, (world_size, result)

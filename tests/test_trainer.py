@@ -28,6 +28,7 @@ def run_example(*args: str, example: Path = EXAMPLE) -> str:
     return run.stdout
 
 
+@pytest.mark.launches
 def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     """SFTTrainer(packing=True) at C=2 compiled with the plan's backend (aot_eager behind it), evaluated every 3
     steps, then its checkpoint of step 3 resumed on one process: every logged loss within
@@ -45,6 +46,7 @@ def test_sft_trainer_packed_compiled_evaluated_resumed(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+@pytest.mark.launches
 def test_sft_trainer_packed_hybrid_restarts_at_documents():
     """Qwen3.5 (Gated DeltaNet beside full attention) under SFTTrainer(packing=True) at C=2: TRL's padding-free
     collator passes seq_idx and cu_seq_lens, at which the convolution and the scan restart; the one-process run
@@ -54,6 +56,7 @@ def test_sft_trainer_packed_hybrid_restarts_at_documents():
     assert "SFTTrainer under CP (C=2, torchrun): 4 steps" in out
 
 
+@pytest.mark.launches
 def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     """transformers' Trainer with DataCollatorWithFlattening, launched by accelerate on 4 processes (2 replicas
     of C=2), SGD with 2 accumulation steps, against the same script on 2 processes without CP; then a run on 2
@@ -80,6 +83,7 @@ def test_trainer_accelerate_data_parallel_accumulation_resume_at_larger_c():
     assert "C=1 checkpoint of step 2 resumed at C=2: 2 steps" in out
 
 
+@pytest.mark.launches
 def test_dpo_trainer_at_c3_evaluated_resumed_from_one_process():
     """TRL's DPOTrainer (its defaults: padded rows, activation checkpointing; a reference model) at C=3 with a mix of
     two loss types, evaluated every 2 steps, and one process's checkpoint of step 2 resumed at C=3: every logged
@@ -95,6 +99,7 @@ def test_dpo_trainer_at_c3_evaluated_resumed_from_one_process():
     assert "C=1 checkpoint of step 2 resumed at C=3, every logged metric after it:" in out
 
 
+@pytest.mark.launches
 def test_dpo_trainer_compiled():
     """DPOTrainer with torch_compile=True at C=2: the policy compiled in place with the plan's backend (aot_eager
     behind it), the rows packed and gathered eagerly around the compiled call; every logged metric within 1e-4 of
@@ -103,6 +108,7 @@ def test_dpo_trainer_compiled():
     assert "cp: the plan's backend compiled" in out and "loss: 2 steps" in out
 
 
+@pytest.mark.launches
 def test_dpo_trainer_hybrid_on_a_mesh_with_precomputed_reference():
     """Qwen3.5 (Gated DeltaNet beside full attention) under DPOTrainer on 4 processes launched by accelerate, 2
     replicas of C=2, against DDP on 2 processes, with the reference log-probabilities precomputed (no reference
@@ -116,6 +122,7 @@ def test_dpo_trainer_hybrid_on_a_mesh_with_precomputed_reference():
     assert "against one process (DDP on 2), every logged metric:" in out and "logps/rejected: 4 steps" in out
 
 
+@pytest.mark.launches
 def test_grpo_trainer_at_c3_with_reference_model_clipped_and_evaluated():
     """TRL's GRPOTrainer at C=3 on tiny Qwen3: 3 completions per prompt generated sharded over the replica's ranks
     (the same tokens as one process's), a reference model (beta > 0, the KL term), each batch trained on twice (the old
@@ -135,6 +142,7 @@ def test_grpo_trainer_at_c3_with_reference_model_clipped_and_evaluated():
     assert "clip_ratio/region_mean: 4 steps" in out
 
 
+@pytest.mark.launches
 def test_grpo_trainer_hybrid_on_a_mesh_resumed_from_one_process():
     """Qwen3.5 (Gated DeltaNet beside full attention) under GRPOTrainer on 4 processes launched by accelerate, 2
     replicas of C=2, against DDP on 2 processes (each replica samples its DDP process's completions), then the DDP
@@ -331,6 +339,7 @@ def test_a_trainer_that_accelerate_runs_single_process_names_the_cause(ranks, tm
     assert "use_cpu=True" in messages[0]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("model", ["qwen3_5", "bloom", "doge"])
 def test_sft_trainer_compiled_with_activation_checkpointing(model):
     """SFTTrainer's defaults (activation checkpointing on) with torch_compile (the model compiled in place, its
