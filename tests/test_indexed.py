@@ -70,3 +70,40 @@ def test_indexed_attention_fp64_equals_one_process(ranks, world_size):
     for layout in LAYOUTS:
         for errs in ranks(world_size, indexed_case, layout):
             assert errs[:2] == [0.0, 0.0] and max(errs[2:]) < 1e-10, (layout, errs)
+
+
+@pytest.mark.parametrize("route", ["gathered", "masked"])
+def test_picked_attention_by_either_route_is_dense_attention_over_the_picks(route, monkeypatch):
+    """``kernels.sparse.picked_attention`` against dense attention masked to each row's usable picks, fp64, GQA, by
+    each route forced: places picked twice (counted once, usable if either pick is), picks a row may not see, a row
+    with none usable (out 0, lse -inf, no gradient through it), in blocks of rows (a tiny block bound)."""
+    from cp_compile.kernels import sparse
+
+    monkeypatch.setattr(sparse, "_GATHER_BELOW", 0 if route == "gathered" else 10**9)
+    monkeypatch.setattr(sparse, "_BLOCK_ELEMENTS", 700)
+    torch.manual_seed(3)
+    b, hq, hkv, rows, total, d, dv, n = 2, 4, 2, 9, 30, 8, 6, 7
+    q = torch.randn(b, hq, rows, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, hkv, total, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, hkv, total, dv, dtype=torch.float64, requires_grad=True)
+    picks = torch.randint(0, total, (b, rows, n))
+    picks[:, :, 1] = picks[:, :, 0]  # every row picks a place twice
+    usable = torch.rand(b, rows, n) < 0.7
+    usable[:, :, 0], usable[:, :, 1] = False, True  # ... usable by its second pick alone
+    usable[0, 4] = False  # a row that sees nothing
+    allowed = torch.zeros(b, rows, total, dtype=torch.bool)
+    for i in range(n):
+        allowed |= torch.nn.functional.one_hot(picks[..., i], total).bool() & usable[..., i, None]
+    seen = allowed.any(-1)[:, None, :, None]  # [B, 1, rows, 1]
+    # the reference's empty row sees key 0 instead (softmax over nothing is NaN) and no gradient reaches it
+    ref, ref_lse = _attend(q, k, v, allowed | ~allowed.any(-1, keepdim=True) & (torch.arange(total) == 0))
+    dy, dlse = torch.randn_like(ref) * seen, torch.randn_like(ref_lse) * seen[..., 0]
+    want = torch.autograd.grad([ref, ref_lse], (q, k, v), [dy, dlse])
+
+    out, lse = sparse.picked_attention(q, k, v, picks, usable, 0.3)
+    got = torch.autograd.grad([out, lse], (q, k, v), [dy, dlse])
+    assert torch.isneginf(lse[0, :, 4]).all() and (out[0, :, 4] == 0).all()
+    assert (torch.where(seen, out - ref, 0)).abs().max() < 1e-12
+    assert (torch.where(seen[..., 0], lse - ref_lse, 0)).abs().max() < 1e-12
+    for a, w in zip(got, want, strict=True):
+        assert (a - w).abs().max() < 1e-12

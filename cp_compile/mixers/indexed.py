@@ -9,8 +9,8 @@ tokens alone. Each query's top k points anywhere in the global sequence, so both
   sequence, which are then the indices one process takes. No gradient: the indexer runs under ``no_grad``.
 - the attention (``indexed_attention``): every rank's keys and values are all-gathered the same way (the
   gradient reduce-scattered back to the rank that holds each row), and each query attends to the keys it chose
-  and may see (``kernels.sparse.picked_attention``: blocks of rows, each scored against every key and masked to
-  its picks, so compute goes with the sequence and temporaries with one block).
+  and may see (``kernels.sparse.picked_attention``: blocks of rows, each reading its own picks where they are few
+  against the keys, else scored against every key and masked to its picks; temporaries go with one block).
 
 Bytes per layer and rank: (C-1)/C of the sequence's index keys, keys and values (the forward), and the keys' and
 values' gradients back (the backward). Memory: the whole sequence's keys and values (and index keys) on every
