@@ -43,7 +43,7 @@ class HaloTables(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _exports(layout: str, local_len: int, world_size: int, count: int, cu):
+def _exported(layout: str, local_len: int, world_size: int, count: int, cu):
     """What every rank exports (each chunk's last ``count`` real tokens, right-aligned: ``[C, chunks*count]``
     slots, -1 for none) and, for each exported global position, its row among every rank's exports."""
     per_rank: tuple[tuple[Chunk, ...], ...] = chunks(layout, local_len, world_size, cu)
@@ -63,7 +63,7 @@ def _exports(layout: str, local_len: int, world_size: int, count: int, cu):
 @functools.lru_cache(maxsize=256)
 def _tables(layout: str, local_len: int, world_size: int, width: int, cu, reset: bool) -> HaloTables:
     h = width - 1
-    per_rank, tails, exported = _exports(layout, local_len, world_size, h, cu)
+    per_rank, tails, exported = _exported(layout, local_len, world_size, h, cu)
     n = len(per_rank[0])
     zero = world_size * n * h
     sources = torch.full((world_size, n * h), zero, dtype=torch.int64)
@@ -93,13 +93,27 @@ def _tables_for(local_len: int, width: int, group_name: str, layout: str, cu_seq
     return group.rank(), group.size(), halo_tables(layout, local_len, group.size(), width, cu_seqlens, reset)
 
 
-def _gather_exports(seq: Tensor, tails: Tensor, group_name: str, world_size: int) -> Tensor:
-    """Every rank's exported rows of ``seq`` (``[L, ...]``; ``tails``: this rank's slots, -1 a zero row), in rank
-    order, and a zero row after them."""
+def gather_picked(rows: Tensor, sources: Tensor, group_name: str, world_size: int) -> Tensor:
+    """``[N, ...]``: every rank's ``rows`` (``[R, ...]``, the same R on every rank) stacked in rank order with a zero
+    row after them, read at ``sources [N]`` (a row of that stack each, ``C * R`` for a zero row)."""
+    gathered = gather_dim0(rows, group_name, world_size).reshape(-1, *rows.shape[1:])
+    return torch.cat([gathered, rows.new_zeros(1, *rows.shape[1:])]).index_select(0, sources)
+
+
+def picked_grad(grad: Tensor, sources: Tensor, per_rank: int, group_name: str, world_size: int) -> Tensor:
+    """``[R, ...]``: the gradient of this rank's ``rows`` given that of ``gather_picked``'s output (``grad [N, ...]``),
+    every rank's reads of them summed."""
+    stacked = grad.new_zeros(world_size * per_rank + 1, *grad.shape[1:]).index_add_(0, sources, grad)
+    stacked = stacked[:-1].reshape(world_size, per_rank, *grad.shape[1:])
+    if world_size == 1:
+        return stacked[0]
+    return reduce_scatter_dim0(stacked, group_name, world_size).reshape(per_rank, *grad.shape[1:])
+
+
+def _exports(seq: Tensor, tails: Tensor) -> Tensor:
+    """This rank's exported rows of ``seq`` (``[L, ...]``; ``tails``: its slots, -1 a zero row)."""
     mask = (tails >= 0).view(-1, *[1] * (seq.dim() - 1)).to(seq)
-    exports = seq.index_select(0, tails.clamp(min=0)) * mask
-    gathered = gather_dim0(exports, group_name, world_size)
-    return torch.cat([gathered.reshape(-1, *seq.shape[1:]), seq.new_zeros(1, *seq.shape[1:])])
+    return seq.index_select(0, tails.clamp(min=0)) * mask
 
 
 def sequence_tail(x: Tensor, dim: int, count: int, sharding: Sharding) -> Tensor:
@@ -107,28 +121,25 @@ def sequence_tail(x: Tensor, dim: int, count: int, sharding: Sharding) -> Tensor
     ``x`` (tokens along ``dim``): a convolution's state after a sharded prefill. Not differentiable."""
     group_name, world_size = sharding.group_name, sharding.world_size
     rank = resolve_group(group_name).rank()
-    per_rank, tails, exported = _exports(sharding.layout, x.shape[dim], world_size, count, _key(sharding.cu_seqlens))
+    per_rank, tails, exported = _exported(sharding.layout, x.shape[dim], world_size, count, _key(sharding.cu_seqlens))
     # the real tokens fill positions [0, total) (an empty chunk can start past them, in the layout's padding)
     total = sum(c.real for rank_chunks in per_rank for c in rank_chunks)
     zero = world_size * tails.shape[1]
     rows = torch.tensor([exported.get(p, zero) if p >= 0 else zero for p in range(total - count, total)])
-    gathered = _gather_exports(x.detach().movedim(dim, 0), tails[rank].to(x.device), group_name, world_size)
-    return gathered.index_select(0, rows.to(x.device)).movedim(0, dim).contiguous()
+    exports = _exports(x.detach().movedim(dim, 0), tails[rank].to(x.device))
+    return gather_picked(exports, rows.to(x.device), group_name, world_size).movedim(0, dim).contiguous()
 
 
 def _halo(x: Tensor, dim: int, width: int, group_name: str, layout: str, cu_seqlens, reset: bool) -> Tensor:
     rank, c, tables = _tables_for(x.shape[dim], width, group_name, layout, cu_seqlens, reset)
-    gathered = _gather_exports(x.movedim(dim, 0), tables.tails[rank].to(x.device), group_name, c)
-    return gathered.index_select(0, tables.sources[rank].to(x.device)).movedim(0, dim).contiguous()
+    exports = _exports(x.movedim(dim, 0), tables.tails[rank].to(x.device))
+    return gather_picked(exports, tables.sources[rank].to(x.device), group_name, c).movedim(0, dim).contiguous()
 
 
 def _halo_backward(grad: Tensor, local_len: int, dim: int, width: int, group_name: str, layout: str, cu, reset):
     rank, c, tables = _tables_for(local_len, width, group_name, layout, cu, reset)
     halo = grad.movedim(dim, 0)
-    exports = halo.new_zeros(c * tables.tails.shape[1] + 1, *halo.shape[1:])
-    exports.index_add_(0, tables.sources[rank].to(grad.device), halo)
-    exports = exports[:-1].reshape(c, -1, *halo.shape[1:])
-    mine = reduce_scatter_dim0(exports, group_name, c).reshape(-1, *halo.shape[1:]) if c > 1 else exports[0]
+    mine = picked_grad(halo, tables.sources[rank].to(grad.device), tables.tails.shape[1], group_name, c)
     tails = tables.tails[rank].to(grad.device)
     mine = mine * (tails >= 0).view(-1, *[1] * (halo.dim() - 1)).to(mine)
     local = halo.new_zeros(local_len, *halo.shape[1:]).index_add_(0, tails.clamp(min=0), mine)
@@ -203,4 +214,4 @@ def _(cu_seqlens, local_len, world_size, width):
     return cu_seqlens.new_empty(extended, dtype=torch.int64), cu_seqlens.new_empty(local_len, dtype=torch.int64)
 
 
-__all__ = ["halo", "halo_rows", "halo_tables", "sequence_tail"]
+__all__ = ["gather_picked", "halo", "halo_rows", "halo_tables", "picked_grad", "sequence_tail"]

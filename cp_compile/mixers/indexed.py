@@ -49,7 +49,10 @@ def _(shard, group_name, layout, cu_seqlens):
     return shard.new_empty(shard.shape[1], dtype=torch.int64)
 
 
-def _sees(places: Tensor, keys: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
+_DOCUMENTS = object()  # the sharding's documents
+
+
+def sees(places: Tensor, keys: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     """Whether the query at each of ``places [L, 1]`` may see the token at ``keys`` (broadcast against it): not after
     it, in its document; a padding slot (-1) sees none."""
     visible = keys <= places
@@ -62,7 +65,7 @@ def _sees(places: Tensor, keys: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
 def visible_keys(places: Tensor, total: int, cu_seqlens: Optional[Tensor]) -> Tensor:
     """``[L, total]`` bool: the tokens of the global sequence that the queries at ``places [L]`` may see (causal,
     within the query's document); a padding slot (-1) sees none."""
-    return _sees(places[:, None], torch.arange(total, device=places.device)[None, :], cu_seqlens)
+    return sees(places[:, None], torch.arange(total, device=places.device)[None, :], cu_seqlens)
 
 
 def indexer_mask(shard: Tensor, total: int, sharding: Sharding) -> Tensor:
@@ -77,18 +80,19 @@ def gather_index_keys(keys: Tensor, sharding: Sharding) -> Tensor:
 
 
 def indexed_attention(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sharding: Sharding, scale: float
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sharding: Sharding, scale: float, documents=_DOCUMENTS
 ) -> tuple[Tensor, Tensor]:
     """``q [B, Hq, L, D]``, ``k [B, Hkv, L, D]``, ``v [B, Hkv, L, Dv]``: this rank's queries, keys and values;
     ``indices [B, L, n]``: the global tokens each query chose (the indexer's top k; those it may not see, where
-    fewer than k precede it, are left out). Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse ``[B, Hq, L]`` in the
+    fewer than k precede it, and negative ones are left out; so are those of another document, where ``documents``,
+    by default ``sharding``'s, are given). Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse ``[B, Hq, L]`` in the
     accumulator dtype), differentiable in q, k, v; a padding slot's row is 0."""
     keys, values = gather_sequence(k, 2, sharding), gather_sequence(v, 2, sharding)
     places = sequence_slots(q.transpose(1, 2), *sharding.op_args)
     picks = indices.long()
-    usable = _sees(places[:, None], picks, sharding.cu_seqlens)
+    usable = sees(places[:, None], picks, sharding.cu_seqlens if documents is _DOCUMENTS else documents) & (picks >= 0)
     out, lse = picked_attention(q, keys, values, picks, usable, scale)
     return out.to(q.dtype), lse
 
 
-__all__ = ["gather_index_keys", "indexed_attention", "indexer_mask", "sequence_slots", "visible_keys"]
+__all__ = ["gather_index_keys", "indexed_attention", "indexer_mask", "sees", "sequence_slots", "visible_keys"]

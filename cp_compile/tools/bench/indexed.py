@@ -72,7 +72,7 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
     import cp_compile
     from cp_compile.mixers import Sharding
     from cp_compile.mixers.gathered import gather_sequence
-    from cp_compile.mixers.indexed import _sees, gather_index_keys, sequence_slots
+    from cp_compile.mixers.indexed import gather_index_keys, sees, sequence_slots
 
     plan = cp_compile.ContextParallel()
     sharding = Sharding(plan.group_name, plan.world_size, plan.load_balance)
@@ -85,11 +85,11 @@ def rank_times(total: int, repeats: int) -> dict[str, float]:
             local["index_q"],
             local["index_w"],
             gather_index_keys(local["index_k"], sharding),
-            lambda r: _sees(places[r, None], keys[None], None)[None],
+            lambda r: sees(places[r, None], keys[None], None)[None],
         )
 
     picks = indexer()
-    usable = _sees(places[:, None], picks, None)
+    usable = sees(places[:, None], picks, None)
 
     def attention():
         _attention_step(local["q"], local["k"], local["v"], picks, usable, lambda t: gather_sequence(t, 2, sharding))
