@@ -40,7 +40,7 @@ from ..mixers.lightning import lightning
 from .cache import ReplicatedLinearLayer, ShardedLayer
 from .families import OwnAttention, family_of
 from .forward import check_recompute, count_call, plan_of_shards, sharding_of
-from .gathered import documents_apart, mask_rows_at, mask_tensor
+from .mask_rows import documents_apart, mask_rows_at, mask_tensor
 from .masks import NAME, MaskSpec
 from .own_forwards import bias_columns, with_bias
 

@@ -235,11 +235,11 @@ def doge_attention(
         )
         mask = seen.share.own_columns(whole, seen.key_places, torch.finfo(whole.dtype).min)
     mask = modeling.repeat_kv(mask, module.num_key_value_groups)
-    out = _eager(module, query, seen, mask)
+    out = eager_attention(module, query, seen, mask)
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
-def _eager(module, query: Tensor, seen, added: Tensor, sinks=None) -> Tensor:
+def eager_attention(module, query: Tensor, seen, added: Tensor, sinks=None) -> Tensor:
     """``[B, L, H, D]``: the models' eager attention over ``seen``'s keys (``KeysAndRows``) with ``added`` to the scores
     (and ``sinks [B, H, L, 1]``, a logit per query with a zero value), its softmax in fp32 or the input's dtype when
     wider (one process's SDPA in fp64). Over this rank's share of a cache (``seen.share``), the ranks' partial
@@ -265,7 +265,7 @@ def _eager(module, query: Tensor, seen, added: Tensor, sinks=None) -> Tensor:
     return torch.matmul(weights, value).transpose(1, 2)
 
 
-def _masked(bias: Tensor, rows: Tensor) -> Tensor:
+def masked(bias: Tensor, rows: Tensor) -> Tensor:
     """``bias`` where one process's mask rows (additive, or True where masked) let a key through."""
     return bias.masked_fill(rows, torch.finfo(bias.dtype).min) if rows.dtype == torch.bool else bias + rows
 
@@ -291,7 +291,7 @@ def inkling_attention(
         )
         tau = tau.view(1, 1, -1, 1)
         query, bias = (query.float() * tau).to(query.dtype), (bias.float() * tau).to(bias.dtype)
-    out = _eager(module, query, seen, _masked(bias, seen.rows))
+    out = eager_attention(module, query, seen, masked(bias, seen.rows))
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), None
 
 
@@ -323,7 +323,7 @@ def inkling2_attention(
     distance = seen.query_places[:, None] - seen.key_places[None, :]
     bias = module.relative_position_bias(hidden_states, distance, positions)
     sinks = module.sink_proj(hidden_states).transpose(1, 2).unsqueeze(-1)
-    out = _eager(module, query, seen, _masked(bias, seen.rows), sinks)
+    out = eager_attention(module, query, seen, masked(bias, seen.rows), sinks)
     return module.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous(), hidden_states), None
 
 
@@ -332,10 +332,12 @@ __all__ = [
     "bloom_attention",
     "bloom_slopes",
     "doge_attention",
+    "eager_attention",
     "gpt_neox_japanese_attention",
     "inkling2_attention",
     "inkling_attention",
     "limbs_for",
+    "masked",
     "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",
