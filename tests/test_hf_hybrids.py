@@ -8,6 +8,7 @@ it) at C = 2, 3 and 4, eagerly, compiled with the plan's backend, and on packed 
 
 import contextlib
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ pytest.importorskip("transformers", reason="needs transformers (pip install -e '
 TOL = 1e-4  # relative, fp32: transformers' torch bodies of the scans compute in fp32
 COVERED = [
     "bamba",
+    "deepseek_v4",  # compressed attention on the shard (windows, halo); its prefill over the gathered prompt
     "falcon_h1",
     "granitemoehybrid",
     "inkling_text",  # attention over the gathered sequence (a bias from positions within the call), convolutions
@@ -32,7 +34,7 @@ COVERED = [
     "olmo_hybrid",
     "qwen3_5_text",
     "qwen3_next",
-    "qwen4_exp_text",  # its attention (a block indexer of its own) and n-gram layers over the gathered sequence
+    "qwen4_exp_text",  # its attention (a block indexer of its own) and n-gram layers on the shard
     "recurrent_gemma",  # its RG-LRU blocks' convolution by the halo and recurrence by state passing
     "zamba",  # Mamba's selective scan once per head
     "zamba2",
@@ -48,12 +50,17 @@ def train_step(
     scan_route: str = "auto",
     restart: bool = False,
     packed_block: bool = True,
+    overrides: Optional[dict] = None,
+    fp64: bool = False,
+    eos_at: tuple = (),
 ) -> dict:
     """One training step under the plan (``mode``: "eager" or plan.backend()'s inner compiler) against one
     process; ``lengths``: packed documents (positions restart at each; no cu_seq_lens, as the one-process
     model is given none) or None for one sequence. ``restart``: the documents come with what TRL's padding-free
     collator adds (``cu_seq_lens_q/k``, ``seq_idx``), with which the model restarts its mixers at each document
-    (the fused kernels do; transformers' torch bodies refuse): one process runs each document on its own."""
+    (the fused kernels do; transformers' torch bodies refuse): one process runs each document on its own.
+    ``overrides``: config fields set on the tiny config; ``fp64``: both models in float64; ``eos_at``: places of the
+    sequence given the config's EOS id."""
     import torch.distributed as dist
 
     import cp_compile
@@ -63,7 +70,11 @@ def train_step(
 
     torch._dynamo.reset()
     config, cls, _ = model_configs.tiny_config(family)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
     model, (reference, _) = model_run._build(cls, config, "cp_compile"), model_run._reference_model(cls, config)
+    if fp64:
+        model, reference = model.double(), reference.double()
     if checkpointing:  # the mixers run again in the backward, their exchanges with them, on every rank alike
         for m in (model, reference):
             m.gradient_checkpointing_enable()
@@ -71,6 +82,8 @@ def train_step(
     plan = cp_compile.ContextParallel(scan_route=scan_route)
     seq = model_run.seq_len(plan.world_size) if lengths is None else sum(lengths)
     ids = torch.randint(model_configs.first_id(config), 100, (1, seq), generator=torch.Generator().manual_seed(1))
+    if eos_at:
+        ids[0, list(eos_at)] = config.eos_token_id
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     if lengths is None:
         positions, cu = torch.arange(seq)[None], None

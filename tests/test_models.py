@@ -13,9 +13,11 @@ MUST_BE_EXACT += ["gpt_neox", "ctrl"]  # they call cache.update(k, v, layer_idx)
 MUST_BE_EXACT += ["deepseek_v32", "glm_moe_dsa", "hy_v4"]
 MUST_BE_EXACT += ["gemma3n_text"]  # layers attending to an earlier layer's K/V and keeping none
 MUST_BE_EXACT += ["moshi"]  # a mask without the window its cache layers apply while decoding
-MUST_BE_EXACT += ["qwen4_exp_text"]  # a sparse indexer of its own, n-gram layers: over the gathered sequence
-# compressed attention over the gathered sequence; its compressed layers' own cache classes, whole on every rank
-MUST_BE_EXACT += ["deepseek_v4"]
+# attention modules of their own run on the shard without a cache (DeepSeek-V4's compressed attention: its window by
+# the halo, its compressed keys pooled where their windows close and all-gathered; Qwen4-exp's block indexer and
+# n-gram layers, by the same windows and the halo); given a cache, over the gathered sequence, their own cache
+# classes whole on every rank
+ON_THE_SHARD = ["deepseek_v4", "qwen4_exp_text"]
 # hybrids whose convolutions and scans run under CP (Gated DeltaNet, KDA, Mamba2, Mamba, short convolutions), and
 # Mamba2 with linear layers alone: exact in both phases
 HYBRIDS = ["qwen3_next", "qwen3_5_text", "kimi_linear", "falcon_h1", "nemotron_h", "bamba", "lfm2", "jamba", "mamba2"]
@@ -119,6 +121,15 @@ def test_families_whose_attention_cp_runs_are_exact(rows, family):
     assert row["generate"]["status"] == "exact", row["generate"]
     assert row["train"]["grads"] < 1e-4 and row["train"]["attention_calls"] > 0
     assert row["generate"]["first_diff"] is None and row["generate"]["tokens"] == 12
+
+
+@pytest.mark.parametrize("family", ON_THE_SHARD)
+def test_modules_of_their_own_on_the_shard(rows, family):
+    row = rows[family]
+    assert row["train"]["status"] == "exact" and row["train"]["grads"] < 1e-4, row["train"]
+    assert row["generate"]["status"] == "exact", row["generate"]
+    assert row["generate"]["first_diff"] is None and row["generate"]["tokens"] == 12
+    assert "on the shard" in row["route"], row["route"]
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from .block_indexed import qwen4_exp_attention, qwen4_exp_ple
+from .compressed import deepseek_v4_attention
 from .own_forwards import (
     bloom_attention,
     bloom_slopes,
@@ -99,6 +101,9 @@ class GatheredModule(NamedTuple):
     refused: tuple[tuple[str, str], ...] = ()
     # modules inside it, by class name, that run over this rank's share of a sequence of their own (``ShardedInside``)
     sharded_inside: tuple[tuple[str, ShardedInside], ...] = ()
+    # its forward on this rank's shard, ``f(module, sharding, **arguments)``, for a call given no cache (training, a
+    # prefill without one); a call given a cache runs over the gathered sequence, whose states the cache keeps whole
+    sharded: Optional[Callable] = None
 
 
 class OwnAttention(NamedTuple):
@@ -183,7 +188,13 @@ class Family:
     def route(self) -> str:
         """How its tokens mix under a plan, for the models table."""
         if self.gathered:
-            route = f"attention schedules; {', '.join(self.gathered)} over the gathered sequence (C times its compute)"
+            whole = [name for name, call in self.gathered.items() if call.sharded is None]
+            on_shard = [name for name, call in self.gathered.items() if call.sharded is not None]
+            route = "attention schedules"
+            if whole:
+                route += f"; {', '.join(whole)} over the gathered sequence (C times its compute)"
+            if on_shard:
+                route += f"; {', '.join(on_shard)} on the shard (given a cache: over the gathered sequence)"
             route += "".join(
                 f", its {name} over this rank's share by the schedules"
                 for call in self.gathered.values()
@@ -284,12 +295,15 @@ _RECORDS = (
         "qwen4_exp",
         wrapped=True,
         gathered={
-            "Qwen4ExpTextAttention": GatheredModule(("hidden_states", "position_embeddings"), mask="attention_mask"),
-            "Qwen4ExpTextPLELayer": GatheredModule(("hidden_states", "input_ids")),
+            "Qwen4ExpTextAttention": GatheredModule(
+                ("hidden_states", "position_embeddings"), mask="attention_mask", sharded=qwen4_exp_attention
+            ),
+            "Qwen4ExpTextPLELayer": GatheredModule(("hidden_states", "input_ids"), sharded=qwen4_exp_ple),
         },
-        why_gathered="its attention reads the mask tensor in a sparse indexer of its own (blocks of pooled keys, a "
-        "loop per query), and its n-gram embedding layers read earlier tokens' ids (segments by EOS) and a dilated "
-        "convolution of its own",
+        why_gathered="the indexer's keys and the n-gram layers' states in its cache: given a cache (a prefill), its "
+        "attention and n-gram layers run over the gathered sequence; without one, on the shard (the indexer's blocks "
+        "pooled where they close and all-gathered, the picked tokens of every rank's K/V; the n-grams and the "
+        "dilated convolution by the halo)",
     ),
     Family(
         "minimax",
@@ -320,11 +334,14 @@ _RECORDS = (
         "deepseek_v4",
         gathered={
             "DeepseekV4Attention": GatheredModule(
-                ("hidden_states", "position_embeddings", "position_ids"), mask="attention_mask"
+                ("hidden_states", "position_embeddings", "position_ids"),
+                mask="attention_mask",
+                sharded=deepseek_v4_attention,
             )
         },
-        why_gathered="compressed attention: blocks of the sequence compressed into extra keys (and scored by an "
-        "indexer), with a bias from its own mask over them",
+        why_gathered="its compressors' states in its cache: given a cache (a prefill), its compressed attention runs "
+        "over the gathered sequence; without one, on the shard (its window by the halo, the compressed keys pooled "
+        "where their windows close and all-gathered)",
     ),
     Family("openai", own_attention={"Attention": OwnAttention(openai_attention, across_documents=True)}),
     Family(

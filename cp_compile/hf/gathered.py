@@ -29,15 +29,13 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from ..active import active_plan
-from ..comm.agree import every_rank, refuse_together
-from ..comm.groups import resolve_group
+from ..comm.agree import refuse_together
 from ..errors import LocalAttentionError, UnsupportedAttention
 from ..guard import mixers_over_the_whole_sequence, set_aside
 from ..layout import layout_named
 from ..layout.packed import packed_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence, rank_rows
-from ..mixers.indexed import visible_keys
 from .cache import ReplicatedLinearLayer, ShardedCache
 from .families import GatheredModule, family_of, gathered_call
 from .family_caches import WholeKVCache
@@ -49,6 +47,7 @@ from .forward import (
     plan_of_shards,
     sharding_of,
 )
+from .mask_rows import mask_tensor, whole_sequence_mask
 from .masks import MaskSpec
 
 # padding masks a gathered module may be given: all ones under a plan (the gathered sequence has no padding)
@@ -73,7 +72,7 @@ def _by_name(module, args: tuple, kwargs: dict) -> dict:
     """The call's arguments, each by its name (a ``**kwargs`` parameter's spread out)."""
     if not args:
         return dict(kwargs)
-    signature = inspect.signature(module.forward)
+    signature = inspect.signature(functools.partial(type(module).forward, module))  # its own forward's, never ours
     named = dict(signature.bind(*args, **kwargs).arguments)
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
@@ -113,6 +112,8 @@ def _before(calls: _Calls, module, args: tuple, kwargs: dict):
     prefix = getattr(model.config, call.prefix) if call.prefix is not None else 0
     local_len = _first_given(call, kwargs).shape[call.dim] - prefix
     _refuse_what_a_plan_cannot_give(module, call, kwargs, plan, lambda: _real_slots(plan, sharding, local_len))
+    if call.sharded is not None and _cache_given(kwargs) is None:  # its forward on the shard (``_sharded``)
+        return None
     # compiled, packed documents' padding slots stay after the tokens: the gathered length would be data in the graph
     padding_last = torch.compiler.is_compiling() and sharding.cu_seqlens is not None
     if padding_last and not call.causal:
@@ -150,6 +151,21 @@ def _before(calls: _Calls, module, args: tuple, kwargs: dict):
     kwargs.update({name: build(module, model, whole, whole.shape[call.dim]) for name, build in call.rebuilt})
     _whole_states_from(module, kwargs.get("cache"), guard)
     return (), kwargs
+
+
+def _cache_given(kwargs: dict):
+    return next((value for value in kwargs.values() if isinstance(value, Cache)), None)
+
+
+def _sharded(sharded: Callable, module, *args, **kwargs):
+    """The forward of a module with one on the shard (``GatheredModule.sharded``): there under a plan, for a call given
+    no cache; the class's own elsewhere (outside every plan, decoding, over the gathered sequence the hooks give)."""
+    plan = plan_of_shards()
+    named = _by_name(module, args, kwargs)
+    if plan is None or _cache_given(named) is not None:
+        return type(module).forward(module, *args, **kwargs)
+    count_call(convs=1, scans=1)  # the module stands for the layer's convolution and scan both
+    return sharded(module, sharding_of(plan, named.get("cu_seq_lens_q")), **named)
 
 
 def _first_given(call: GatheredModule, kwargs: dict) -> Tensor:
@@ -234,72 +250,6 @@ def _gathered(value, sharding, dim: int = 1, padding_last: bool = False):
     if isinstance(value, tuple):
         return tuple(_gathered(item, sharding, dim, padding_last) for item in value)
     return gather_sequence(value, dim, sharding, padding_last)
-
-
-def mask_tensor(spec, places: Tensor, total: int, cu_seqlens, like: Tensor, first_key: int = 0) -> Tensor:
-    """``[B, 1, n, total]``: the mask one process builds for queries at ``places [n]`` against the ``total`` tokens
-    from ``first_key`` on (a sliding layer's cache holds its last ones alone), as the layer's ``MaskSpec`` says
-    (causal, a window; within the documents of ``cu_seqlens`` when given): additive in ``like``'s dtype (0 where a
-    key is visible, the dtype's minimum elsewhere), or, turned to booleans by the model (``spec.as_bool``), True where
-    a key is masked. ``like [B, ...]``: the batch, dtype and device."""
-    _check_causal(spec)
-    keys = torch.arange(first_key, first_key + total, device=places.device)
-    visible = keys[None, :] <= places[:, None] if first_key else visible_keys(places, total, cu_seqlens)
-    return _as_mask(spec, visible, places, keys, like)
-
-
-def mask_rows_at(spec, places: Tensor, keys: Tensor, like: Tensor) -> Tensor:
-    """``mask_tensor`` for keys at the positions ``keys [S]`` (a cache's slots, in any order; an empty slot's position
-    comes after every query's)."""
-    _check_causal(spec)
-    return _as_mask(spec, keys[None, :] <= places[:, None], places, keys, like)
-
-
-def _check_causal(spec) -> None:
-    if not isinstance(spec, MaskSpec) or spec.chunk or not spec.causal:
-        raise UnsupportedAttention(
-            f"a module reading its attention mask as a tensor, over the gathered sequence: its mask ({spec!r}) is "
-            "not a causal one, with or without a window, as cp_compile's mask function describes it"
-        )
-
-
-def _as_mask(spec, visible: Tensor, places: Tensor, keys: Tensor, like: Tensor) -> Tensor:
-    if spec.window is not None:
-        visible &= keys[None, :] > places[:, None] - spec.window
-    if spec.as_bool:
-        mask = ~visible
-    else:
-        mask = torch.zeros(visible.shape, dtype=like.dtype, device=like.device)
-        mask = mask.masked_fill(~visible, torch.finfo(like.dtype).min)
-    return mask.expand(like.shape[0], 1, *visible.shape)
-
-
-def whole_sequence_mask(spec, whole: Tensor, sharding) -> Tensor:
-    """``[B, 1, T, T]``: the mask one process builds for ``whole``, the gathered sequence (``[B, T, ...]``); within
-    the documents of ``sharding`` where the mask function keeps documents apart, as it does when the model passes it
-    the positions."""
-    total = whole.shape[1]
-    documents = sharding.cu_seqlens if documents_apart(spec, sharding, whole.device) else None
-    return mask_tensor(spec, torch.arange(total, device=whole.device), total, documents, whole)
-
-
-def documents_apart(spec, sharding, device) -> bool:
-    """Whether the mask one process builds keeps the packed documents apart: where any rank's mask function saw them
-    in its positions. A rank whose positions run on without a break (C = 2, documents of 4 and 12 tokens: rank 1
-    holds positions 1 to 8) sees none whatever the model passes, so the ranks agree (one small all-gather); compiled,
-    the spec's own answer stands (transformers keeps them apart wherever the model passes positions while tracing)."""
-    seen = getattr(spec, "documents", False)
-    if sharding.cu_seqlens is None or sharding.cu_seqlens.shape[0] <= 2:
-        return False
-    if seen is None:
-        raise UnsupportedAttention(
-            f"{spec.model}: compiled, a module that reads the mask tensor of a window or chunk layer, given packed "
-            "documents: cp_compile cannot tell while Dynamo traces whether the model's mask keeps them apart; run it "
-            "eagerly"
-        )
-    if sharding.world_size == 1 or torch.compiler.is_compiling():
-        return seen
-    return any(row[0] for row in every_rank([int(seen)], resolve_group(sharding.group_name), device))
 
 
 def _mask_of_the_step(call: GatheredModule, model, module, args: tuple, kwargs: dict):
@@ -435,6 +385,9 @@ def hook_gathered_modules(model) -> None:
         if call is None:
             continue
         calls = _Calls(call, model)
+        if call.sharded is not None and "forward" not in module.__dict__:
+            # a partial of a module-level function, not a closure: a deep copy of the model gets its own
+            module.forward = functools.partial(_sharded, call.sharded, module)
         module.register_forward_pre_hook(functools.partial(_before, calls), with_kwargs=True)
         module.register_forward_hook(functools.partial(_after, calls), with_kwargs=True, always_call=True)
         shares = dict(call.sharded_inside)

@@ -1,0 +1,168 @@
+"""DeepSeek-V4's attention on this rank's shard: a sliding window over the tokens and compressed keys over windows
+of the sequence, in one softmax with a sink per head.
+
+One process's ``DeepseekV4Attention`` attends each query to the keys of its sliding window (one shared K/V head)
+and to the compressed keys of the windows before it: every window of ``rate`` tokens pooled into one key by its
+compressor (heavily compressed layers: 128 tokens, every key seen; compressed sparse layers: 4 tokens with the 4
+before, a lightning indexer picking each query's top k keys). Under a plan (``GatheredModule.sharded``, a call
+without a cache) each rank runs it for its own queries:
+
+- the queries, the sliding keys and the compressors' projections on the shard;
+- the sliding keys of each of its chunks and the ``window - 1`` tokens before it (``halo``), scored under the rows
+  of one process's mask at their positions;
+- the compressed keys: each rank pools the windows that close in its slots, from its shard and the span before
+  each chunk, and the ranks all-gather the pooled keys (``mixers.windows``: T/rate rows, never the tokens); the
+  indexer's keys the same way, under ``no_grad`` (one process's picks carry no gradient either), scored for this
+  rank's queries against every window, its top k over the whole sequence;
+- the module's own norms, rotary embedding, sink and output projections, in its order.
+
+Bytes per layer and rank: the halos (``window - 1`` tokens per chunk, one head) and 1/rate of the sequence's
+compressor outputs. Memory: this rank's scores against its band and the sequence's compressed keys, where one
+process holds every query's against every token and key. With a cache (a prefill), the module runs over the
+gathered sequence, whose states its cache keeps whole.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..mixers import Sharding
+from ..mixers.gathered import gather_sequence
+from ..mixers.halo import halo
+from ..mixers.indexed import sequence_slots
+from ..mixers.windows import gather_windows, windows_ending_here
+from .mask_rows import documents_apart, mask_rows_at
+from .own_forwards import eager_attention, masked
+
+
+class _Keys(NamedTuple):
+    """What ``eager_attention`` reads of the keys: one head, read as keys and values both."""
+
+    key: Tensor
+    value: Tensor
+    share: Optional[object] = None  # scored whole here, never a cache's share
+
+
+def _modeling(module):
+    return sys.modules[type(module).__module__]
+
+
+def _pooled(compressor, hidden: Tensor, head_dim: int, sharding: Sharding) -> Tensor:
+    """``[B, N, head_dim]``: the compressor's key of every window of the sequence, normed and rotated at its first
+    position, as its forward computes them (its ``kv_proj``, ``gate_proj``, ``position_bias``, ``kv_norm``,
+    ``rotary_emb``)."""
+    rate = compressor.compress_rate
+    overlap = compressor.kv_proj.out_features == 2 * head_dim  # windows with the ``rate`` tokens before them
+    projected = torch.cat([compressor.kv_proj(hidden), compressor.gate_proj(hidden)], -1)
+    closing = windows_ending_here(projected, rate, 2 * rate if overlap else rate, sharding)
+    kv, gate = closing.spans.chunk(2, -1)
+    if overlap:  # the earlier window's first half of each token, then its own window's second half
+        bias = compressor.position_bias
+        kv = torch.cat([kv[:, :, :rate, :head_dim], kv[:, :, rate:, head_dim:]], 2)
+        earlier = gate[:, :, :rate, :head_dim] + bias[:, :head_dim]
+        earlier = earlier.masked_fill((closing.places == rate - 1)[None, :, None, None], float("-inf"))  # window 0's
+        gate = torch.cat([earlier, gate[:, :, rate:, head_dim:] + bias[:, head_dim:]], 2)
+    else:
+        gate = gate + compressor.position_bias
+    keys = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+    keys = compressor.kv_norm(gather_windows(keys, hidden.shape[1], rate, sharding))
+    positions = (torch.arange(keys.shape[1], device=keys.device) * rate).expand(keys.shape[0], -1)
+    cos, sin = compressor.rotary_emb(keys, position_ids=positions, layer_type=compressor.rope_layer_type)
+    return _modeling(compressor).apply_rotary_pos_emb(keys.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _visible_windows(position_ids: Tensor, windows: int, rate: int) -> Tensor:
+    """``[B, L, N]`` bool: the windows a query may read (closed before it), by the positions its model was given."""
+    return torch.arange(windows, device=position_ids.device)[None, None, :] < ((position_ids + 1) // rate)[..., None]
+
+
+def _picks(indexer, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding) -> Tensor:
+    """``[B, L, k]``: each of this rank's queries' top windows by the indexer over the whole sequence's, -1 where it
+    may read fewer (``DeepseekV4Indexer.forward`` for this rank's queries)."""
+    with torch.no_grad():
+        keys = _pooled(indexer, hidden, indexer.head_dim, sharding)
+        cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+        batch, length, _ = hidden.shape
+        q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim).transpose(1, 2)
+        q = _modeling(indexer).apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+        scores = indexer.scorer(q, keys, hidden)  # [B, L, N]
+        visible = _visible_windows(position_ids, keys.shape[1], indexer.compress_rate)
+        top = scores.masked_fill(~visible, float("-inf")).topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
+        return torch.where(visible.gather(-1, top), top, -1)
+
+
+def _compressed(module, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding):
+    """The compressed keys ``[B, 1, N, D]`` and their bias for this rank's queries ``[B, 1, L, N]`` (0 where read,
+    -inf elsewhere)."""
+    compressor = module.compressor
+    keys = _pooled(compressor, hidden, module.head_dim, sharding).unsqueeze(1)
+    windows = keys.shape[2]
+    visible = _visible_windows(position_ids, windows, compressor.compress_rate)
+    indexer = getattr(compressor, "indexer", None)
+    if indexer is not None and windows:
+        picks = _picks(indexer, hidden, q_residual, position_ids, sharding)
+        chosen = torch.zeros(visible.shape, dtype=torch.int32, device=picks.device)
+        visible = chosen.scatter_add_(-1, picks.clamp(min=0), (picks >= 0).to(torch.int32)) > 0
+    bias = torch.zeros(visible.shape, dtype=keys.dtype, device=keys.device).masked_fill(~visible, float("-inf"))
+    return keys, bias.unsqueeze(1)
+
+
+def _band(kv: Tensor, places: Tensor, spec, hidden: Tensor, sharding: Sharding):
+    """The sliding keys this rank's queries may see, ``[B, 1, S, D]``, and the rows of one process's mask over them
+    ``[B, 1, L, S]``: its own tokens and the ``window - 1`` before each of its chunks (every token without a
+    window)."""
+    documents = sharding.cu_seqlens if documents_apart(spec, sharding, kv.device) else None
+    if spec.window is None:
+        keys = gather_sequence(kv, 2, sharding)
+        key_places = torch.arange(keys.shape[2], device=kv.device)
+    else:
+        before = halo(kv, 2, spec.window, *sharding.op_args, False)
+        # the halo's places; a zero row (before position 0, a padding slot) comes back as -1, no token
+        before_places = halo((places + 1)[None], 1, spec.window, *sharding.op_args, False)[0] - 1
+        # a token is a key once: one this rank holds (zigzag's middle rank), or one before two of its chunks (chunks
+        # shorter than the window)
+        ordered, order = torch.sort(before_places, stable=True)
+        again = torch.cat([ordered.new_zeros(1, dtype=torch.bool), ordered[1:] == ordered[:-1]])
+        again = torch.empty_like(again).scatter_(0, order, again) | torch.isin(before_places, places)
+        before_places = before_places.masked_fill(again, -1)
+        keys, key_places = torch.cat([kv, before], 2), torch.cat([places, before_places])
+    rows = mask_rows_at(spec, places, key_places, hidden, documents)
+    return keys, masked(hidden.new_zeros(rows.shape), rows)  # additive
+
+
+def deepseek_v4_attention(
+    module,
+    sharding: Sharding,
+    hidden_states: Tensor,
+    position_embeddings,
+    position_ids: Tensor,
+    attention_mask,
+    cache=None,
+    **kwargs,
+):
+    """``DeepseekV4Attention.forward`` for this rank's shard under a plan, with no cache (module docstring)."""
+    rope = _modeling(module).apply_rotary_pos_emb
+    batch, length, _ = hidden_states.shape
+    cos, sin = position_embeddings[module.rope_layer_type]
+    q_residual = module.q_a_norm(module.q_a_proj(hidden_states))
+    q = module.q_b_norm(module.q_b_proj(q_residual).view(batch, length, -1, module.head_dim).transpose(1, 2))
+    q = rope(q, cos, sin)
+    kv = module.kv_norm(module.kv_proj(hidden_states)).view(batch, length, -1, module.head_dim).transpose(1, 2)
+    kv = rope(kv, cos, sin)
+    places = sequence_slots(hidden_states, *sharding.op_args)
+    keys, rows = _band(kv, places, attention_mask, hidden_states, sharding)
+    if module.compressor is not None:
+        compressed, bias = _compressed(module, hidden_states, q_residual, position_ids, sharding)
+        keys, rows = torch.cat([keys, compressed], 2), torch.cat([rows, bias.to(rows.dtype)], -1)
+    sinks = module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, length, 1)
+    out = eager_attention(module, q, _Keys(keys, keys), rows, sinks)  # [B, L, H, D]
+    out = rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = module.o_a_proj(out.reshape(batch, length, module.config.o_groups, -1)).flatten(2)
+    return module.o_b_proj(grouped), None
+
+
+__all__ = ["deepseek_v4_attention"]
