@@ -16,7 +16,7 @@ or over the gathered sequence.
 """
 
 import pytest
-from test_hf_hybrids import train_step
+from test_hf_hybrids import _check, train_step
 
 pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
 
@@ -34,6 +34,17 @@ def test_train_on_the_shard_at_every_c(ranks, family, world_size):
     for lengths in (None, [5, 37, 9, 13]):
         for result in ranks(world_size, train_step, family, "eager", lengths, fp64=True, **CASES[family]):
             assert result["loss"] < TOL and result["grads"] < TOL, (lengths, result)
+
+
+def test_compiled(ranks):
+    """DeepSeek-V4 compiled whole (fullgraph) with the plan's backend, fp32 against one process; Qwen4-exp refused
+    with its reason on every rank (its top blocks come from rows of data-dependent lengths)."""
+    _check(ranks(2, train_step, "deepseek_v4", "aot_eager", None), "compiled")
+    from cp_compile.tools.launch import RankError
+
+    with pytest.raises(RankError, match="compiled: its indexer takes each query's top blocks") as raised:
+        ranks(2, train_step, "qwen4_exp_text", "aot_eager", None)
+    assert sorted(raised.value.errors) == [0, 1], raised.value
 
 
 def ops_of_a_forward(family: str) -> dict:

@@ -57,13 +57,16 @@ def _block_keys(indexer, raw: Tensor, cos: Tensor, sin: Tensor, restart: bool, s
 
 def _top_blocks(scores: Tensor, readable: Tensor, count: int) -> Tensor:
     """``[B, L, count]``: each query's top blocks by ``scores [B, L, N]`` among those it may read (``readable [L, N]``,
-    a run of blocks for each query), -1 where it may read fewer. Eagerly, the top k of each query's own run, a row as
-    long as one process's, so that ties (ReLU leaves many scores at 0) break as one process breaks them; compiled,
-    the top k of the whole row, masked."""
+    a run of blocks for each query), -1 where it may read fewer: the top k of each query's own run, a row as long as
+    one process's, so that ties (ReLU leaves many scores at 0) break as one process breaks them. ``torch.topk``
+    breaks ties by the row's length, so a masked row of every block picks otherwise (2 queries of 64 in the sweep's
+    tiny model); the runs' lengths are data, so compiled, it is refused."""
     if torch.compiler.is_compiling():
-        top = scores.masked_fill(~readable, float("-inf")).topk(min(count, scores.shape[-1]), dim=-1).indices
-        top = torch.where(readable[None].expand_as(scores).gather(-1, top), top, -1)
-        return torch.nn.functional.pad(top, (0, count - top.shape[-1]), value=-1)
+        raise UnsupportedAttention(
+            "Qwen4ExpTextAttention under context parallelism, compiled: its indexer takes each query's top blocks "
+            "from a row as long as that query's run of blocks (so that ties break as one process breaks them), "
+            "which a compiled graph cannot shape; run it eagerly"
+        )
     runs = readable.sum(-1)
     starts = readable.int().argmax(-1)
     top = torch.full((*scores.shape[:2], count), -1, dtype=torch.int64, device=scores.device)
