@@ -23,7 +23,6 @@ before position 0, as one process's history holds).
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 from torch import Tensor
@@ -35,10 +34,7 @@ from ..mixers.conv import with_halo, without_halo
 from ..mixers.indexed import indexed_attention, sees, sequence_slots
 from ..mixers.windows import gather_windows, windows_ending_here
 from .mask_rows import documents_apart
-
-
-def _modeling(module):
-    return sys.modules[type(module).__module__]
+from .own_forwards import modeling_of
 
 
 def _block_keys(indexer, raw: Tensor, cos: Tensor, sin: Tensor, restart: bool, sharding: Sharding):
@@ -47,7 +43,7 @@ def _block_keys(indexer, raw: Tensor, cos: Tensor, sin: Tensor, restart: bool, s
     closing = windows_ending_here(torch.cat([raw, cos, sin], -1), rate, rate, sharding, restart)
     tokens, first_cos, first_sin = closing.spans.split([dim, cos.shape[-1], sin.shape[-1]], -1)
     pooled = indexer.k_layernorm(tokens.float().mean(dim=2).to(raw.dtype))
-    rotate = _modeling(indexer).apply_rotary_pos_emb
+    rotate = modeling_of(indexer).apply_rotary_pos_emb
     keys = rotate(pooled.unsqueeze(2), cos=first_cos[:, :, 0], sin=first_sin[:, :, 0], unsqueeze_dim=2).squeeze(2)
     local_len = raw.shape[1]
     keys = gather_windows(keys, local_len, rate, sharding, restart)
@@ -86,7 +82,7 @@ def _picks(indexer, hidden: Tensor, cos: Tensor, sin: Tensor, places: Tensor, do
     with torch.no_grad():
         q, raw = indexer.index_qk_proj(hidden).split([indexer.index_n_heads * dim, indexer.index_kv_heads * dim], -1)
         q = indexer.q_layernorm(q.reshape(batch, length, -1, dim))
-        q = _modeling(indexer).apply_rotary_pos_emb(q, cos=cos, sin=sin, unsqueeze_dim=2)
+        q = modeling_of(indexer).apply_rotary_pos_emb(q, cos=cos, sin=sin, unsqueeze_dim=2)
         keys, ends = _block_keys(indexer, raw, cos, sin, documents is not None, sharding)
         scores = torch.relu(torch.einsum("blhd,bnd->blnh", q.float(), keys.float())).sum(-1) / math.sqrt(dim)
         readable = sees(places[:, None], ends[None, :], documents) & (ends >= 0)[None, :]  # [L, N] complete blocks
@@ -126,7 +122,7 @@ def qwen4_exp_attention(
     query = module.q_norm(query.reshape(shape)).transpose(1, 2)
     key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
     value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
-    query, key = _modeling(module).apply_rotary_pos_emb(query, key, cos, sin)
+    query, key = modeling_of(module).apply_rotary_pos_emb(query, key, cos, sin)
     out, _ = indexed_attention(query, key, value, picks, sharding, module.scaling, documents)
     out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
     return module.o_proj(out), None

@@ -24,19 +24,19 @@ gathered sequence, whose states its cache keeps whole.
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from ..kernels.sparse import counted_once
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence
 from ..mixers.halo import halo
 from ..mixers.indexed import sequence_slots
 from ..mixers.windows import gather_windows, windows_ending_here
 from .mask_rows import documents_apart, mask_rows_at
-from .own_forwards import eager_attention, masked
+from .own_forwards import eager_attention, masked, modeling_of
 
 
 class _Keys(NamedTuple):
@@ -45,10 +45,6 @@ class _Keys(NamedTuple):
     key: Tensor
     value: Tensor
     share: Optional[object] = None  # scored whole here, never a cache's share
-
-
-def _modeling(module):
-    return sys.modules[type(module).__module__]
 
 
 def _pooled(compressor, hidden: Tensor, head_dim: int, sharding: Sharding) -> Tensor:
@@ -72,7 +68,7 @@ def _pooled(compressor, hidden: Tensor, head_dim: int, sharding: Sharding) -> Te
     keys = compressor.kv_norm(gather_windows(keys, hidden.shape[1], rate, sharding))
     positions = (torch.arange(keys.shape[1], device=keys.device) * rate).expand(keys.shape[0], -1)
     cos, sin = compressor.rotary_emb(keys, position_ids=positions, layer_type=compressor.rope_layer_type)
-    return _modeling(compressor).apply_rotary_pos_emb(keys.unsqueeze(1), cos, sin).squeeze(1)
+    return modeling_of(compressor).apply_rotary_pos_emb(keys.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _visible_windows(position_ids: Tensor, windows: int, rate: int) -> Tensor:
@@ -88,7 +84,7 @@ def _picks(indexer, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sh
         cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
         batch, length, _ = hidden.shape
         q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim).transpose(1, 2)
-        q = _modeling(indexer).apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+        q = modeling_of(indexer).apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
         scores = indexer.scorer(q, keys, hidden)  # [B, L, N]
         visible = _visible_windows(position_ids, keys.shape[1], indexer.compress_rate)
         top = scores.masked_fill(~visible, float("-inf")).topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
@@ -123,13 +119,10 @@ def _band(kv: Tensor, places: Tensor, spec, hidden: Tensor, sharding: Sharding):
         before = halo(kv, 2, spec.window, *sharding.op_args, False)
         # the halo's places; a zero row (before position 0, a padding slot) comes back as -1, no token
         before_places = halo((places + 1)[None], 1, spec.window, *sharding.op_args, False)[0] - 1
-        # a token is a key once: one this rank holds (zigzag's middle rank), or one before two of its chunks (chunks
-        # shorter than the window)
-        ordered, order = torch.sort(before_places, stable=True)
-        again = torch.cat([ordered.new_zeros(1, dtype=torch.bool), ordered[1:] == ordered[:-1]])
-        again = torch.empty_like(again).scatter_(0, order, again) | torch.isin(before_places, places)
-        before_places = before_places.masked_fill(again, -1)
         keys, key_places = torch.cat([kv, before], 2), torch.cat([places, before_places])
+        # a token is a key once: one this rank holds and a halo brings again (zigzag's middle rank), or one before two
+        # of its chunks (chunks shorter than the window); its copies hold the same row
+        key_places = torch.where(counted_once(key_places, key_places >= 0), key_places, -1)
     rows = mask_rows_at(spec, places, key_places, hidden, documents)
     return keys, masked(hidden.new_zeros(rows.shape), rows)  # additive
 
@@ -145,7 +138,7 @@ def deepseek_v4_attention(
     **kwargs,
 ):
     """``DeepseekV4Attention.forward`` for this rank's shard under a plan, with no cache (module docstring)."""
-    rope = _modeling(module).apply_rotary_pos_emb
+    rope = modeling_of(module).apply_rotary_pos_emb
     batch, length, _ = hidden_states.shape
     cos, sin = position_embeddings[module.rope_layer_type]
     q_residual = module.q_a_norm(module.q_a_proj(hidden_states))

@@ -61,20 +61,21 @@ def with_bias(query: Tensor, key: Tensor, value: Tensor, columns: Tensor) -> tup
     )
 
 
-def _modeling(module):
+def modeling_of(module):
+    """The modeling module (``transformers.models.<name>.modeling_<name>``) that defines ``module``'s class."""
     return sys.modules[type(module).__module__]
 
 
 def bloom_slopes(module) -> Tensor:
     """BLOOM's per-head slopes, from its own builder (its bias of position 1)."""
     ones = torch.ones(1, 2, dtype=torch.long)
-    return _modeling(module).build_alibi_tensor(ones, module.num_heads, torch.float32)[:, 0, 1]
+    return modeling_of(module).build_alibi_tensor(ones, module.num_heads, torch.float32)[:, 0, 1]
 
 
 def mpt_slopes(module) -> Tensor:
     """MPT's per-head slopes, from its own builder (the bias of the key before the last, negated), with the bias
     maximum its model builds with (the builder's default)."""
-    return -_modeling(module).build_mpt_alibi_tensor(module.n_heads, 2)[:, 0, 0].float()
+    return -modeling_of(module).build_mpt_alibi_tensor(module.n_heads, 2)[:, 0, 0].float()
 
 
 Attend = Callable[..., Tensor]
@@ -105,7 +106,7 @@ def bloom_attention(
     dropout = module.attention_dropout.p if module.training else 0.0
     context = attend(module, query, key, value, attention_mask, layer_past, module.inv_norm_factor, dropout)
     out = module.dense(context.reshape(batch, length, -1))
-    return _modeling(module).dropout_add(out, residual, module.hidden_dropout, module.training), None
+    return modeling_of(module).dropout_add(out, residual, module.hidden_dropout, module.training), None
 
 
 def mpt_attention(
@@ -131,7 +132,7 @@ def minimax_lightning(
     ``mix`` (the decayed linear attention of every rank's tokens, ``[B, L, H, D]``)."""
     batch, length, _ = hidden_states.shape
     qkv = module.act_fn(module.qkv_proj(hidden_states))
-    qkv = _modeling(module).apply_mask_to_padding_states(qkv, attention_mask)
+    qkv = modeling_of(module).apply_mask_to_padding_states(qkv, attention_mask)
     qkv = qkv.reshape(batch, length, module.num_attention_heads, 3 * module.head_dim)
     query, key, value = torch.split(qkv, module.head_dim, dim=3)
     mixed = mix(module, query, key, value, cache).reshape(batch, length, -1)
@@ -200,7 +201,7 @@ def gpt_neox_japanese_attention(
     qkv = module.query_key_value(hidden_states).view(batch, length, heads, 3 * size).permute(0, 2, 1, 3)
     query, key, value = qkv[..., :size], qkv[..., size : 2 * size], qkv[..., 2 * size :]
     cos, sin = position_embeddings
-    query_rot, key_rot = _modeling(module).apply_rotary_pos_emb(query[..., :rotary], key[..., :rotary], cos, sin)
+    query_rot, key_rot = modeling_of(module).apply_rotary_pos_emb(query[..., :rotary], key[..., :rotary], cos, sin)
     query = torch.cat([query_rot, query[..., rotary:]], -1)
     key = torch.cat([key_rot, key[..., rotary:]], -1)
     dropout = module.attention_dropout.p if module.training else 0.0
@@ -215,7 +216,7 @@ def doge_attention(
     per key from the values, cut to each query's top keys) built by the module for this rank's queries over every
     key they may see, from the rows of one process's mask that ``keys_and_rows`` hands back with those keys and
     values; its attention as the model's eager code computes it."""
-    modeling = _modeling(module)
+    modeling = modeling_of(module)
     shape = (*hidden_states.shape[:-1], -1, module.head_dim)
     query = module.q_norm(module.q_proj(hidden_states).view(shape)).transpose(1, 2)
     key = module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2)
@@ -244,7 +245,7 @@ def eager_attention(module, query: Tensor, seen, added: Tensor, sinks=None) -> T
     (and ``sinks [B, H, L, 1]``, a logit per query with a zero value), its softmax in fp32 or the input's dtype when
     wider (one process's SDPA in fp64). Over this rank's share of a cache (``seen.share``), the ranks' partial
     attentions merge by log-sum-exp, the sinks counted once."""
-    repeat = _modeling(module).repeat_kv
+    repeat = modeling_of(module).repeat_kv
     key, value = (repeat(t, module.num_key_value_groups) for t in (seen.key, seen.value))
     scores = torch.matmul(query, key.transpose(2, 3)) * module.scaling + added
     wide = torch.promote_types(query.dtype, torch.float32)
@@ -338,6 +339,7 @@ __all__ = [
     "inkling_attention",
     "limbs_for",
     "masked",
+    "modeling_of",
     "minimax_lightning",
     "mpt_attention",
     "mpt_slopes",

@@ -34,8 +34,9 @@ def _blocks(length: int, row_elements: int) -> list[slice]:
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
-def _once(picks: Tensor, usable: Tensor) -> Tensor:
-    """``usable`` with every place picked again in the same row (a cache share's slots may repeat) left out."""
+def counted_once(picks: Tensor, usable: Tensor) -> Tensor:
+    """``usable`` with every place picked again in the same row (a cache share's slots may repeat) left out: one
+    copy of each place stays usable."""
     marked = torch.where(usable, picks, -1)
     ordered, order = marked.sort(dim=-1)
     again = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
@@ -77,7 +78,7 @@ class _Gathered:
 
     def __init__(self, keys: Tensor, values: Tensor, picks: Tensor, usable: Tensor):
         self.keys, self.values = keys, values
-        self.picks, self.usable = picks.clamp(0, keys.shape[2] - 1), _once(picks, usable)
+        self.picks, self.usable = picks.clamp(0, keys.shape[2] - 1), counted_once(picks, usable)
 
     def row_elements(self, batch_heads: int) -> int:
         b, hkv, _, d = self.keys.shape
@@ -189,4 +190,4 @@ def picks_in_slots(places: Tensor, query_places: Tensor, slot_places: Tensor, li
     return slots.clamp(min=0), usable
 
 
-__all__ = ["picked_attention", "picks_in_slots"]
+__all__ = ["counted_once", "picked_attention", "picks_in_slots"]
