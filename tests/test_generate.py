@@ -288,12 +288,27 @@ def test_a_batch_is_refused_where_its_rows_cannot_share_one_cache(ranks):
             assert reasons[family] is not None and text in reasons[family], (family, reasons[family])
 
 
+def counted_compile_config() -> tuple:
+    """transformers' ``CompileConfig`` for a compiled decode step (fullgraph, aot_eager) on any device, and the list
+    of the graphs it makes."""
+    from transformers import CompileConfig
+
+    graphs: list = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    config = CompileConfig(fullgraph=True, backend=counting, mode=None)
+    config._compile_all_devices = True  # transformers compiles decoding on its own on GPUs only
+    return config, graphs
+
+
 def update_without_kwargs_parity(family: str, prompts: list, new: int, compiled: bool = False):
     """A family whose attention calls cache.update(k, v, layer_idx) without its kwargs, from the model sweep's tiny
     config: cp_compile.hf.generate against "sdpa" generate on one process (tokens, logits), and the graphs a compiled
     decode made (transformers' CompileConfig, aot_eager)."""
     from test_hf import rel_err
-    from transformers import CompileConfig
 
     import cp_compile
     import cp_compile.hf
@@ -304,15 +319,9 @@ def update_without_kwargs_parity(family: str, prompts: list, new: int, compiled:
     model, reference = model_run._build(cls, config, "cp_compile"), model_run._build(cls, config, "sdpa")
     reference.load_state_dict(model.state_dict())
     kwargs = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
+    compile_config, graphs = counted_compile_config()
     if compiled:
-        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=counting, mode=None)
-        kwargs["compile_config"]._compile_all_devices = True  # transformers compiles decoding by itself on GPUs only
+        kwargs["compile_config"] = compile_config
     plan = cp_compile.ContextParallel()
     results = []
     for n in prompts:
@@ -386,7 +395,6 @@ def test_follow_up_prompt_and_plain_generate_with_a_sharded_cache(ranks, arch, w
 def compiled_decode(arch: str, prompts: list, new: int):
     """transformers' own compiled decoding (a compileable cache, CompileConfig) through aot_eager, counting graphs."""
     from test_hf import tiny_model
-    from transformers import CompileConfig
 
     import cp_compile
     import cp_compile.hf
@@ -395,14 +403,7 @@ def compiled_decode(arch: str, prompts: list, new: int):
     plan = cp_compile.ContextParallel()
     model, reference = tiny_model(arch, "cp_compile"), tiny_model(arch, "sdpa")
     reference.load_state_dict(model.state_dict())
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
-    config = CompileConfig(fullgraph=True, backend=counting, mode=None)
-    config._compile_all_devices = True  # transformers compiles decoding on its own on GPUs only
+    config, graphs = counted_compile_config()
     same, counts = [], []
     for n in prompts:
         ref = reference.generate(_prompt(n), max_new_tokens=new, do_sample=False)
@@ -515,7 +516,7 @@ def test_what_generation_under_cp_refuses(ranks):
         "padding": "padding must be on the left",
         "batch": "made from its rows",
         "batch without a cache": "batch of prompts: the generation keeps no cache",
-        "small cache": "max_cache_len=13",
+        "small cache": "max_cache_len=12",  # 9 + 4 tokens, the last never fed back
         "model.generate": r"cp_compile.hf.generate",
         "other prompts": "different prompts",
         "other masks": "different prompts",

@@ -251,15 +251,19 @@ def _indexed(
     indices: Tensor,
     scaling: Optional[float],
     kwargs: dict,
+    values_in_keys: bool,
 ) -> Tensor:
-    """Each of this rank's queries against the keys of the global sequence its indexer chose (``mixers.indexed``)."""
+    """Each of this rank's queries against the keys of the global sequence its indexer chose (``mixers.indexed``);
+    ``values_in_keys``: the values are the keys' leading columns (a latent attention's, ``hf.latent``)."""
     if variant.spec.chunk or variant.softcap or variant.spec.window is not None or not variant.spec.causal:
         raise UnsupportedAttention(
             f"attn_implementation={NAME!r} under context parallelism: sparse attention chosen by an indexer is "
             "supported causal, without a window, chunks or soft-capping"
         )
     sharding = sharding_of(plan, kwargs.get("cu_seq_lens_q"))
-    out, lse = indexed_attention(query, key, value, indices, sharding, softmax_scale(query, scaling))
+    out, lse = indexed_attention(
+        query, key, value, indices, sharding, softmax_scale(query, scaling), values_in_keys=values_in_keys
+    )
     return _fold_sinks(out, lse, variant.sinks, 1).transpose(1, 2).contiguous()
 
 
@@ -313,6 +317,7 @@ def attention(
     **kwargs,
 ):
     """The attention function of ``"cp_compile"`` (transformers' signature; returns (out [B, S, H, D], None))."""
+    values_in_keys = bool(kwargs.pop("values_in_keys", False))  # ``hf.latent``'s: not one of transformers' kwargs
     plan = active_plan()
     check_recompute(module, plan)
     if plan is not None and attention_as_one_process(module):
@@ -355,7 +360,7 @@ def attention(
         return _cached(module, query, key, value, variant, scaling, step, indices, index), None
     variant = _variant(module, query, key, attention_mask, dropout, is_causal, kwargs)
     if indices is not None:
-        return _indexed(plan, variant, query, key, value, indices, scaling, kwargs), None
+        return _indexed(plan, variant, query, key, value, indices, scaling, kwargs, values_in_keys), None
     causal, window = variant.spec.causal, variant.spec.window
     gqa = query.shape[1] != key.shape[1]
     batch, _, local, _ = query.shape

@@ -287,28 +287,59 @@ class ShardedIndexedLayer(ShardedLayer):
     """An indexed sparse-attention layer (DSA): this rank's share of the K/V, and the indexer's keys of the whole
     sequence on every rank (one head of ``index_head_dim`` per token, a fraction of the K/V): the indexer of a
     decoded token scores every earlier token as one process does, and each rank reads its share of what it chose.
-    In a sharded prefill the indexer is handed every rank's keys of the prompt (``hf.indexed``) and stores them."""
+    In a sharded prefill the indexer is handed every rank's keys of the prompt (``hf.indexed``) and stores them.
+
+    The index keys sit in a buffer of ``max_tokens`` rows allocated once, as the K/V slots are, and the indexer scores
+    every row of it, those not yet written masked as later tokens (``hf.indexed``), as it scores the rows of
+    transformers' ``StaticCache``: its top k then break ties as one process's with a static cache of the same length
+    do (the ReLU of DSA's scores leaves exact zeros, and ``topk`` breaks ties by the row's length), eagerly and
+    compiled alike.
+    """
 
     def __init__(self, plan: ContextParallel, max_tokens: int):
         super().__init__(plan, max_tokens)
-        self.index_keys: Optional[Tensor] = None
+        self.index_keys: Optional[Tensor] = None  # [B, max_tokens, D]
+        self.indexed_count = torch.zeros((), dtype=torch.int64)  # rows of ``index_keys`` written
+        self.host_indexed: Optional[int] = 0  # the same as a Python int; None after a compiled step
 
     def update_indexer(self, keys: Tensor) -> Tensor:
-        self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=1)
+        """Stores ``keys [B, n, D]`` after those held; returns every row of the buffer."""
+        if self.index_keys is None:
+            self.index_keys = keys.new_zeros(keys.shape[0], self.max_tokens, keys.shape[2])
+            self.indexed_count = self.indexed_count.to(keys.device)
+            if not torch.compiler.is_compiling():
+                for t in (self.index_keys, self.indexed_count):
+                    torch._dynamo.mark_static_address(t)
+        count = keys.shape[1]
+        if torch.compiler.is_compiling():
+            rows = self.indexed_count + torch.arange(count, device=keys.device)
+            self.index_keys.index_copy_(1, rows, keys.to(self.index_keys.dtype))
+            self.indexed_count.add_(count)
+            self.host_indexed = None
+            return self.index_keys
+        held = self.indexed() + count
+        if held > self.max_tokens:
+            raise ValueError(f"the indexer's keys of {held} tokens do not fit a cache of {self.max_tokens} tokens")
+        self.index_keys[:, held - count : held] = keys
+        self.indexed_count.fill_(held)
+        self.host_indexed = held
         return self.index_keys
 
     def indexed(self) -> int:
-        """Tokens whose index keys the layer holds."""
-        return 0 if self.index_keys is None else self.index_keys.shape[1]
+        """Tokens whose index keys the layer holds (a device read only after a compiled step)."""
+        if self.host_indexed is None:
+            self.host_indexed = int(self.indexed_count)
+        return self.host_indexed
 
     @property
     def nbytes(self) -> int:
-        keys = 0 if self.index_keys is None else self.index_keys.numel() * self.index_keys.element_size()
+        keys = 0 if self.index_keys is None else self.index_keys.nbytes
         return super().nbytes + keys
 
     def reset(self) -> None:
         super().reset()
-        self.index_keys = None
+        self.indexed_count.zero_()
+        self.host_indexed = 0
 
 
 _LINEAR = ("linear_attention", "conv")

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from .block_indexed import qwen4_exp_attention, qwen4_exp_ple
 from .compressed import deepseek_v4_attention
+from .latent import mla_absorbed_attention
 from .own_forwards import (
     bloom_attention,
     bloom_slopes,
@@ -115,7 +116,8 @@ class OwnAttention(NamedTuple):
     "softmax" attention, "lightning" (MiniMax's decayed linear attention, by state passing; tokens every rank
     holds, decoding from the state its cache keeps, run the module's own forward), or "mask_rows" (a mask the module
     builds from every key, Doge's: this rank's queries over every rank's keys, gathered, with one process's rows of
-    the mask; decoding, each rank scores its share of the cache, merged by log-sum-exp)."""
+    the mask; decoding, each rank scores its share of the cache, merged by log-sum-exp), or "latent" (DSA's multi-head
+    latent attention absorbed, ``hf.latent``: the latent gathered and cached, not the heads' K/V)."""
 
     forward: Callable
     slopes: Optional[Callable] = None
@@ -128,6 +130,8 @@ class OwnAttention(NamedTuple):
         """The route's words for the models table."""
         if self.mixing == "lightning":
             return "projections on the shard, lightning attention by state passing"
+        if self.mixing == "latent":
+            return "queries absorbed into the latent (its heads' keys and values never built)"
         if self.mixing == "mask_rows":
             return "projections on the shard, this rank's queries over every rank's K/V with its own mask or bias"
         return "projections on the shard" + (", ALiBi as one more key dimension" if self.slopes else "")
@@ -145,6 +149,9 @@ class Family:
     why_gathered: str = ""  # what in those modules keeps them off the finer routes
     # the sparse-attention indexer's class (DSA), run under CP with every rank's index keys (``hf.indexed``)
     indexer: Optional[str] = None
+    # the rotary function of its modeling module that the indexer applies, where ``hf.indexed`` scores a shard's queries
+    # by blocks of rows (DeepSeek-V3.2's code of the indexer); None: the indexer's own code, every query at once
+    indexer_rope: Optional[str] = None
     # the cache class its model requires (``hf.family_caches``), by name; None: ``ShardedCache`` (or ``WholeKVCache``
     # where a gathered module reads its mask or keeps its K/V whole)
     cache: Optional[str] = None
@@ -203,17 +210,17 @@ class Family:
             if self.generated_whole is not None:
                 route += "; generation: the whole model on every rank (C times its compute)"
             return route
+        owns = "".join(f"; {name}: {own.how}" for name, own in self.own_attention.items())
         if self.wrapped:
-            route = "attention schedules; convolution halo; scans by all-to-all or state passing"
-            return route + "".join(f"; {name}: {own.how}" for name, own in self.own_attention.items())
-        if self.own_attention:
-            return "attention schedules; " + "; ".join(f"{name}: {own.how}" for name, own in self.own_attention.items())
-        if self.own_steps:
-            names = ", ".join(self.own_steps)
-            mixing = "token shifts and convolutions by the halo, recurrences by state passing"
-            return f"attention schedules; {names}: {mixing}"
+            return "attention schedules; convolution halo; scans by all-to-all or state passing" + owns
         if self.indexer is not None:
-            return "sparse attention: index keys, keys and values gathered (the sequence's on every rank)"
+            gathered = "index keys and the MLA latent" if owns else "index keys, keys and values"
+            return f"sparse attention: {gathered} gathered (the sequence's on every rank){owns}"
+        if self.own_attention:
+            return "attention schedules" + owns
+        if self.own_steps:
+            mixing = "token shifts and convolutions by the halo, recurrences by state passing"
+            return f"attention schedules; {', '.join(self.own_steps)}: {mixing}"
         return "attention schedules"
 
 
@@ -259,28 +266,11 @@ def _inkling2(name: str, prefix: str) -> Family:
 
 
 _WRAPPED = (
-    "bailing_hybrid",
-    "bamba",
-    "falcon_h1",
-    "falcon_mamba",
-    "granitemoehybrid",
-    "jamba",
-    "kimi_linear",
-    "lara_mini",
-    "lfm2",
-    "lfm2_moe",
-    "lfm3",
-    "mamba",
-    "mamba2",
-    "nemotron_h",
-    "olmo_hybrid",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_next",
-    "zamba",
-    "zamba2",
-)
+    "bailing_hybrid bamba falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lara_mini lfm2 lfm2_moe lfm3 mamba "
+    "mamba2 nemotron_h olmo_hybrid qwen3_5 qwen3_5_moe qwen3_next zamba zamba2"
+).split()
 
+_LATENT = OwnAttention(mla_absorbed_attention, mixing="latent")
 _RECORDS = (
     *(Family(name, wrapped=True) for name in _WRAPPED),
     Family(
@@ -433,13 +423,13 @@ _RECORDS = (
         "attention after the projection runs by the schedules)",
     ),
     *(
-        Family(name, indexer=indexer)
-        for name, indexer in (
-            ("deepseek_v32", "DeepseekV32Indexer"),
-            ("glm_moe_dsa", "GlmMoeDsaIndexer"),
-            ("hy_v4", "HYV4Indexer"),
-            ("axk2", "AXK2Indexer"),
-            ("dots3_note", "Dots3NoteTextIndexer"),
+        Family(name, indexer=indexer, own_attention={latent: _LATENT} if latent else {}, indexer_rope=rope)
+        for name, indexer, latent, rope in (
+            ("deepseek_v32", "DeepseekV32Indexer", "DeepseekV32Attention", "apply_rotary_pos_emb"),
+            ("glm_moe_dsa", "GlmMoeDsaIndexer", "GlmMoeDsaAttention", "apply_rotary_pos_emb_interleave"),
+            ("hy_v4", "HYV4Indexer", None, None),  # attention sinks and an output gate: the heads' K/V gathered
+            ("axk2", "AXK2Indexer", None, None),
+            ("dots3_note", "Dots3NoteTextIndexer", None, None),
         )
     ),
     Family("moshi", window_at_decoding_only=True),

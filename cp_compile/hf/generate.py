@@ -89,10 +89,11 @@ def _check(model, input_ids: Tensor, generate_kwargs: dict, config) -> None:
 
 
 def _max_tokens(config, prompt: int) -> int:
-    """The cache's size: the generation's max_length, or transformers' ``max_cache_len`` when larger (a cache
+    """The cache's size: the tokens the model is fed (the generation's max_length but the last token, which is
+    never fed back; transformers sizes its static cache so), or transformers' ``max_cache_len`` when larger (a cache
     size that stays the same across prompts keeps a compiled decode step's shapes)."""
     longest = prompt + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    return max(longest, getattr(config, "max_cache_len", None) or 0)
+    return max(longest - 1, getattr(config, "max_cache_len", None) or 0)
 
 
 def _slot_positions(plan: ContextParallel, cu: Tensor) -> Tensor:
@@ -405,9 +406,9 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
 
     ``input_ids [1, P]`` is the whole prompt, the same on every rank; every rank returns what
     ``model.generate`` returns, the same on every rank. The prompt's first P - 1 tokens are
-    prefilled sharded over the plan; the cache (``cache``, by default a ``ShardedCache`` sized for
-    the generation's ``max_length``) keeps 1/C of the K/V on each rank. Greedy decoding and
-    sampling (seed every rank the same) are supported; every new token is compared across the
+    prefilled sharded over the plan; the cache (``cache``, by default a ``ShardedCache`` of
+    ``max_length - 1`` tokens, as transformers sizes a static cache) keeps 1/C of the K/V on each
+    rank. Greedy decoding and sampling (seed every rank the same) are supported; every new token is compared across the
     ranks, and ranks that differ all raise. A family that builds every step for its whole call
     (XLNet, Reformer: ``Family.generated_whole``) generates whole on every rank, C times its
     compute, and warns. ``input_ids [B, P]`` with ``attention_mask`` padded on the left is a batch
@@ -464,7 +465,8 @@ def generate(model, input_ids: Tensor, cache: ShardedCache = None, **generate_kw
     elif cache.max_cache_len < longest and not all(cache.is_linear):  # states alone hold any length
         raise ValueError(
             f"cp_compile.hf.generate: the cache passed was made with max_cache_len={cache.max_cache_len}; this "
-            f"generation needs up to {longest} tokens (prompt and new tokens): make it with max_cache_len={longest}"
+            f"generation needs up to {longest} tokens (the prompt and every new token but the last): make it with "
+            f"max_cache_len={longest}"
         )
     all_linear = all(cache.is_linear)
     if all_linear and generate_kwargs.get("custom_generate") is not None:

@@ -13,10 +13,17 @@ runs unchanged:
 
 - over a shard (training, a sharded prefill): ``cache`` becomes ``EveryRanksIndexKeys``, whose
   ``update_indexer`` returns every rank's keys in global order (and stores them in a ``ShardedCache``'s layer),
-  and ``attention_mask`` the global positions' mask of this rank's queries (``mixers.indexed.indexer_mask``): the top k
-  are then global places, the one-process indices;
+  and ``attention_mask`` the global positions' mask of this rank's queries (``VisibleKeys``): the top k are then
+  global places, the one-process indices. Where the family names the indexer's rotary function
+  (``Family.indexer_rope``: DeepSeek-V3.2, GLM-MoE-DSA), a forward of ours on the instance scores the queries by
+  blocks of rows with the same operations, each block's mask built from its rows alone, rather than the class's
+  ``[B, L, heads, T]`` scores at once;
 - over the same tokens on every rank (decoding): the ``ShardedCache`` layer keeps every token's index keys, and
   ``attention_mask`` becomes the causal mask of the new tokens against them.
+
+With a ``ShardedCache`` (a sharded prefill, decoding), the indexer scores every row of the layer's preallocated
+buffer of index keys, the rows not yet written hidden as later tokens, as transformers' ``StaticCache`` has it: one
+process with a static cache of the same length picks the same tokens, ties included.
 
 Everything else of the indexer's call reaches it as the attention module made it (its mask under a plan is the
 ``MaskSpec`` of the layer, which the module slices and passes on).
@@ -24,19 +31,22 @@ Everything else of the indexer's call reaches it as the attention module made it
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ..active import active_plan
+from ..kernels.sparse import row_blocks
 from ..mixers import Sharding
 from ..mixers.gathered import _real
-from ..mixers.indexed import gather_index_keys, indexer_mask, visible_keys
+from ..mixers.indexed import gather_index_keys, sequence_slots, visible_keys
 from .cache import ShardedCache
 from .families import family_of
 from .forward import plan_of_shards, sharding_of
 from .gathered import _by_name
+from .own_forwards import modeling_of
 
 
 class EveryRanksIndexKeys:
@@ -48,9 +58,20 @@ class EveryRanksIndexKeys:
 
     def update_indexer(self, keys: Tensor, layer_idx: int) -> Tensor:
         every = gather_index_keys(keys, self.sharding)
-        if self.cache is not None:
-            self.cache.update_indexer(every, layer_idx)
-        return every
+        return every if self.cache is None else self.cache.update_indexer(every, layer_idx)
+
+
+class VisibleKeys(NamedTuple):
+    """The indexer's mask over a shard, row by row: the queries at ``places [L]`` against ``keys`` tokens of the global
+    sequence, within their documents (``cu_seqlens``). An indexer scored by blocks of rows (``Family.indexer_rope``)
+    builds a block's rows alone; any other takes them all (``rows``)."""
+
+    places: Tensor
+    keys: int
+    cu_seqlens: Optional[Tensor]
+
+    def rows(self, block: slice = slice(None)) -> Tensor:
+        return visible_keys(self.places[block], self.keys, self.cu_seqlens)
 
 
 def _before(module, args: tuple, kwargs: dict):
@@ -61,24 +82,73 @@ def _before(module, args: tuple, kwargs: dict):
     cache = kwargs.get("cache")
     cache = cache if isinstance(cache, ShardedCache) else None
     hidden = kwargs["hidden_states"]
+    layer = cache.layers[module.layer_idx] if cache is not None else None
     if plan_of_shards() is not None:
         sharding = sharding_of(plan, None)
         kwargs["cache"] = EveryRanksIndexKeys(sharding, cache)
-        kwargs["attention_mask"] = indexer_mask(hidden, _real(hidden.shape[1], sharding), sharding)
+        keys = _real(hidden.shape[1], sharding) if layer is None else layer.max_tokens
+        visible = VisibleKeys(sequence_slots(hidden, *sharding.op_args), keys, sharding.cu_seqlens)
+        by_rows = family_of(module).indexer_rope is not None
+        kwargs["attention_mask"] = visible if by_rows else visible.rows()[None].expand(hidden.shape[0], -1, -1)
     else:
-        before = cache.layers[module.layer_idx].indexed() if cache is not None else 0
-        places = torch.arange(before, before + hidden.shape[1], device=hidden.device)
-        kwargs["attention_mask"] = visible_keys(places, before + hidden.shape[1], None)[None].expand(
-            hidden.shape[0], -1, -1
-        )
+        count = hidden.shape[1]
+        new = torch.arange(count, device=hidden.device)
+        if layer is None:
+            places, rows = new, count
+        else:  # a compiled step knows the rows held from the device alone
+            before = layer.indexed_count if torch.compiler.is_compiling() else layer.indexed()
+            places, rows = before + new, layer.max_tokens
+        kwargs["attention_mask"] = visible_keys(places, rows, None)[None].expand(hidden.shape[0], -1, -1)
     return (), kwargs
 
 
+@torch.no_grad()
+def _top_k_by_rows(
+    module, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None
+) -> Tensor:
+    """The indexer's forward (DeepSeek-V3.2's code of it, ``Family.indexer_rope`` its rotary function) where its mask
+    is a shard's ``VisibleKeys``: the scores of a block of query rows against every key at a time, ``[B, rows, heads,
+    T]`` (``kernels.sparse.row_blocks``), where the class's code holds the whole shard's ``[B, L, heads, T]``. Each
+    row's scores are the class's, by the same operations, so its top k are. Any other call: the class's forward."""
+    if not isinstance(attention_mask, VisibleKeys):
+        return type(module).forward(
+            module, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache
+        )
+    rope = getattr(modeling_of(module), family_of(module).indexer_rope)
+    batch, length, _ = hidden_states.shape
+    split = [module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim]
+    q_rot, q_pass = module.wq_b(q_resid).view(batch, length, module.n_heads, module.head_dim).split(split, dim=-1)
+    k_rot, k_pass = module.k_norm(module.wk(hidden_states)).unsqueeze(2).split(split, dim=-1)
+    q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+    queries = torch.cat([q_rot, q_pass], dim=-1).float()
+    keys = cache.update_indexer(torch.cat([k_rot, k_pass], dim=-1).squeeze(2), module.layer_idx)
+    keys = keys.transpose(-1, -2).float().unsqueeze(1)
+    weights = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
+    top = min(module.index_topk, keys.shape[-1])
+    picks, blocks = [], row_blocks(length, batch * module.n_heads * keys.shape[-1])
+    # one buffer for every block's scores, the class's operations in place in it: a fresh block of scores for each
+    # operation costs its page faults, as much as the operation itself on a CPU
+    block = queries[:, blocks[0]].shape[:3] + keys.shape[-1:]
+    held = queries.new_empty(block.numel())
+    for rows in blocks:
+        shape = queries[:, rows].shape[:3] + keys.shape[-1:]
+        scores = torch.matmul(queries[:, rows], keys, out=held[: shape.numel()].view(shape))
+        scores.mul_(module.softmax_scale).relu_()
+        index_scores = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)
+        index_scores.masked_fill_(~attention_mask.rows(rows), float("-inf"))
+        picks.append(index_scores.topk(top, dim=-1).indices.to(torch.int32))
+    return torch.cat(picks, dim=1)
+
+
 def hook_indexers(model) -> None:
-    """Puts the pre-hook on every indexer module of ``model`` (``Family.indexer``)."""
+    """Puts the pre-hook on every indexer module of ``model`` (``Family.indexer``), and where the family's indexer is
+    scored by blocks of rows (``Family.indexer_rope``), that forward on the instance."""
     for module in model.modules():
         if family_of(module).indexer == type(module).__name__:
             module.register_forward_pre_hook(_before, with_kwargs=True)
+            if family_of(module).indexer_rope is not None and "forward" not in module.__dict__:
+                # a partial of a module-level function: a deep copy of the model gets its own
+                module.forward = functools.partial(_top_k_by_rows, module)
 
 
 __all__ = ["EveryRanksIndexKeys", "hook_indexers"]

@@ -233,7 +233,17 @@ def _keys_and_rows(
     return KeysAndRows(key, value, rows, places, torch.arange(key.shape[2], device=query.device))
 
 
-_MIXING = {"softmax": _attend, "lightning": _lightning, "mask_rows": _keys_and_rows}
+def _with_picks(
+    own: OwnAttention, slopes, module, query: Tensor, key: Tensor, value: Tensor, mask, scale, dropout, kwargs
+) -> Tensor:
+    """``[B, L, H, Dv]``: the attention function over ``key`` and ``value`` as the module made them (from what a
+    ``ShardedCache``'s update returned, its step in ``kwargs``), each query over the tokens its indexer picked
+    (``kwargs["indices"]``)."""
+    out, _ = ALL_ATTENTION_FUNCTIONS[NAME](module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+    return out
+
+
+_MIXING = {"softmax": _attend, "lightning": _lightning, "mask_rows": _keys_and_rows, "latent": _with_picks}
 
 
 def _forward(own: OwnAttention, attend, module, *args, **kwargs):

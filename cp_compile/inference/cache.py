@@ -403,7 +403,7 @@ class CacheShard:
     def merge(self, q: Tensor, out: Tensor, lse: Tensor, index: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """``attend``'s (out, lse) from this rank's, of ``q`` over its own share (attention that scores the cache's keys
         in code of its own): one all-gather, which carries the agreement's tag as ``attend``'s does."""
-        out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, self._tag(q))
+        out, lse, tags = merge_over_ranks(q, out, lse, self.group_name, self.world_size, self._tag(q))
         self._record(q, out, tags, index)
         return out, lse
 

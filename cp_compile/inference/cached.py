@@ -56,15 +56,15 @@ def cached_attention(
     ``group_name`` calls it with the same ``q``."""
     settings = CachedSettings.decode(options)
     out, lse = positions_attn(q, k, v, q_pos, k_pos, left, scale, chunk=settings.chunk, softcap=settings.softcap)
-    return merge_over_ranks(q, out, lse, group_name, tag)
+    return merge_over_ranks(q, out, lse, group_name, resolve_group(group_name).size(), tag)
 
 
 def merge_over_ranks(
-    q: Tensor, out: Tensor, lse: Tensor, group_name: str, tag: Optional[Tensor] = None
+    q: Tensor, out: Tensor, lse: Tensor, group_name: str, world_size: int, tag: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """What ``cached_attention`` returns, from this rank's (out, lse) of ``q`` over its own share: one
-    all-gather of every rank's, merged in rank order. Collective."""
-    world_size = resolve_group(group_name).size()
+    all-gather of every rank's, merged in rank order. Collective; ``world_size``: the group's, passed so that the
+    merge traces (dynamo does not follow the lookup of a group by name)."""
     tag = lse.new_empty(0) if tag is None else tag.to(lse.dtype)
     if world_size == 1:
         return out.to(q.dtype), lse.contiguous(), tag[None].clone()

@@ -29,7 +29,9 @@ _BLOCK_ELEMENTS = 1 << 23
 _GATHER_BELOW = 32
 
 
-def _blocks(length: int, row_elements: int) -> list[slice]:
+def row_blocks(length: int, row_elements: int) -> list[slice]:
+    """Blocks of ``length`` rows, each of at most ``_BLOCK_ELEMENTS`` elements (one, where a row holds more) for rows
+    of ``row_elements`` elements: what bounds a blocked computation's temporaries."""
     step = max(1, _BLOCK_ELEMENTS // max(1, row_elements))
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
@@ -122,7 +124,7 @@ def _forward(q, keys, values, picks, usable, scale):
     qg = q.view(b, hkv, hq // hkv, length, q.shape[-1])
     route = _route(keys, values, picks, usable)
     outs, lses = [], []
-    for rows in _blocks(length, route.row_elements(b * hq)):
+    for rows in row_blocks(length, route.row_elements(b * hq)):
         scores = route.scores(qg[:, :, :, rows], rows, scale)
         top = pivot(scores.amax(dim=-1, keepdim=True))
         weights = torch.exp(scores - top)
@@ -157,7 +159,7 @@ class _PickedAttention(torch.autograd.Function):
         dq = torch.empty_like(qg)
         dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
         route = _route(keys, values, picks, usable)
-        for rows in _blocks(length, route.row_elements(b * hq)):
+        for rows in row_blocks(length, route.row_elements(b * hq)):
             q_rows, dout = qg[:, :, :, rows], dog[:, :, :, rows]
             weights = torch.exp(route.scores(q_rows, rows, ctx.scale) - lseg[..., rows, None])
             dscores = weights * (route.grads(dout, rows) - delta[..., rows, None]) * ctx.scale
@@ -190,4 +192,4 @@ def picks_in_slots(places: Tensor, query_places: Tensor, slot_places: Tensor, li
     return slots.clamp(min=0), usable
 
 
-__all__ = ["counted_once", "picked_attention", "picks_in_slots"]
+__all__ = ["counted_once", "picked_attention", "picks_in_slots", "row_blocks"]

@@ -80,14 +80,24 @@ def gather_index_keys(keys: Tensor, sharding: Sharding) -> Tensor:
 
 
 def indexed_attention(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, sharding: Sharding, scale: float, documents=_DOCUMENTS
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    sharding: Sharding,
+    scale: float,
+    documents=_DOCUMENTS,
+    values_in_keys: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``q [B, Hq, L, D]``, ``k [B, Hkv, L, D]``, ``v [B, Hkv, L, Dv]``: this rank's queries, keys and values;
     ``indices [B, L, n]``: the global tokens each query chose (the indexer's top k; those it may not see, where
     fewer than k precede it, and negative ones are left out; so are those of another document, where ``documents``,
     by default ``sharding``'s, are given). Returns (out ``[B, Hq, L, Dv]`` in q's dtype, lse ``[B, Hq, L]`` in the
-    accumulator dtype), differentiable in q, k, v; a padding slot's row is 0."""
-    keys, values = gather_sequence(k, 2, sharding), gather_sequence(v, 2, sharding)
+    accumulator dtype), differentiable in q, k, v; a padding slot's row is 0. ``values_in_keys``: ``v`` is the
+    leading columns of ``k`` (a latent attention's, ``hf.latent``), gathered with the keys (one collective, and the
+    values' gradient reaches ``k``)."""
+    keys = gather_sequence(k, 2, sharding)
+    values = keys[..., : v.shape[-1]] if values_in_keys else gather_sequence(v, 2, sharding)
     places = sequence_slots(q.transpose(1, 2), *sharding.op_args)
     picks = indices.long()
     usable = sees(places[:, None], picks, sharding.cu_seqlens if documents is _DOCUMENTS else documents) & (picks >= 0)

@@ -232,6 +232,15 @@ def _generate_batch(model, reference, group) -> dict:
     return _generated_against(model, reference, group, prompts, dict(attention_mask=mask, pad_token_id=pad))
 
 
+def one_process_cache(model) -> dict:
+    """``generate`` kwargs of the one-process run a ``ShardedCache`` matches: transformers' static cache where the
+    family has an indexer (DSA), whose top k a ``ShardedCache`` scores over every preallocated row as a static cache
+    does; ties then break alike (``hf.cache.ShardedIndexedLayer``)."""
+    from cp_compile.hf.families import family_of
+
+    return {"cache_implementation": "static"} if family_of(model).indexer is not None else {}
+
+
 def _generated_against(model, reference, group, prompts, extra: dict) -> dict:
     import torch
 
@@ -242,7 +251,7 @@ def _generated_against(model, reference, group, prompts, extra: dict) -> dict:
     try:
         reference.eval()
         with torch.no_grad():
-            ref = reference.generate(prompts, **kwargs)
+            ref = reference.generate(prompts, **kwargs, **one_process_cache(reference))
     except Exception as e:  # noqa: BLE001
         return _reference_failed(e)
     plan = cp_compile.ContextParallel(group)
