@@ -311,17 +311,12 @@ class ShardedIndexedLayer(ShardedLayer):
                 for t in (self.index_keys, self.indexed_count):
                     torch._dynamo.mark_static_address(t)
         count = keys.shape[1]
-        if torch.compiler.is_compiling():
-            rows = self.indexed_count + torch.arange(count, device=keys.device)
-            self.index_keys.index_copy_(1, rows, keys.to(self.index_keys.dtype))
-            self.indexed_count.add_(count)
-            self.host_indexed = None
-            return self.index_keys
-        held = self.indexed() + count
-        if held > self.max_tokens:
+        held = None if torch.compiler.is_compiling() else self.indexed() + count  # a compiled step keeps no int
+        if held is not None and held > self.max_tokens:
             raise ValueError(f"the indexer's keys of {held} tokens do not fit a cache of {self.max_tokens} tokens")
-        self.index_keys[:, held - count : held] = keys
-        self.indexed_count.fill_(held)
+        rows = self.indexed_count + torch.arange(count, device=keys.device)
+        self.index_keys.index_copy_(1, rows, keys.to(self.index_keys.dtype))
+        self.indexed_count.add_(count)
         self.host_indexed = held
         return self.index_keys
 

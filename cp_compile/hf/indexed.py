@@ -41,7 +41,7 @@ from ..active import active_plan
 from ..kernels.sparse import row_blocks
 from ..mixers import Sharding
 from ..mixers.gathered import _real
-from ..mixers.indexed import gather_index_keys, sequence_slots, visible_keys
+from ..mixers.indexed import gather_index_keys, indexer_mask, sequence_slots, visible_keys
 from .cache import ShardedCache
 from .families import family_of
 from .forward import plan_of_shards, sharding_of
@@ -62,15 +62,16 @@ class EveryRanksIndexKeys:
 
 
 class VisibleKeys(NamedTuple):
-    """The indexer's mask over a shard, row by row: the queries at ``places [L]`` against ``keys`` tokens of the global
-    sequence, within their documents (``cu_seqlens``). An indexer scored by blocks of rows (``Family.indexer_rope``)
-    builds a block's rows alone; any other takes them all (``rows``)."""
+    """The indexer's mask over a shard, row by row, for an indexer scored by blocks of rows (``Family.indexer_rope``;
+    any other gets ``mixers.indexed.indexer_mask``, every row at once): the queries at ``places [L]`` against ``keys``
+    tokens of the global sequence, within their documents (``cu_seqlens``)."""
 
     places: Tensor
     keys: int
     cu_seqlens: Optional[Tensor]
 
-    def rows(self, block: slice = slice(None)) -> Tensor:
+    def rows(self, block: slice) -> Tensor:
+        """``[rows, keys]`` bool: the mask of the queries of ``block``."""
         return visible_keys(self.places[block], self.keys, self.cu_seqlens)
 
 
@@ -87,9 +88,10 @@ def _before(module, args: tuple, kwargs: dict):
         sharding = sharding_of(plan, None)
         kwargs["cache"] = EveryRanksIndexKeys(sharding, cache)
         keys = _real(hidden.shape[1], sharding) if layer is None else layer.max_tokens
-        visible = VisibleKeys(sequence_slots(hidden, *sharding.op_args), keys, sharding.cu_seqlens)
-        by_rows = family_of(module).indexer_rope is not None
-        kwargs["attention_mask"] = visible if by_rows else visible.rows()[None].expand(hidden.shape[0], -1, -1)
+        if family_of(module).indexer_rope is None:
+            kwargs["attention_mask"] = indexer_mask(hidden, keys, sharding)
+        else:
+            kwargs["attention_mask"] = VisibleKeys(sequence_slots(hidden, *sharding.op_args), keys, sharding.cu_seqlens)
     else:
         count = hidden.shape[1]
         new = torch.arange(count, device=hidden.device)
