@@ -154,8 +154,8 @@ def picks_across_ranks(family: str, block_elements: Optional[int] = None) -> dic
     import torch
 
     import cp_compile
-    import cp_compile.kernels.sparse as sparse
     import cp_compile.hf  # noqa: F401  (registers "cp_compile")
+    import cp_compile.kernels.sparse as sparse
     from cp_compile.hf.families import family_of
     from cp_compile.tools.bench import model_configs, model_run
 
