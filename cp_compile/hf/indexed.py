@@ -70,9 +70,17 @@ class VisibleKeys(NamedTuple):
     keys: int
     cu_seqlens: Optional[Tensor]
 
-    def rows(self, block: slice) -> Tensor:
-        """``[rows, keys]`` bool: the mask of the queries of ``block``."""
-        return visible_keys(self.places[block], self.keys, self.cu_seqlens)
+    def rows(self, block: slice, keys: int) -> Tensor:
+        """``[rows, keys]`` bool: the mask of the queries of ``block`` over the sequence's first ``keys`` tokens."""
+        return visible_keys(self.places[block], keys, self.cu_seqlens)
+
+    def reach(self, blocks: list[slice]) -> list[int]:
+        """How many leading tokens of the sequence each block's queries may see at most (one host read); traced,
+        every token, which keeps the trace free of data-dependent shapes."""
+        if torch.compiler.is_compiling():
+            return [self.keys] * len(blocks)
+        furthest = torch.stack([self.places[block].max() for block in blocks])
+        return (furthest + 1).clamp(min=0).tolist()
 
 
 def _before(module, args: tuple, kwargs: dict):
@@ -111,7 +119,10 @@ def _top_k_by_rows(
     """The indexer's forward (DeepSeek-V3.2's code of it, ``Family.indexer_rope`` its rotary function) where its mask
     is a shard's ``VisibleKeys``: the scores of a block of query rows against every key at a time, ``[B, rows, heads,
     T]`` (``kernels.sparse.row_blocks``), where the class's code holds the whole shard's ``[B, L, heads, T]``. Each
-    row's scores are the class's, by the same operations, so its top k are. Any other call: the class's forward."""
+    row's scores are the class's dot products, scaled, rectified, weighted and masked as the class does; a block's
+    products are one matmul where the class's broadcasts (other BLAS kernels: the same bits for most shapes, a few
+    units in the last place apart for some, which moves a pick only at a near-tie of that size), so its top k are
+    the class's. Any other call: the class's forward."""
     if not isinstance(attention_mask, VisibleKeys):
         return type(module).forward(
             module, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache
@@ -124,20 +135,29 @@ def _top_k_by_rows(
     q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
     queries = torch.cat([q_rot, q_pass], dim=-1).float()
     keys = cache.update_indexer(torch.cat([k_rot, k_pass], dim=-1).squeeze(2), module.layer_idx)
-    keys = keys.transpose(-1, -2).float().unsqueeze(1)
+    keys = keys.transpose(-1, -2).float()  # [B, D, T]
     weights = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
-    top = min(module.index_topk, keys.shape[-1])
-    picks, blocks = [], row_blocks(length, batch * module.n_heads * keys.shape[-1])
-    # one buffer for every block's scores, the class's operations in place in it: a fresh block of scores for each
-    # operation costs its page faults, as much as the operation itself on a CPU
-    block = queries[:, blocks[0]].shape[:3] + keys.shape[-1:]
-    held = queries.new_empty(block.numel())
-    for rows in blocks:
-        shape = queries[:, rows].shape[:3] + keys.shape[-1:]
-        scores = torch.matmul(queries[:, rows], keys, out=held[: shape.numel()].view(shape))
-        scores.mul_(module.softmax_scale).relu_()
-        index_scores = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)
-        index_scores.masked_fill_(~attention_mask.rows(rows), float("-inf"))
+    heads, total = module.n_heads, keys.shape[-1]
+    top = min(module.index_topk, total)
+    picks, blocks = [], row_blocks(length, batch * heads * total)
+    # One buffer for every block's scores and one for its index scores, the class's operations in place in them: a
+    # fresh block for each operation costs its page faults, as much as the operation itself on a CPU. A block's
+    # queries and heads are the rows of one matmul against the keys: the class's matmul broadcasts the keys over
+    # the rows, a batch of [heads, D] @ [D, T] products that re-reads the transposed keys for each row. The keys
+    # after the furthest a block's rows may see are not scored: the class masks them to -inf, as they are left here,
+    # so every row that ``topk`` reads is the class's, whole, and ties break as they do on one process.
+    most = blocks[0].stop - blocks[0].start
+    held, rows_scores = queries.new_empty(batch * most * heads * total), queries.new_empty(batch * most * total)
+    for rows, seen in zip(blocks, attention_mask.reach(blocks)):
+        count = rows.stop - rows.start
+        index_scores = rows_scores[: batch * count * total].view(batch, count, total)
+        index_scores[..., seen:] = float("-inf")
+        if seen:
+            scores = held[: batch * count * heads * seen].view(batch, count * heads, seen)
+            torch.matmul(queries[:, rows].flatten(1, 2), keys[..., :seen], out=scores)
+            scores = scores.view(batch, count, heads, seen).mul_(module.softmax_scale).relu_()
+            summed = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)
+            index_scores[..., :seen] = summed.masked_fill_(~attention_mask.rows(rows, seen), float("-inf"))
         picks.append(index_scores.topk(top, dim=-1).indices.to(torch.int32))
     return torch.cat(picks, dim=1)
 

@@ -21,8 +21,11 @@ from torch import Tensor
 
 from .merge import acc_dtype, pivot
 
-# elements of one block's scores or gathered keys (batch x heads x rows x keys or picks) at most: bounds the temporaries
-_BLOCK_ELEMENTS = 1 << 23
+# elements of one block's scores or gathered keys (batch x heads x rows x keys or picks) at most: bounds the
+# temporaries. 4 MiB in float32: on a CPU, glibc maps a block of 32 MiB fresh from the system each time (its mmap
+# threshold stops there), and its page faults cost as much as the operation filling it (1,024 rows x 4,096 keys,
+# one thread: 24 ms in one fresh block, 3.5 ms in four reused ones)
+_BLOCK_ELEMENTS = 1 << 20
 # the gathered route where a row's picks are at most the keys over this. Measured on a CPU, one thread, 1,024 rows
 # over 4,096 keys, 8 heads of 64, forward and backward: the masked route 2.5 s to 4.9 s whatever the picks; the
 # gathered 0.74 s for 32 picks, 1.8 s for 64, 3.4 s for 128, 9.4 s for 256 (a gather and a small matmul per row)
