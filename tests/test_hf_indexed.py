@@ -206,7 +206,7 @@ def test_picks_cross_ranks_in_every_layer_and_match_one_process(ranks, family):
                 assert layer["same"] and layer["elsewhere"] > 0.1, (world_size, result)
 
 
-@pytest.mark.parametrize("family", EVERY_C)
+@pytest.mark.parametrize("family", EVERY_C + AT_THREE)
 def test_the_indexer_by_blocks_of_rows_picks_as_one_process(ranks, family):
     """The indexer's scores by blocks of three query rows (``hf.indexed``, a bound on a block's temporaries cut for the
     test): every query picks what one process picks, at C = 2 and 3. A block's mask taken from other rows, or its

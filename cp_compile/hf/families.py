@@ -152,6 +152,8 @@ class Family:
     # the rotary function of its modeling module that the indexer applies, where ``hf.indexed`` scores a shard's queries
     # by blocks of rows (DeepSeek-V3.2's code of the indexer); None: the indexer's own code, every query at once
     indexer_rope: Optional[str] = None
+    # HY-v4's code of it: each head's rotary half last, the keys normed in the norm's dtype, the scale on the weights
+    indexer_rotary_last: bool = False
     # the cache class its model requires (``hf.family_caches``), by name; None: ``ShardedCache`` (or ``WholeKVCache``
     # where a gathered module reads its mask or keeps its K/V whole)
     cache: Optional[str] = None
@@ -427,11 +429,14 @@ _RECORDS = (
         for name, indexer, latent, rope in (
             ("deepseek_v32", "DeepseekV32Indexer", "DeepseekV32Attention", "apply_rotary_pos_emb"),
             ("glm_moe_dsa", "GlmMoeDsaIndexer", "GlmMoeDsaAttention", "apply_rotary_pos_emb_interleave"),
-            ("hy_v4", "HYV4Indexer", None, None),  # attention sinks and an output gate: the heads' K/V gathered
-            ("axk2", "AXK2Indexer", None, None),
-            ("dots3_note", "Dots3NoteTextIndexer", None, None),
+            # output gates and latent scales of their own: the heads' K/V gathered; their indexers are DeepSeek-V3.2's
+            # and GLM-MoE-DSA's
+            ("axk2", "AXK2Indexer", None, "apply_rotary_pos_emb"),
+            ("dots3_note", "Dots3NoteTextIndexer", None, "apply_rotary_pos_emb_interleave"),
         )
     ),
+    # attention sinks and an output gate: the heads' K/V gathered
+    Family("hy_v4", indexer="HYV4Indexer", indexer_rope="apply_rotary_pos_emb", indexer_rotary_last=True),
     Family("moshi", window_at_decoding_only=True),
 )
 

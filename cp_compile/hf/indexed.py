@@ -15,9 +15,9 @@ runs unchanged:
   ``update_indexer`` returns every rank's keys in global order (and stores them in a ``ShardedCache``'s layer),
   and ``attention_mask`` the global positions' mask of this rank's queries (``VisibleKeys``): the top k are then
   global places, the one-process indices. Where the family names the indexer's rotary function
-  (``Family.indexer_rope``: DeepSeek-V3.2, GLM-MoE-DSA), a forward of ours on the instance scores the queries by
-  blocks of rows with the same operations, each block's mask built from its rows alone, rather than the class's
-  ``[B, L, heads, T]`` scores at once;
+  (``Family.indexer_rope``: every DSA family), a forward of ours on the instance scores the queries by blocks of
+  rows with the class's operations, each block's mask built from its rows alone, rather than the class's ``[B, L,
+  heads, T]`` scores at once;
 - over the same tokens on every rank (decoding): the ``ShardedCache`` layer keeps every token's index keys, and
   ``attention_mask`` becomes the causal mask of the new tokens against them.
 
@@ -112,14 +112,38 @@ def _before(module, args: tuple, kwargs: dict):
     return (), kwargs
 
 
+def _scoring_inputs(module, hidden_states, q_resid, position_embeddings, cache) -> tuple:
+    """The indexer's queries ``[B, L, heads, D]``, every rank's keys ``[B, D, T]``, the heads' weights ``[B, L,
+    heads]`` (float) and the scale of the scores (None: taken into the weights), by the family's code of the indexer:
+    DeepSeek-V3.2's (``Family.indexer_rope`` its rotary function) or HY-v4's (``Family.indexer_rotary_last``)."""
+    family = family_of(module)
+    rope = getattr(modeling_of(module), family.indexer_rope)
+    batch, length, _ = hidden_states.shape
+    split, rotary = [module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim], 0
+    keys = module.wk(hidden_states)
+    if family.indexer_rotary_last:
+        split, rotary = split[::-1], -1
+        keys = module.k_norm(keys.to(module.k_norm.weight.dtype)).to(hidden_states.dtype)
+    else:
+        keys = module.k_norm(keys)
+    q_parts = list(module.wq_b(q_resid).view(batch, length, module.n_heads, module.head_dim).split(split, dim=-1))
+    k_parts = list(keys.unsqueeze(2).split(split, dim=-1))
+    q_parts[rotary], k_parts[rotary] = rope(q_parts[rotary], k_parts[rotary], *position_embeddings, unsqueeze_dim=2)
+    keys = cache.update_indexer(torch.cat(k_parts, dim=-1).squeeze(2), module.layer_idx)
+    weights = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
+    if family.indexer_rotary_last:
+        return torch.cat(q_parts, dim=-1).float(), keys.transpose(-1, -2).float(), weights * module.softmax_scale, None
+    return torch.cat(q_parts, dim=-1).float(), keys.transpose(-1, -2).float(), weights, module.softmax_scale
+
+
 @torch.no_grad()
 def _top_k_by_rows(
     module, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None
 ) -> Tensor:
-    """The indexer's forward (DeepSeek-V3.2's code of it, ``Family.indexer_rope`` its rotary function) where its mask
-    is a shard's ``VisibleKeys``: the scores of a block of query rows against every key at a time, ``[B, rows, heads,
-    T]`` (``kernels.sparse.row_blocks``), where the class's code holds the whole shard's ``[B, L, heads, T]``. Each
-    row's scores are the class's dot products, scaled, rectified, weighted and masked as the class does; a block's
+    """The indexer's forward (``_scoring_inputs``: the family's code of it) where its mask is a shard's
+    ``VisibleKeys``: the scores of a block of query rows against every key at a time, ``[B, rows, heads, T]``
+    (``kernels.sparse.row_blocks``), where the class's code holds the whole shard's ``[B, L, heads, T]``. Each row's
+    scores are the class's dot products, scaled, rectified, weighted and masked as the class does; a block's
     products are one matmul where the class's broadcasts (other BLAS kernels: the same bits for most shapes, a few
     units in the last place apart for some, which moves a pick only at a near-tie of that size), so its top k are
     the class's. Any other call: the class's forward."""
@@ -127,16 +151,8 @@ def _top_k_by_rows(
         return type(module).forward(
             module, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache
         )
-    rope = getattr(modeling_of(module), family_of(module).indexer_rope)
-    batch, length, _ = hidden_states.shape
-    split = [module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim]
-    q_rot, q_pass = module.wq_b(q_resid).view(batch, length, module.n_heads, module.head_dim).split(split, dim=-1)
-    k_rot, k_pass = module.k_norm(module.wk(hidden_states)).unsqueeze(2).split(split, dim=-1)
-    q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
-    queries = torch.cat([q_rot, q_pass], dim=-1).float()
-    keys = cache.update_indexer(torch.cat([k_rot, k_pass], dim=-1).squeeze(2), module.layer_idx)
-    keys = keys.transpose(-1, -2).float()  # [B, D, T]
-    weights = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
+    queries, keys, weights, scale = _scoring_inputs(module, hidden_states, q_resid, position_embeddings, cache)
+    batch, length = hidden_states.shape[:2]
     heads, total = module.n_heads, keys.shape[-1]
     top = min(module.index_topk, total)
     picks, blocks = [], row_blocks(length, batch * heads * total)
@@ -155,7 +171,8 @@ def _top_k_by_rows(
         if seen:
             scores = held[: batch * count * heads * seen].view(batch, count * heads, seen)
             torch.matmul(queries[:, rows].flatten(1, 2), keys[..., :seen], out=scores)
-            scores = scores.view(batch, count, heads, seen).mul_(module.softmax_scale).relu_()
+            scores = scores.view(batch, count, heads, seen)
+            scores = (scores if scale is None else scores.mul_(scale)).relu_()
             summed = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)
             index_scores[..., :seen] = summed.masked_fill_(~attention_mask.rows(rows, seen), float("-inf"))
         picks.append(index_scores.topk(top, dim=-1).indices.to(torch.int32))
