@@ -16,7 +16,7 @@ or over the gathered sequence.
 """
 
 import pytest
-from test_hf_hybrids import _check, train_step
+from test_hf_hybrids import _check, generate_tokens, train_step
 
 pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[hf]'): the HF integration")
 
@@ -34,6 +34,15 @@ def test_train_on_the_shard_at_every_c(ranks, family, world_size):
     for lengths in (None, [5, 37, 9, 13]):
         for result in ranks(world_size, train_step, family, "eager", lengths, fp64=True, **CASES[family]):
             assert result["loss"] < TOL and result["grads"] < TOL, (lengths, result)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])  # C = 2: the model sweep (tests/test_models.py)
+def test_generate_token_for_token(ranks, world_size):
+    """The prefill over the gathered prompt into the model's own cache classes, then every decoded token, against
+    one process: the sweep's generate phase at C = 3 and 4."""
+    for family in sorted(CASES):
+        for result in ranks(world_size, generate_tokens, family):
+            assert result["status"] == "exact", (family, result)
 
 
 def test_compiled(ranks):
