@@ -8,18 +8,22 @@ before, a lightning indexer picking each query's top k keys). Under a plan (``Ga
 without a cache) each rank runs it for its own queries:
 
 - the queries, the sliding keys and the compressors' projections on the shard;
-- the sliding keys of each of its chunks and the ``window - 1`` tokens before it (``halo``), scored under the rows
-  of one process's mask at their positions;
+- the sliding keys of each of its chunks and the ``window - 1`` tokens before it (``halo``), each query's window
+  found among them by its tokens' places;
 - the compressed keys: each rank pools the windows that close in its slots, from its shard and the span before
   each chunk, and the ranks all-gather the pooled keys (``mixers.windows``: T/rate rows, never the tokens); the
   indexer's keys the same way, under ``no_grad`` (one process's picks carry no gradient either), scored for this
   rank's queries against every window, its top k over the whole sequence;
+- each query's window and compressed keys as its picks in one ``kernels.sparse.picked_attention`` call, the sink
+  joining the softmax's denominator by the log-sum-exp;
 - the module's own norms, rotary embedding, sink and output projections, in its order.
 
 Bytes per layer and rank: the halos (``window - 1`` tokens per chunk, one head) and 1/rate of the sequence's
-compressor outputs. Memory: this rank's scores against its band and the sequence's compressed keys, where one
-process holds every query's against every token and key. With a cache (a prefill), the module runs over the
-gathered sequence, whose states its cache keeps whole.
+compressor outputs. Memory: ``window + k`` keys a query (``k``: every window before it in a heavily compressed
+layer, the indexer's picks in a sparse one), where one process holds every query's scores against every token and
+key. Training with attention dropout scores the rank's band and every compressed key by the module's eager
+attention (the sparse kernel has no dropout). With a cache (a prefill), the module runs over the gathered sequence,
+whose states its cache keeps whole.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.sparse import counted_once
+from ..kernels.sparse import counted_once, picked_attention, picks_in_slots
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence
 from ..mixers.halo import halo
-from ..mixers.indexed import sequence_slots
+from ..mixers.indexed import sees, sequence_slots
 from ..mixers.windows import gather_windows, windows_ending_here
 from .mask_rows import documents_apart, mask_rows_at
 from .own_forwards import eager_attention, masked, modeling_of
@@ -91,40 +95,74 @@ def _picks(indexer, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sh
         return torch.where(visible.gather(-1, top), top, -1)
 
 
-def _compressed(module, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding):
-    """The compressed keys ``[B, 1, N, D]`` and their bias for this rank's queries ``[B, 1, L, N]`` (0 where read,
-    -inf elsewhere)."""
+class _Compressed(NamedTuple):
+    """The compressed keys ``[B, 1, N, D]``, the windows each of this rank's queries reads ``[B, L, N]`` (bool) and,
+    in a compressed sparse layer, the indexer's picks among them ``[B, L, k]`` (-1 where it may read fewer)."""
+
+    keys: Tensor
+    visible: Tensor
+    picks: Optional[Tensor]
+
+    def bias(self) -> Tensor:
+        """``[B, 1, L, N]``: 0 where read, -inf elsewhere."""
+        return torch.zeros(self.visible.shape, dtype=self.keys.dtype, device=self.keys.device).masked_fill(
+            ~self.visible, float("-inf")
+        )[:, None]
+
+    def chosen(self) -> tuple[Tensor, Tensor]:
+        """Each query's windows as picks ``[B, L, n]`` and whether it reads each: the indexer's, or every window."""
+        if self.picks is not None:
+            return self.picks.clamp(min=0), self.picks >= 0
+        every = torch.arange(self.visible.shape[-1], device=self.visible.device)
+        return every.expand(self.visible.shape), self.visible
+
+
+def _compressed(module, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding) -> _Compressed:
     compressor = module.compressor
     keys = _pooled(compressor, hidden, module.head_dim, sharding).unsqueeze(1)
     windows = keys.shape[2]
     visible = _visible_windows(position_ids, windows, compressor.compress_rate)
     indexer = getattr(compressor, "indexer", None)
-    if indexer is not None and windows:
-        picks = _picks(indexer, hidden, q_residual, position_ids, sharding)
-        chosen = torch.zeros(visible.shape, dtype=torch.int32, device=picks.device)
-        visible = chosen.scatter_add_(-1, picks.clamp(min=0), (picks >= 0).to(torch.int32)) > 0
-    bias = torch.zeros(visible.shape, dtype=keys.dtype, device=keys.device).masked_fill(~visible, float("-inf"))
-    return keys, bias.unsqueeze(1)
+    if indexer is None or not windows:
+        return _Compressed(keys, visible, None)
+    picks = _picks(indexer, hidden, q_residual, position_ids, sharding)
+    chosen = torch.zeros(visible.shape, dtype=torch.int32, device=picks.device)
+    return _Compressed(keys, chosen.scatter_add_(-1, picks.clamp(min=0), (picks >= 0).to(torch.int32)) > 0, picks)
 
 
-def _band(kv: Tensor, places: Tensor, spec, hidden: Tensor, sharding: Sharding):
-    """The sliding keys this rank's queries may see, ``[B, 1, S, D]``, and the rows of one process's mask over them
-    ``[B, 1, L, S]``: its own tokens and the ``window - 1`` before each of its chunks (every token without a
-    window)."""
-    documents = sharding.cu_seqlens if documents_apart(spec, sharding, kv.device) else None
+def _band(kv: Tensor, places: Tensor, spec, sharding: Sharding) -> tuple[Tensor, Tensor]:
+    """The sliding keys this rank's queries may see, ``[B, 1, S, D]``, and their places ``[S]`` (-1: no token): its
+    own tokens and the ``window - 1`` before each of its chunks (every token without a window)."""
     if spec.window is None:
         keys = gather_sequence(kv, 2, sharding)
-        key_places = torch.arange(keys.shape[2], device=kv.device)
-    else:
-        before = halo(kv, 2, spec.window, *sharding.op_args, False)
-        # the halo's places; a zero row (before position 0, a padding slot) comes back as -1, no token
-        before_places = halo((places + 1)[None], 1, spec.window, *sharding.op_args, False)[0] - 1
-        keys, key_places = torch.cat([kv, before], 2), torch.cat([places, before_places])
-        # a token is a key once: one this rank holds and a halo brings again (zigzag's middle rank), or one before two
-        # of its chunks (chunks shorter than the window); its copies hold the same row
-        key_places = torch.where(counted_once(key_places, key_places >= 0), key_places, -1)
-    rows = mask_rows_at(spec, places, key_places, hidden, documents)
-    return keys, masked(hidden.new_zeros(rows.shape), rows)  # additive
+        return keys, torch.arange(keys.shape[2], device=kv.device)
+    before = halo(kv, 2, spec.window, *sharding.op_args, False)
+    # the halo's places; a zero row (before position 0, a padding slot) comes back as -1, no token
+    before_places = halo((places + 1)[None], 1, spec.window, *sharding.op_args, False)[0] - 1
+    keys, key_places = torch.cat([kv, before], 2), torch.cat([places, before_places])
+    # a token is a key once: one this rank holds and a halo brings again (zigzag's middle rank), or one before two of
+    # its chunks (chunks shorter than the window); its copies hold the same row
+    return keys, torch.where(counted_once(key_places, key_places >= 0), key_places, -1)
+
+
+def _window_picks(places: Tensor, key_places: Tensor, window: int, limit: int, documents) -> tuple[Tensor, Tensor]:
+    """Each query's window among the band's keys: the slots ``[1, L, window]`` of the tokens at its place and the
+    ``window - 1`` before it, and whether it may see each (one process's sliding mask: not before its document)."""
+    wanted = places[:, None] - torch.arange(window, device=places.device)[None, :]
+    slots, usable = picks_in_slots(
+        wanted.clamp(min=0)[None], places, torch.where(key_places >= 0, key_places, limit), limit
+    )
+    return slots, usable & (wanted >= 0)[None] & sees(places[:, None], wanted, documents)[None]
+
+
+def _picked(module, q: Tensor, keys: Tensor, picks: Tensor, usable: Tensor, sinks: Tensor) -> Tensor:
+    """``[B, L, H, D]``: ``eager_attention`` over each query's picks of ``keys`` (read as values too) by
+    ``kernels.sparse.picked_attention``, whose memory goes with the picks, not with the ``[L, keys]`` scores; the
+    sink joins the softmax's denominator by the log-sum-exp."""
+    # the values as a view of the keys: Dynamo traces no autograd.Function given one tensor as two inputs
+    out, lse = picked_attention(q, keys, keys[..., :], picks, usable, module.scaling)
+    out = out * torch.exp(lse - torch.logaddexp(lse, sinks[..., 0].to(lse.dtype)))[..., None]
+    return out.to(q.dtype).transpose(1, 2)
 
 
 def deepseek_v4_attention(
@@ -147,12 +185,27 @@ def deepseek_v4_attention(
     kv = module.kv_norm(module.kv_proj(hidden_states)).view(batch, length, -1, module.head_dim).transpose(1, 2)
     kv = rope(kv, cos, sin)
     places = sequence_slots(hidden_states, *sharding.op_args)
-    keys, rows = _band(kv, places, attention_mask, hidden_states, sharding)
-    if module.compressor is not None:
-        compressed, bias = _compressed(module, hidden_states, q_residual, position_ids, sharding)
-        keys, rows = torch.cat([keys, compressed], 2), torch.cat([rows, bias.to(rows.dtype)], -1)
+    keys, key_places = _band(kv, places, attention_mask, sharding)
+    documents = sharding.cu_seqlens if documents_apart(attention_mask, sharding, kv.device) else None
+    compressed = (
+        None if module.compressor is None else _compressed(module, hidden_states, q_residual, position_ids, sharding)
+    )
     sinks = module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, length, 1)
-    out = eager_attention(module, q, _Keys(keys, keys), rows, sinks)  # [B, L, H, D]
+    if attention_mask.window is not None and not (module.training and module.attention_dropout):
+        # each query's keys as picks: its window's, then its compressed keys' (after the band's)
+        window = _window_picks(places, key_places, attention_mask.window, length * sharding.world_size, documents)
+        picks, usable = (t.expand(batch, -1, -1) for t in window)
+        if compressed is not None:
+            chosen, reads = compressed.chosen()
+            keys = torch.cat([keys, compressed.keys], 2)
+            picks, usable = torch.cat([picks, chosen + key_places.numel()], -1), torch.cat([usable, reads], -1)
+        out = _picked(module, q, keys, picks, usable, sinks)
+    else:  # every token, or attention dropout: the module's eager attention, scored against every key
+        rows = mask_rows_at(attention_mask, places, key_places, hidden_states, documents)
+        rows = masked(hidden_states.new_zeros(rows.shape), rows)  # additive
+        if compressed is not None:
+            keys, rows = torch.cat([keys, compressed.keys], 2), torch.cat([rows, compressed.bias().to(rows.dtype)], -1)
+        out = eager_attention(module, q, _Keys(keys, keys), rows, sinks)  # [B, L, H, D]
     out = rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = module.o_a_proj(out.reshape(batch, length, module.config.o_groups, -1)).flatten(2)
     return module.o_b_proj(grouped), None
