@@ -36,6 +36,27 @@ def test_train_on_the_shard_at_every_c(ranks, family, world_size):
             assert result["loss"] < TOL and result["grads"] < TOL, (lengths, result)
 
 
+def train_in_blocks(family: str, block_elements: int, lengths) -> dict:
+    """``train_step`` with the bound on a block's temporaries (``kernels.sparse``) cut for the call: DeepSeek-V4's
+    indexer then scores its queries a few rows at a time."""
+    import cp_compile.kernels.sparse as sparse
+
+    bound, sparse._BLOCK_ELEMENTS = sparse._BLOCK_ELEMENTS, block_elements
+    try:
+        return train_step(family, "eager", lengths, fp64=True, **CASES[family])
+    finally:
+        sparse._BLOCK_ELEMENTS = bound
+
+
+def test_the_indexer_by_blocks_of_rows(ranks):
+    """DeepSeek-V4's indexer scored by blocks of 3 query rows (its 2 heads against the sequence's 16 windows of 4):
+    the step as one process's, on one sequence and on packed documents. A block's mask or scores taken from other
+    rows would pick other windows."""
+    for lengths in (None, [5, 37, 9, 13]):
+        for result in ranks(2, train_in_blocks, "deepseek_v4", 3 * 2 * 16, lengths):
+            assert result["loss"] < TOL and result["grads"] < TOL, (lengths, result)
+
+
 @pytest.mark.parametrize("world_size", [3, 4])  # C = 2: the model sweep (tests/test_models.py)
 def test_generate_token_for_token(ranks, world_size):
     """The prefill over the gathered prompt into the model's own cache classes, then every decoded token, against

@@ -13,7 +13,7 @@ without a cache) each rank runs it for its own queries:
 - the compressed keys: each rank pools the windows that close in its slots, from its shard and the span before
   each chunk, and the ranks all-gather the pooled keys (``mixers.windows``: T/rate rows, never the tokens); the
   indexer's keys the same way, under ``no_grad`` (one process's picks carry no gradient either), scored for this
-  rank's queries against every window, its top k over the whole sequence;
+  rank's queries against every window by blocks of rows, its top k over the whole sequence;
 - each query's window and compressed keys as its picks in one ``kernels.sparse.picked_attention`` call, the sink
   joining the softmax's denominator by the log-sum-exp;
 - the module's own norms, rotary embedding, sink and output projections, in its order.
@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.sparse import counted_once, picked_attention, picks_in_slots
+from ..kernels.sparse import counted_once, picked_attention, picks_in_slots, row_blocks
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence
 from ..mixers.halo import halo
@@ -82,52 +82,64 @@ def _visible_windows(position_ids: Tensor, windows: int, rate: int) -> Tensor:
 
 def _picks(indexer, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding) -> Tensor:
     """``[B, L, k]``: each of this rank's queries' top windows by the indexer over the whole sequence's, -1 where it
-    may read fewer (``DeepseekV4Indexer.forward`` for this rank's queries)."""
+    may read fewer (``DeepseekV4Indexer.forward`` for this rank's queries), scored by blocks of rows
+    (``kernels.sparse.row_blocks``): the class's scorer on a block's queries, where its call on every query holds
+    ``[B, L, heads, T/rate]`` scores. Its matmul takes each row alone, so a row's scores are the same bits."""
     with torch.no_grad():
         keys = _pooled(indexer, hidden, indexer.head_dim, sharding)
         cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type=indexer.rope_layer_type)
         batch, length, _ = hidden.shape
         q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim).transpose(1, 2)
         q = modeling_of(indexer).apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
-        scores = indexer.scorer(q, keys, hidden)  # [B, L, N]
-        visible = _visible_windows(position_ids, keys.shape[1], indexer.compress_rate)
-        top = scores.masked_fill(~visible, float("-inf")).topk(min(indexer.index_topk, keys.shape[1]), dim=-1).indices
-        return torch.where(visible.gather(-1, top), top, -1)
+        windows, picks = keys.shape[1], []
+        for rows in row_blocks(length, batch * q.shape[2] * windows):
+            scores = indexer.scorer(q[:, rows], keys, hidden[:, rows])  # [B, r, N]
+            visible = _visible_windows(position_ids[:, rows], windows, indexer.compress_rate)
+            top = scores.masked_fill(~visible, float("-inf")).topk(min(indexer.index_topk, windows), dim=-1).indices
+            picks.append(torch.where(visible.gather(-1, top), top, -1))
+        return torch.cat(picks, 1)
 
 
 class _Compressed(NamedTuple):
-    """The compressed keys ``[B, 1, N, D]``, the windows each of this rank's queries reads ``[B, L, N]`` (bool) and,
-    in a compressed sparse layer, the indexer's picks among them ``[B, L, k]`` (-1 where it may read fewer)."""
+    """The compressed keys ``[B, 1, N, D]`` for this rank's queries at ``position_ids [B, L]``, pooled every ``rate``
+    tokens, and in a compressed sparse layer the indexer's picks among them ``[B, L, k]`` (-1 where it may read
+    fewer); without, a query reads every window closed before it."""
 
     keys: Tensor
-    visible: Tensor
+    position_ids: Tensor
+    rate: int
     picks: Optional[Tensor]
+
+    def visible(self) -> Tensor:
+        """``[B, L, N]`` bool: the windows each query reads."""
+        windows = self.keys.shape[2]
+        if self.picks is None:
+            return _visible_windows(self.position_ids, windows, self.rate)
+        chosen = torch.zeros((*self.picks.shape[:2], windows), dtype=torch.int32, device=self.picks.device)
+        return chosen.scatter_add_(-1, self.picks.clamp(min=0), (self.picks >= 0).to(torch.int32)) > 0
 
     def bias(self) -> Tensor:
         """``[B, 1, L, N]``: 0 where read, -inf elsewhere."""
-        return torch.zeros(self.visible.shape, dtype=self.keys.dtype, device=self.keys.device).masked_fill(
-            ~self.visible, float("-inf")
-        )[:, None]
+        visible = self.visible()
+        bias = torch.zeros(visible.shape, dtype=self.keys.dtype, device=self.keys.device)
+        return bias.masked_fill(~visible, float("-inf"))[:, None]
 
     def chosen(self) -> tuple[Tensor, Tensor]:
         """Each query's windows as picks ``[B, L, n]`` and whether it reads each: the indexer's, or every window."""
         if self.picks is not None:
             return self.picks.clamp(min=0), self.picks >= 0
-        every = torch.arange(self.visible.shape[-1], device=self.visible.device)
-        return every.expand(self.visible.shape), self.visible
+        visible = self.visible()
+        return torch.arange(visible.shape[-1], device=visible.device).expand(visible.shape), visible
 
 
 def _compressed(module, hidden: Tensor, q_residual: Tensor, position_ids: Tensor, sharding: Sharding) -> _Compressed:
     compressor = module.compressor
     keys = _pooled(compressor, hidden, module.head_dim, sharding).unsqueeze(1)
-    windows = keys.shape[2]
-    visible = _visible_windows(position_ids, windows, compressor.compress_rate)
     indexer = getattr(compressor, "indexer", None)
-    if indexer is None or not windows:
-        return _Compressed(keys, visible, None)
-    picks = _picks(indexer, hidden, q_residual, position_ids, sharding)
-    chosen = torch.zeros(visible.shape, dtype=torch.int32, device=picks.device)
-    return _Compressed(keys, chosen.scatter_add_(-1, picks.clamp(min=0), (picks >= 0).to(torch.int32)) > 0, picks)
+    picks = None
+    if indexer is not None and keys.shape[2]:
+        picks = _picks(indexer, hidden, q_residual, position_ids, sharding)
+    return _Compressed(keys, position_ids, compressor.compress_rate, picks)
 
 
 def _band(kv: Tensor, places: Tensor, spec, sharding: Sharding) -> tuple[Tensor, Tensor]:
