@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..kernels.merge import fold_sinks
 from ..kernels.sparse import counted_once, picked_attention, picks_in_slots, row_blocks
 from ..mixers import Sharding
 from ..mixers.gathered import gather_sequence
@@ -167,14 +168,13 @@ def _window_picks(places: Tensor, key_places: Tensor, window: int, limit: int, d
     return slots, usable & (wanted >= 0)[None] & sees(places[:, None], wanted, documents)[None]
 
 
-def _picked(module, q: Tensor, keys: Tensor, picks: Tensor, usable: Tensor, sinks: Tensor) -> Tensor:
+def _picked(module, q: Tensor, keys: Tensor, picks: Tensor, usable: Tensor) -> Tensor:
     """``[B, L, H, D]``: ``eager_attention`` over each query's picks of ``keys`` (read as values too) by
     ``kernels.sparse.picked_attention``, whose memory goes with the picks, not with the ``[L, keys]`` scores; the
-    sink joins the softmax's denominator by the log-sum-exp."""
+    sink joins the softmax's denominator by the log-sum-exp (``kernels.merge.fold_sinks``)."""
     # the values as a view of the keys: Dynamo traces no autograd.Function given one tensor as two inputs
     out, lse = picked_attention(q, keys, keys[..., :], picks, usable, module.scaling)
-    out = out * torch.exp(lse - torch.logaddexp(lse, sinks[..., 0].to(lse.dtype)))[..., None]
-    return out.to(q.dtype).transpose(1, 2)
+    return fold_sinks(out, lse, module.sinks, 1).to(q.dtype).transpose(1, 2)
 
 
 def deepseek_v4_attention(
@@ -202,7 +202,6 @@ def deepseek_v4_attention(
     compressed = (
         None if module.compressor is None else _compressed(module, hidden_states, q_residual, position_ids, sharding)
     )
-    sinks = module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, length, 1)
     if attention_mask.window is not None and not (module.training and module.attention_dropout):
         # each query's keys as picks: its window's, then its compressed keys' (after the band's)
         window = _window_picks(places, key_places, attention_mask.window, length * sharding.world_size, documents)
@@ -211,12 +210,13 @@ def deepseek_v4_attention(
             chosen, reads = compressed.chosen()
             keys = torch.cat([keys, compressed.keys], 2)
             picks, usable = torch.cat([picks, chosen + key_places.numel()], -1), torch.cat([usable, reads], -1)
-        out = _picked(module, q, keys, picks, usable, sinks)
+        out = _picked(module, q, keys, picks, usable)
     else:  # every token, or attention dropout: the module's eager attention, scored against every key
         rows = mask_rows_at(attention_mask, places, key_places, hidden_states, documents)
         rows = masked(hidden_states.new_zeros(rows.shape), rows)  # additive
         if compressed is not None:
             keys, rows = torch.cat([keys, compressed.keys], 2), torch.cat([rows, compressed.bias().to(rows.dtype)], -1)
+        sinks = module.sinks.reshape(1, -1, 1, 1).expand(batch, -1, length, 1)
         out = eager_attention(module, q, _Keys(keys, keys), rows, sinks)  # [B, L, H, D]
     out = rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = module.o_a_proj(out.reshape(batch, length, module.config.o_groups, -1)).flatten(2)

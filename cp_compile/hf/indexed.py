@@ -130,10 +130,11 @@ def _scoring_inputs(module, hidden_states, q_resid, position_embeddings, cache) 
     k_parts = list(keys.unsqueeze(2).split(split, dim=-1))
     q_parts[rotary], k_parts[rotary] = rope(q_parts[rotary], k_parts[rotary], *position_embeddings, unsqueeze_dim=2)
     keys = cache.update_indexer(torch.cat(k_parts, dim=-1).squeeze(2), module.layer_idx)
+    queries, keys = torch.cat(q_parts, dim=-1).float(), keys.transpose(-1, -2).float()
     weights = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * module.n_heads**-0.5
     if family.indexer_rotary_last:
-        return torch.cat(q_parts, dim=-1).float(), keys.transpose(-1, -2).float(), weights * module.softmax_scale, None
-    return torch.cat(q_parts, dim=-1).float(), keys.transpose(-1, -2).float(), weights, module.softmax_scale
+        return queries, keys, weights * module.softmax_scale, None
+    return queries, keys, weights, module.softmax_scale
 
 
 @torch.no_grad()
